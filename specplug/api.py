@@ -1,0 +1,65 @@
+"""The Python API: a RunConfig (or keyword arguments) -> a ready Engine; prompts -> token ids."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from specplug.config import RunConfig
+from specplug.engine import Engine, Speculator, target_info
+from specplug.errors import PluginError, SpecplugError
+from specplug.plugins import HookCaller, get_type, new_plugin_manager
+from specplug.runtime import Target, Tokenizer, load_target
+from specplug.types import EmbeddingRequest, TargetInfo
+
+
+def build_speculators(cfg: RunConfig, info: TargetInfo) -> list[Speculator]:
+    """Instantiate, register and check every configured speculator (in config order)."""
+    pm = new_plugin_manager()
+    out = []
+    for sc in cfg.speculators:
+        cls = get_type(sc.type).cls
+        try:
+            inst = cls(sc.params, info)
+        except SpecplugError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"speculator {sc.name!r} (type {sc.type}) failed to start: {type(exc).__name__}: {exc}") from None
+        pm.register(inst, name=sc.name)
+        caller = HookCaller(pm, inst, sc.name)
+        try:
+            problem = caller.call("are_compatible", target=info)
+            req = caller.call("request_embeddings", target=info) or EmbeddingRequest()
+        except Exception as exc:
+            raise PluginError(f"speculator {sc.name!r} (type {sc.type}) failed its start-up hooks: "
+                              f"{type(exc).__name__}: {exc}") from None
+        if problem:
+            raise PluginError(f"speculator {sc.name!r} (type {sc.type}) is not compatible with "
+                              f"the target {info.model_path}: {problem}")
+        if not isinstance(req, EmbeddingRequest) or any(not 0 <= layer < info.n_layer for layer in req.layers):
+            raise PluginError(f"speculator {sc.name!r} (type {sc.type}) requested embeddings {req!r}; "
+                              f"layers must be in [0, {info.n_layer})")
+        out.append(Speculator(sc.name, caller, sc.policy, req))
+    pm.check_pending()
+    return out
+
+
+def build_engine(cfg: RunConfig, target: Target | None = None, speculators: bool = True) -> Engine:
+    """Load the target (unless given) and build an Engine; speculators=False gives plain decoding."""
+    if target is None:
+        target = load_target(cfg.model, cfg.device, cfg.dtype, cfg.quant, cfg.threads)
+    info = target_info(target, cfg.parallel, cfg.context)
+    specs = build_speculators(cfg, info) if speculators else []
+    return Engine(target, specs, n_parallel=cfg.parallel, max_ctx=cfg.context, sampling=cfg.sampling,
+                  prefill_chunk=cfg.prefill_chunk, ignore_eos=cfg.ignore_eos)
+
+
+def prompt_ids(tokenizer: Tokenizer, turns: str | Sequence[dict], chat: bool, system: str | None = None) -> list[int]:
+    """Text (or a list of chat messages) -> token ids, through the chat template when `chat`."""
+    if isinstance(turns, str):
+        if not chat:
+            return tokenizer.encode(turns)
+        turns = [{"role": "user", "content": turns}]
+    messages = ([{"role": "system", "content": system}] if system else []) + list(turns)
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    if len(ids) > 1 and ids[0] == ids[1] == tokenizer.bos_id:  # the template wrote BOS itself
+        ids = ids[1:]
+    return ids

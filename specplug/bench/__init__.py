@@ -1,0 +1,1 @@
+"""`specplug bench`: speculative vs plain decoding on real prompt sets."""

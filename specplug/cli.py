@@ -1,0 +1,187 @@
+"""`specplug` command line: run, generate, plugins, bench, bench-runtime (+ plugin commands)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from specplug.errors import SpecplugError
+
+COMMANDS_GROUP = "specplug.commands"
+
+
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="known model name or path to a .gguf")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--quant", default="auto", help="auto (int8 on CPU) | none | int8")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads")
+
+
+def cmd_generate(args) -> int:
+    from specplug.config import RunConfig
+    from specplug.sampling import SamplingParams
+
+    sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    cfg = RunConfig(model=args.model, device=args.device, dtype=args.dtype, quant=args.quant, threads=args.threads,
+                    context=args.context, max_tokens=args.max_tokens, chat=args.chat, sampling=sp)
+    return _generate(cfg, [{"id": 0, "turns": [args.prompt]}], None, None)
+
+
+def _read_prompts(path: str) -> list[dict]:
+    from specplug.bench.data import read_jsonl_prompts
+
+    return read_jsonl_prompts(Path(path))
+
+
+def cmd_run(args) -> int:
+    from specplug.config import load_config
+
+    overrides = {}
+    if args.max_tokens is not None:
+        overrides["max_tokens"] = args.max_tokens
+    cfg = load_config(args.config, overrides)
+    if args.prompt is not None and args.prompts is not None:
+        raise SpecplugError("give either --prompt or --prompts, not both")
+    if args.prompts:
+        records = _read_prompts(args.prompts)
+    else:
+        records = [{"id": 0, "turns": [args.prompt if args.prompt is not None else "Tell me about speculative decoding."]}]
+    return _generate(cfg, records, args.output, args.stats)
+
+
+def _generate(cfg, records: list[dict], output: str | None, stats_path: str | None) -> int:
+    from specplug.api import build_engine, prompt_ids
+    from specplug.engine import Request
+
+    engine = build_engine(cfg)
+    tok = engine.target.tokenizer
+    reqs = [Request(prompt_ids(tok, r["turns"][0], cfg.chat, cfg.system), cfg.max_tokens, r.get("id", i))
+            for i, r in enumerate(records)]
+    on_tokens = on_finish = None
+    bar = None
+    if len(reqs) == 1:
+        stream = tok.stream(skip_special=True)
+
+        def on_tokens(_i, ids):
+            for t in ids:
+                sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+    else:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(reqs), unit="prompt", file=sys.stderr)
+
+        def on_finish(_result):
+            bar.update(1)
+    results = engine.run(reqs, on_tokens, on_finish)
+    if bar is not None:
+        bar.close()
+    if len(reqs) == 1:
+        sys.stdout.write(stream.flush() + "\n")
+    if output:
+        with open(output, "w") as f:
+            for r, rec in zip(results, records):
+                f.write(json.dumps({"id": r.id, "prompt": rec["turns"][0], "text": tok.decode(r.token_ids, skip_special=True),
+                                    "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                                    "stats": r.stats.to_dict()}) + "\n")
+    print(engine.stats.summary(), file=sys.stderr)
+    if stats_path:
+        Path(stats_path).write_text(json.dumps(engine.stats.to_dict(), indent=2))
+    return 0
+
+
+def cmd_plugins(args) -> int:
+    from specplug.plugins import speculator_types
+
+    types = speculator_types()
+    if args.json:
+        print(json.dumps([{"type": t.name, "distribution": t.distribution, "version": t.version, "class": t.value,
+                           "hooks": t.hooks, "error": t.error} for t in types.values()], indent=2))
+        return 0
+    if not types:
+        print("no speculator types installed (or SPECPLUG_LOAD_PLUGINS allows none)")
+    for t in sorted(types.values(), key=lambda t: t.name):
+        status = f"FAILED: {t.error}" if t.error else "hooks: " + ", ".join(t.hooks)
+        print(f"{t.name:<16} {t.distribution} {t.version:<8} {status}")
+    return 0
+
+
+def cmd_bench_runtime(args) -> int:
+    from specplug.bench_runtime import main as bench_main
+    from specplug.runtime import load_target
+
+    target = load_target(args.model, args.device, args.dtype, args.quant, args.threads or 2)
+    bench_main(target.model, args.repeats, args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specplug", description="Speculative decoding where every method is a plugin.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log speculator warnings in detail")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="generate with the model and speculators of a YAML config")
+    p.add_argument("config")
+    p.add_argument("--prompt", help="one prompt (streams its text)")
+    p.add_argument("--prompts", help="JSONL file of prompts ({'prompt': ...} or {'turns': [...]})")
+    p.add_argument("--output", help="write results as JSONL")
+    p.add_argument("--stats", help="write run statistics as JSON")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("generate", help="plain generation (no speculators)")
+    _add_runtime_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plugins", help="list installed speculator types")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("bench-runtime", help="measure decode / k-token verify / prefill costs of the target runtime")
+    _add_runtime_args(p)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", help="write the figures as JSON")
+    p.set_defaults(func=cmd_bench_runtime)
+
+    try:
+        from specplug.bench.cli import register as register_bench
+
+        register_bench(sub)
+    except ImportError:
+        pass
+    for ep in entry_points(group=COMMANDS_GROUP):
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # a broken plugin command must not take the CLI down
+            print(f"specplug: command plugin {ep.name!r} failed to load: {exc}", file=sys.stderr)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="specplug: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except SpecplugError as exc:
+        print(f"specplug: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

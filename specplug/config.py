@@ -1,0 +1,172 @@
+"""YAML -> typed run configuration, with one clear ConfigError per mistake.
+
+Every mapping is checked against a dataclass: unknown keys (with a did-you-mean), wrong
+types and bad values name the key path (`speculators[0].n`). A speculator entry's keys are
+split between the host (`type`, `name`, and DraftPolicy's `n_max`, `n_min`, `p_min`,
+`backoff`) and the plugin, whose `Params` dataclass declares the rest.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specplug.engine import DraftPolicy
+from specplug.errors import ConfigError, SpecplugError
+from specplug.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SpeculatorConfig:
+    type: str
+    name: str
+    policy: DraftPolicy
+    params: Any  # the plugin's Params instance
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run. YAML keys = these field names."""
+
+    model: str = "smollm2-135m"  # known model name or path to a .gguf
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    quant: str = "auto"  # auto (int8 on CPU) | none | int8
+    threads: int | None = None  # CPU threads; default: torch's choice
+    context: int = 2048  # positions per sequence
+    parallel: int = 1  # sequences in flight at once
+    max_tokens: int = 256
+    chat: bool = True  # wrap prompts in the model's chat template
+    system: str | None = None  # system message for chat prompts
+    ignore_eos: bool = False
+    prefill_chunk: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculators: tuple[SpeculatorConfig, ...] = ()
+
+
+_SPEC_HOST_KEYS = {"type", "name"} | {f.name for f in dataclasses.fields(DraftPolicy)}
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return isinstance(value, list) and all(_type_ok(v, args[0]) for v in value) if args else isinstance(value, list)
+    if origin is dict:
+        return isinstance(value, dict)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def build_dataclass(cls: type, data: Any, where: str, skip: set[str] = frozenset()) -> Any:
+    """Instantiate dataclass `cls` from a YAML mapping, checking keys and types."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        if key in skip:
+            continue
+        path = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), sorted(fields | skip), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (valid keys: {', '.join(sorted(fields | skip))})"
+            raise ConfigError(f"unknown key {path!r}{hint}")
+        if not _type_ok(value, hints[key]):
+            raise ConfigError(f"{path} must be {_type_name(hints[key])}, got {value!r}")
+        kwargs[key] = tuple(value) if isinstance(value, list) and typing.get_origin(hints[key]) is tuple else value
+    try:
+        return cls(**kwargs)
+    except SpecplugError as exc:
+        raise ConfigError(f"{where + ': ' if where else ''}{exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from None
+
+
+def parse_speculator(entry: Any, i: int) -> SpeculatorConfig:
+    """One `speculators:` entry -> SpeculatorConfig; the type must be installed."""
+    from specplug.plugins import get_type
+
+    where = f"speculators[{i}]"
+    if not isinstance(entry, dict) or "type" not in entry:
+        raise ConfigError(f"{where}: each speculator needs a `type:` key (see `specplug plugins`)")
+    try:
+        st = get_type(str(entry["type"]), where=f"type at {where}.type:")
+    except SpecplugError as exc:
+        raise ConfigError(str(exc)) from None
+    policy = build_dataclass(DraftPolicy, {k: v for k, v in entry.items() if k in _SPEC_HOST_KEYS - {"type", "name"}}, where)
+    if policy.n_max < 1 or policy.n_min < 1 or policy.n_min > policy.n_max:
+        raise ConfigError(f"{where}: need 1 <= n_min <= n_max, got n_min={policy.n_min}, n_max={policy.n_max}")
+    if not 0 <= policy.p_min < 1:
+        raise ConfigError(f"{where}.p_min must be in [0, 1), got {policy.p_min}")
+    params = build_dataclass(st.cls.Params, entry, where, skip=_SPEC_HOST_KEYS)
+    name = str(entry.get("name") or entry["type"])
+    return SpeculatorConfig(st.name, name, policy, params)
+
+
+def parse_config(data: Any, source: str = "config") -> RunConfig:
+    """A YAML document (already parsed) -> RunConfig."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping (model:, speculators:, ...)")
+    data = dict(data)
+    sampling = build_dataclass(SamplingParams, data.pop("sampling", None), "sampling")
+    specs_raw = data.pop("speculators", None) or []
+    if not isinstance(specs_raw, list):
+        raise ConfigError("speculators must be a list of mappings, each with a `type:`")
+    specs = tuple(parse_speculator(e, i) for i, e in enumerate(specs_raw))
+    names = [s.name for s in specs]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ConfigError(f"speculators: name {sorted(dup)[0]!r} is used twice; give each a distinct `name:`")
+    cfg = build_dataclass(RunConfig, data, "")
+    for key, ok, rule in [("context", cfg.context >= 16, ">= 16"), ("parallel", cfg.parallel >= 1, ">= 1"),
+                          ("max_tokens", cfg.max_tokens >= 1, ">= 1"), ("prefill_chunk", cfg.prefill_chunk >= 1, ">= 1")]:
+        if not ok:
+            raise ConfigError(f"{key} must be {rule}, got {getattr(cfg, key)!r}")
+    return dataclasses.replace(cfg, sampling=sampling, speculators=specs)
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read and validate a YAML file; relative model paths are taken from the file's folder."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML ({exc})") from None
+    if isinstance(data, dict):
+        data.update(overrides or {})
+        model = data.get("model")
+        if isinstance(model, str) and model.endswith(".gguf") and not Path(model).is_absolute():
+            cand = p.parent / model
+            if cand.is_file():
+                data["model"] = str(cand)
+    try:
+        return parse_config(data, str(p))
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from None

@@ -1,0 +1,389 @@
+"""The draft -> verify -> rollback loop for many sequences at once.
+
+Each step every enabled speculator drafts for every active sequence (one hook call per
+speculator, covering all sequences); per sequence the draft with the highest expected
+number of accepted tokens (the speculator's measured acceptance x draft length) is kept;
+one target forward verifies all sequences; rejected positions leave the target's KV cache
+and every speculator's context; the committed tokens (with the hidden states speculators
+asked for) go to `process_batch`. With no speculators this is plain decoding on the same
+runtime, which is what speculative output is compared against.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from specplug.errors import SpecplugError
+from specplug.metrics import RunStats, SeqStats, SpecStats
+from specplug.plugins import HookCaller
+from specplug.runtime import Target
+from specplug.sampling import SamplingParams, sample, target_probs
+from specplug.types import Batch, Draft, DraftRequest, EmbeddingRequest, TargetInfo, Verified
+from specplug.verify import verify
+
+log = logging.getLogger("specplug")
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    """Host-side limits on one speculator's drafts (YAML keys next to `type`)."""
+
+    n_max: int = 16  # longest draft verified
+    n_min: int = 1  # shorter drafts are not worth a verification row
+    p_min: float = 0.0  # cut a draft at its first token whose draft probability is below this
+    backoff: int = 3  # consecutive fully rejected drafts before a sequence pauses this speculator
+
+
+@dataclass
+class Speculator:
+    """A configured speculator instance as the engine drives it."""
+
+    name: str
+    caller: HookCaller
+    policy: DraftPolicy = field(default_factory=DraftPolicy)
+    embeddings: EmbeddingRequest = field(default_factory=EmbeddingRequest)
+    enabled: bool = True
+    stats: SpecStats = field(default_factory=SpecStats)
+    _seq: dict[int, list[int]] = field(default_factory=dict)  # seq -> [n_cur, dead, skip]
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance estimate with a weak prior (so a new speculator gets tried)."""
+        return (self.stats.accepted_tokens + 1) / (self.stats.drafted_tokens + 2)
+
+    def state(self, seq: int) -> list[int]:
+        st = self._seq.get(seq)
+        if st is None:
+            st = self._seq[seq] = [self.policy.n_max, 0, 0]
+        return st
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int = 128
+    id: Any = None
+
+
+@dataclass
+class SequenceResult:
+    """One finished request."""
+
+    id: Any
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens, the stop token excluded
+    finish_reason: str  # "stop" | "length"
+    stats: SeqStats
+
+
+@dataclass
+class _Seq:
+    slot: int
+    req: Request
+    index: int
+    tokens: list[int]  # prompt + generated; tokens[-1] is not yet in the target cache
+    gen: torch.Generator | None
+    stats: SeqStats
+    finish: str | None = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.req.prompt_ids)
+
+
+class Engine:
+    """Runs requests through a target with zero or more speculators."""
+
+    def __init__(self, target: Target, speculators: Sequence[Speculator] = (), n_parallel: int = 1,
+                 max_ctx: int = 2048, sampling: SamplingParams = SamplingParams(), prefill_chunk: int = 256,
+                 ignore_eos: bool = False, strict: bool = False):
+        self.target = target
+        self.model = target.model
+        self.specs = list(speculators)
+        self.n_parallel = n_parallel
+        self.max_ctx = max_ctx
+        self.sampling = sampling
+        self.prefill_chunk = prefill_chunk
+        self.stop_ids = frozenset() if ignore_eos else target.tokenizer.eot_ids
+        self.strict = strict  # tests: re-raise speculator errors instead of disabling
+        self.cache = self.model.new_cache(n_parallel, max_ctx)
+        self.vocab = self.model.config.vocab_size
+        n_layer = self.model.config.n_layer
+        taps: set[int] = set()
+        for s in self.specs:
+            taps.update(s.embeddings.layers)
+            if s.embeddings.final:
+                taps.add(n_layer)
+        self.taps = frozenset(taps)
+        self.stats = RunStats()
+        for s in self.specs:
+            self.stats.speculators[s.name] = s.stats
+
+    # --- speculator calls, each guarded so a failing plugin cannot change the output -----------
+    def _call(self, spec: Speculator, hook: str, **kw) -> Any:
+        if not spec.enabled or not spec.caller.implements(hook):
+            return None
+        t0 = time.perf_counter()
+        try:
+            return spec.caller.call(hook, **kw)
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._disable(spec, f"{hook} raised {type(exc).__name__}: {exc}", traceback.format_exc())
+            return None
+        finally:
+            self.stats.time_speculators_s += time.perf_counter() - t0
+
+    def _disable(self, spec: Speculator, why: str, detail: str = "") -> None:
+        spec.enabled = False
+        self.stats.disabled[spec.name] = why
+        log.warning("speculator %r disabled for the rest of the run: %s", spec.name, why)
+        if detail:
+            log.debug(detail)
+
+    def _tell_committed(self, entries: list[tuple[int, int, int]], rows: torch.Tensor | None,
+                        hidden: dict[int, torch.Tensor], is_prompt: bool) -> None:
+        """process_batch (after encode) on every speculator, for entries (token, pos, seq)."""
+        users = [s for s in self.specs if s.enabled and (s.caller.implements("process_batch")
+                                                         or s.caller.implements("encode"))]
+        if not users:
+            return
+        tok, pos, seq = (torch.tensor(c, dtype=torch.long) for c in zip(*entries))
+        n_layer = self.model.config.n_layer
+        for s in users:
+            emb = {}
+            for layer in s.embeddings.layers:
+                emb[layer] = hidden[layer] if rows is None else hidden[layer][rows]
+            if s.embeddings.final:
+                emb["final"] = hidden[n_layer] if rows is None else hidden[n_layer][rows]
+            batch = Batch(tok, pos, seq, emb, is_prompt)
+            encoded = self._call(s, "encode", batch=batch) if emb else None
+            self._call(s, "process_batch", batch=batch, encoded=encoded)
+
+    # --- the loop -------------------------------------------------------------------------------
+    def run(self, requests: Sequence[Request],
+            on_tokens: Callable[[int, list[int]], None] | None = None,
+            on_finish: Callable[[SequenceResult], None] | None = None) -> list[SequenceResult]:
+        """Generate for every request; `on_tokens(request_index, new_ids)` streams as tokens come,
+        `on_finish(result)` is called as each request completes."""
+        for i, r in enumerate(requests):
+            if not r.prompt_ids:
+                raise SpecplugError(f"request {r.id if r.id is not None else i}: the prompt is empty")
+            if len(r.prompt_ids) + 1 > self.max_ctx:
+                raise SpecplugError(f"request {r.id if r.id is not None else i}: the prompt has {len(r.prompt_ids)} "
+                                    f"tokens, more than the context size {self.max_ctx} allows (raise `context`)")
+        t_start = time.perf_counter()
+        pending = deque(enumerate(requests))
+        free = list(range(self.n_parallel))[::-1]
+        active: dict[int, _Seq] = {}
+        results: list[SequenceResult | None] = [None] * len(requests)
+        while pending or active:
+            while pending and free:
+                index, req = pending.popleft()
+                seq = self._admit(free.pop(), index, req, on_tokens)
+                if seq.finish:
+                    results[index] = self._finish(seq, free, on_finish)
+                else:
+                    active[seq.slot] = seq
+            if active:
+                self._step(list(active.values()), on_tokens)
+                for slot in [s for s, q in active.items() if q.finish]:
+                    q = active.pop(slot)
+                    results[q.index] = self._finish(q, free, on_finish)
+        self.stats.time_total_s += time.perf_counter() - t_start
+        return results  # type: ignore[return-value]
+
+    def _finish(self, seq: _Seq, free: list[int], on_finish=None) -> SequenceResult:
+        self.cache.clear(seq.slot)
+        for s in self.specs:
+            s._seq.pop(seq.slot, None)
+            self._call(s, "remove", seq_id=seq.slot, p0=0)
+        free.append(seq.slot)
+        gen = seq.tokens[len(seq.req.prompt_ids):]
+        if seq.finish == "stop":
+            gen = gen[:-1]
+        self.stats.generated_tokens += len(gen)
+        seq.stats.generated_tokens = len(gen)
+        result = SequenceResult(seq.req.id, list(seq.req.prompt_ids), gen, seq.finish or "length", seq.stats)
+        if on_finish is not None:
+            on_finish(result)
+        return result
+
+    def _forward(self, toks, pos, seqs, logits_rows=None):
+        t0 = time.perf_counter()
+        out = self.model.forward(toks, pos, seqs, self.cache, logits_rows=logits_rows, taps=self.taps)
+        self.stats.time_target_s += time.perf_counter() - t0
+        return out
+
+    def _admit(self, slot: int, index: int, req: Request, on_tokens) -> _Seq:
+        gen = None
+        if not self.sampling.greedy:
+            gen = torch.Generator().manual_seed((self.sampling.seed or 0) * 1_000_003 + index)
+        seq = _Seq(slot, req, index, list(req.prompt_ids), gen,
+                   SeqStats(prompt_tokens=len(req.prompt_ids)))
+        seq.stats.by_speculator = {s.name: SpecStats() for s in self.specs}
+        self.stats.prompt_tokens += len(req.prompt_ids)
+        ids = req.prompt_ids
+        logits = None
+        for a in range(0, len(ids), self.prefill_chunk):
+            b = min(len(ids), a + self.prefill_chunk)
+            last = b == len(ids)
+            out = self._forward(ids[a:b], list(range(a, b)), [slot] * (b - a), [b - a - 1] if last else [])
+            self._tell_committed([(ids[i], i, slot) for i in range(a, b)], None, out.hidden, True)
+            logits = out.logits
+        probs = target_probs(logits, self.sampling) if not self.sampling.greedy else None
+        first = int(logits[0].argmax()) if probs is None else sample(probs[0], gen)
+        self._append(seq, [first], on_tokens)
+        return seq
+
+    def _append(self, seq: _Seq, new: list[int], on_tokens) -> None:
+        room = self.max_ctx - 1
+        out = []
+        for t in new:
+            seq.tokens.append(t)
+            out.append(t)
+            if t in self.stop_ids:
+                seq.finish = "stop"
+                break
+            if seq.generated >= seq.req.max_tokens or len(seq.tokens) >= room:
+                seq.finish = "length"
+                break
+        if on_tokens is not None:
+            on_tokens(seq.index, [t for t in out if t not in self.stop_ids])
+
+    def _drafts(self, seqs: list[_Seq]) -> dict[int, tuple[Speculator, Draft]]:
+        """Ask every speculator; keep per sequence the draft with most expected accepted tokens."""
+        best: dict[int, tuple[float, Speculator, Draft]] = {}
+        asked: dict[str, list[int]] = {}
+        for spec in self.specs:
+            if not spec.enabled or not spec.caller.implements("draft"):
+                continue
+            reqs = []
+            for q in seqs:
+                st = spec.state(q.slot)
+                if st[2] > 0:  # paused after dead drafts
+                    st[2] -= 1
+                    continue
+                n_max = min(st[0], q.req.max_tokens - q.generated - 1, self.max_ctx - len(q.tokens) - 1)
+                if n_max >= max(1, spec.policy.n_min):
+                    reqs.append(DraftRequest(q.slot, q.tokens, n_max))
+            if not reqs:
+                continue
+            res = self._call(spec, "draft", requests=reqs)
+            if res is None:
+                continue
+            problem = self._check_drafts(res, reqs)
+            if problem:
+                self._disable(spec, problem)
+                continue
+            asked[spec.name] = [r.seq_id for r in reqs]
+            acc = spec.acceptance
+            for r, d in zip(reqs, res):
+                if d is None or len(d) == 0:
+                    continue
+                if spec.policy.p_min > 0 and d.probs is not None:
+                    p = d.probs[torch.arange(len(d)), torch.tensor(d.token_ids)].tolist()
+                    cut = next((i for i, x in enumerate(p) if x < spec.policy.p_min), len(d))
+                    d = Draft(d.token_ids[:cut], d.probs[:cut])
+                if len(d) < spec.policy.n_min or len(d) == 0:
+                    continue
+                score = acc * len(d)
+                if r.seq_id not in best or score > best[r.seq_id][0]:
+                    best[r.seq_id] = (score, spec, d)
+        self._asked = asked
+        return {k: (v[1], v[2]) for k, v in best.items()}
+
+    def _check_drafts(self, res: Any, reqs: list[DraftRequest]) -> str | None:
+        if not isinstance(res, (list, tuple)) or len(res) != len(reqs):
+            return f"draft returned {type(res).__name__} of length {len(res) if hasattr(res, '__len__') else '?'} for {len(reqs)} requests"
+        for r, d in zip(reqs, res):
+            if d is None:
+                continue
+            if not isinstance(d, Draft):
+                return f"draft for sequence {r.seq_id} is a {type(d).__name__}, not a specplug.types.Draft"
+            if len(d) > r.n_max:
+                return f"draft for sequence {r.seq_id} has {len(d)} tokens, more than n_max={r.n_max}"
+            bad = [t for t in d.token_ids if not (isinstance(t, int) and 0 <= t < self.vocab)]
+            if bad:
+                return f"draft for sequence {r.seq_id} has token id {bad[0]!r} outside the vocabulary [0, {self.vocab})"
+            if d.probs is not None and tuple(d.probs.shape) != (len(d), self.vocab):
+                return f"draft probs for sequence {r.seq_id} have shape {tuple(d.probs.shape)}, expected ({len(d)}, {self.vocab})"
+        return None
+
+    def _step(self, seqs: list[_Seq], on_tokens) -> None:
+        chosen = self._drafts(seqs) if self.specs else {}
+        toks, pos, sids, spans = [], [], [], []
+        for q in seqs:
+            d = chosen.get(q.slot)
+            ids = [q.tokens[-1], *(d[1].token_ids if d else ())]
+            p0 = len(q.tokens) - 1
+            spans.append((len(toks), len(ids)))
+            toks += ids
+            pos += range(p0, p0 + len(ids))
+            sids += [q.slot] * len(ids)
+        out = self._forward(toks, pos, sids)
+        committed: list[tuple[int, int, int]] = []
+        rows: list[int] = []
+        outcome: dict[int, tuple[int, int]] = {}  # slot -> (n_drafted, n_accepted)
+        for q, (off, n) in zip(seqs, spans):
+            d = chosen.get(q.slot)
+            draft_ids = list(d[1].token_ids) if d else []
+            v = verify(out.logits[off:off + n], draft_ids, d[1].probs if d else None, self.sampling, q.gen)
+            p0 = len(q.tokens) - 1
+            if v.n_accepted < len(draft_ids):
+                self.cache.seq_rm(q.slot, p0 + v.n_accepted + 1)
+            for i in range(v.n_accepted + 1):
+                committed.append((toks[off + i], p0 + i, q.slot))
+                rows.append(off + i)
+            outcome[q.slot] = (len(draft_ids), v.n_accepted)
+            q.stats.target_forwards += 1
+            self.stats.target_forwards += 1
+            if d:
+                spec = d[0]
+                spec.stats.add(len(draft_ids), v.n_accepted)
+                q.stats.by_speculator[spec.name].add(len(draft_ids), v.n_accepted)
+                q.stats.drafted_tokens += len(draft_ids)
+                q.stats.accepted_tokens += v.n_accepted
+                st = spec.state(q.slot)
+                if v.n_accepted == len(draft_ids):
+                    st[0], st[1] = min(spec.policy.n_max, st[0] + 2), 0
+                else:
+                    st[0] = max(spec.policy.n_min, v.n_accepted + 1)
+                    st[1] = st[1] + 1 if v.n_accepted == 0 else 0
+                    if st[1] >= spec.policy.backoff:
+                        st[2] = 1 << min(st[1] - spec.policy.backoff, 6)
+            self._append(q, draft_ids[:v.n_accepted] + [v.next_token], on_tokens)
+        if self.specs:
+            self._feedback(seqs, chosen, outcome)
+            row_t = torch.tensor(rows, dtype=torch.long) if len(rows) != len(toks) else None
+            self._tell_committed(committed, row_t, out.hidden, False)
+
+    def _feedback(self, seqs: list[_Seq], chosen, outcome) -> None:
+        for spec in self.specs:
+            asked = self._asked.get(spec.name)
+            if not asked or not spec.enabled:
+                continue
+            results = []
+            for slot in asked:
+                mine = slot in chosen and chosen[slot][0] is spec
+                n_d, n_a = outcome[slot] if mine else (0, 0)
+                results.append(Verified(slot, n_d, n_a, mine))
+                if not mine or n_a < n_d:
+                    q = next(q for q in seqs if q.slot == slot)
+                    self._call(spec, "remove", seq_id=slot, p0=len(q.tokens) - 1)
+            self._call(spec, "verified", results=results)
+
+
+def target_info(target: Target, n_seq: int, max_ctx: int) -> TargetInfo:
+    """What speculators are told about the target."""
+    m, tok, cfg = target.model, target.tokenizer, target.model.config
+    return TargetInfo(model_path=str(m.path), arch=cfg.arch, n_layer=cfg.n_layer, n_embd=cfg.n_embd,
+                      vocab_size=cfg.vocab_size, token_texts=tok.token_texts, token_types=tok.token_type,
+                      bos_id=tok.bos_id, eos_id=tok.eos_id, eot_ids=frozenset(tok.eot_ids), device=m.device,
+                      dtype=m.dtype, n_seq=n_seq, max_ctx=max_ctx, token_embeddings=m.embed)

@@ -1,0 +1,106 @@
+"""Hook specifications: the contract between the specplug host and a speculator plugin.
+
+A speculator is a class (loaded from the entry-point group `specplug.speculators`; the
+entry-point name is its YAML `type`) whose instance implements some of these hooks with
+`@specplug.hookimpl`. The host calls each hook *per speculator* (so results are never
+mixed between speculators) and in this order:
+
+    start-up:  are_compatible -> request_embeddings
+    prompt:    [target forward] -> encode -> process_batch          (per prompt chunk)
+    each step: draft -> [target verify forward] -> verified
+               -> remove (only where tokens were rejected) -> encode -> process_batch
+    finish:    remove(seq_id, 0) when a sequence ends
+
+Every hook is optional. Hooks must not modify tensors they are given, and must not keep
+the embedding tensors of a batch beyond what their own state needs (they are per batch,
+never accumulated for the whole prompt by the host). An exception from any hook, or a
+draft that breaks the rules in `draft`, disables that speculator for the rest of the run
+with a warning; the generated text is never affected.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import pluggy
+import torch
+
+from specplug.types import Batch, Draft, DraftRequest, EmbeddingRequest, TargetInfo, Verified
+
+hookspec = pluggy.HookspecMarker("specplug")
+hookimpl = pluggy.HookimplMarker("specplug")
+
+
+@hookspec(firstresult=True)
+def are_compatible(target: TargetInfo) -> str | None:
+    """Check that this speculator can serve `target`; called once before anything else.
+
+    Compare whatever the method depends on: vocabulary size, token texts, special tokens,
+    hidden size of the layers it reads. Return None when compatible, or a message naming
+    the first mismatch (e.g. "vocab size 32000 != target 49152"); the host then refuses to
+    run and shows that message with the speculator's name.
+    """
+
+
+@hookspec(firstresult=True)
+def request_embeddings(target: TargetInfo) -> EmbeddingRequest | None:
+    """Say which target hidden states this speculator needs; called once, after are_compatible.
+
+    Return None (or an empty EmbeddingRequest) for token-only methods (n-gram, draft model).
+    The host taps exactly the union of all requests during target forwards, and nothing
+    at all when no speculator asks.
+    """
+
+
+@hookspec(firstresult=True)
+def encode(batch: Batch) -> torch.Tensor | None:
+    """Turn the target embeddings of `batch` into this speculator's own input embeddings.
+
+    Called after every target forward that commits tokens, just before `process_batch`, only
+    for speculators that requested embeddings. `batch.embeddings` holds the requested taps,
+    each [len(batch), n_embd] float32. Return [len(batch), d_draft] (identity for MTP, the
+    3h -> h fusion for Eagle3, a compression for DFlash) or None to pass nothing on.
+    """
+
+
+@hookspec
+def process_batch(batch: Batch, encoded: torch.Tensor | None) -> None:
+    """Keep the speculator's own context in step with the target's.
+
+    Called after every target forward with the entries it committed (prompt chunks, and after
+    each verification the accepted tokens: the verified token that was last plus the accepted
+    draft tokens), for all sequences at once. `encoded` is what `encode` returned (or None).
+    The rows of one sequence start exactly at that sequence's committed end, so anything the
+    speculator holds for those positions or later is stale. Returns nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def draft(requests: Sequence[DraftRequest]) -> Sequence[Draft | None] | None:
+    """Propose continuations, one per request (one request per active sequence).
+
+    Return a sequence of the same length as `requests`, element i a Draft for requests[i]
+    or None for no draft; returning None means no drafts at all this step. Rules, enforced by
+    the host (breaking one disables the speculator): at most `requests[i].n_max` tokens;
+    every id in [0, vocab_size); `probs`, when given, shaped [len(draft), vocab_size] with
+    rows that are probability distributions giving the drafted token non-zero mass.
+    Drafting should be batched across requests where the method allows it (one forward of a
+    draft model for all sequences).
+    """
+
+
+@hookspec
+def verified(results: Sequence[Verified]) -> None:
+    """Feedback after each verification: for every sequence this speculator was asked to
+    draft for, how many tokens it proposed and how many the target accepted. Methods that
+    adapt (ngram-mod turning itself off after dead drafts) use it. Returns nothing.
+    """
+
+
+@hookspec
+def remove(seq_id: int, p0: int) -> None:
+    """Positions >= p0 of sequence `seq_id` are gone from the target's context.
+
+    Called after a verification rejected draft tokens (p0 = the first position no longer in
+    the target's context), and with p0 = 0 when a sequence finishes and its id may be reused.
+    Drop your own state for those positions (like `llama_memory_seq_rm(mem, seq_id, p0, -1)`).
+    """

@@ -1,0 +1,104 @@
+"""Counters per speculator and per sequence, and the time split target / speculators / host."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """One speculator over a run (or one sequence)."""
+
+    drafts: int = 0  # drafts verified
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: drafts whose token i was accepted
+    drafted_at: list[int] = field(default_factory=list)  # drafted_at[i]: drafts that had a token i
+
+    def add(self, n_drafted: int, n_accepted: int) -> None:
+        self.drafts += 1
+        self.drafted_tokens += n_drafted
+        self.accepted_tokens += n_accepted
+        for arr, n in ((self.drafted_at, n_drafted), (self.accepted_at, n_accepted)):
+            if len(arr) < n_drafted:
+                arr.extend([0] * (n_drafted - len(arr)))
+            for i in range(n):
+                arr[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_rate"] = round(self.acceptance_rate, 4)
+        d["acceptance_per_position"] = [round(a / n, 4) if n else 0.0 for a, n in zip(self.accepted_at, self.drafted_at)]
+        return d
+
+
+@dataclass
+class SeqStats:
+    """One sequence: what it produced and how many target forwards it took."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0  # decoding forwards (prompt chunks not counted)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    by_speculator: dict[str, SpecStats] = field(default_factory=dict)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target forward (1.0 = plain decoding)."""
+        return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                "target_forwards": self.target_forwards, "drafted_tokens": self.drafted_tokens,
+                "accepted_tokens": self.accepted_tokens,
+                "acceptance_rate": round(self.accepted_tokens / self.drafted_tokens, 4) if self.drafted_tokens else 0.0,
+                "mean_accepted_length": round(self.mean_accepted_length, 4),
+                "by_speculator": {k: v.to_dict() for k, v in self.by_speculator.items()}}
+
+
+@dataclass
+class RunStats:
+    """A whole run: speculators, time split, totals."""
+
+    speculators: dict[str, SpecStats] = field(default_factory=dict)
+    disabled: dict[str, str] = field(default_factory=dict)  # speculator -> why it was turned off
+    time_target_s: float = 0.0
+    time_speculators_s: float = 0.0
+    time_total_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0
+
+    @property
+    def time_host_s(self) -> float:
+        return max(0.0, self.time_total_s - self.time_target_s - self.time_speculators_s)
+
+    def to_dict(self) -> dict:
+        return {
+            "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
+            "target_forwards": self.target_forwards,
+            "mean_accepted_length": round(self.generated_tokens / self.target_forwards, 4) if self.target_forwards else 0.0,
+            "tok_s": round(self.generated_tokens / self.time_total_s, 3) if self.time_total_s else 0.0,
+            "time_s": {"total": round(self.time_total_s, 4), "target": round(self.time_target_s, 4),
+                       "speculators": round(self.time_speculators_s, 4), "host": round(self.time_host_s, 4)},
+            "speculators": {k: v.to_dict() for k, v in self.speculators.items()},
+            "disabled": dict(self.disabled),
+        }
+
+    def summary(self) -> str:
+        d = self.to_dict()
+        t = d["time_s"]
+        lines = [f"{d['generated_tokens']} tokens in {t['total']:.2f} s = {d['tok_s']:.1f} tok/s; "
+                 f"{d['target_forwards']} target forwards, mean accepted length {d['mean_accepted_length']:.2f}; "
+                 f"time target {t['target']:.2f} s, speculators {t['speculators']:.2f} s, host {t['host']:.2f} s"]
+        for name, s in d["speculators"].items():
+            per = " ".join(f"{x:.2f}" for x in s["acceptance_per_position"][:8])
+            lines.append(f"  {name}: {s['drafts']} drafts, {s['drafted_tokens']} drafted, {s['accepted_tokens']} accepted "
+                         f"({100 * s['acceptance_rate']:.1f}%); acceptance by position: {per}")
+        for name, why in d["disabled"].items():
+            lines.append(f"  {name}: DISABLED ({why})")
+        return "\n".join(lines)

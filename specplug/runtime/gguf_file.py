@@ -1,0 +1,147 @@
+"""Reading GGUF files: metadata -> a typed ModelConfig, tensors -> dequantized numpy arrays.
+
+All parsing and dequantization is done by the `gguf` package (memory-mapped reader,
+its own numpy dequantizers); this module only maps names and turns every failure into
+one ModelError that names the file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specplug.errors import ModelError
+
+# Architectures whose GGUF tensors we know how to run. The llama converter permutes Q/K
+# rows for llama.cpp's interleaved ("normal") RoPE; qwen2/qwen3 keep the NEOX (half-split)
+# layout, which the model turns into the interleaved one at load time.
+ROPE_STYLE = {"llama": "interleaved", "qwen2": "neox", "qwen3": "neox"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a decoder-only transformer, read from GGUF metadata."""
+
+    arch: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    rope_base: float
+    rms_eps: float
+    rope_style: str  # "interleaved" | "neox" (layout of Q/K rows in the file)
+    qk_norm: bool  # qwen3: RMSNorm on each head of q and k before RoPE
+    attn_bias: bool  # qwen2: bias on q, k, v
+    tied_embeddings: bool  # no output.weight: the lm head is token_embd
+
+
+class GGUFFile:
+    """A GGUF file opened through `gguf.GGUFReader` (memory-mapped; tensors are read lazily)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelError(f"model file not found: {self.path}")
+        try:
+            from gguf import GGUFReader
+
+            self._reader = GGUFReader(str(self.path), "r")
+        except Exception as exc:  # the reader raises many types on corrupt/truncated files
+            raise ModelError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        self.tensors = {t.name: t for t in self._reader.tensors}
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        """Every key/value of the header as plain Python values (str, int, float, lists)."""
+        out = {}
+        for key, field in self._reader.fields.items():
+            try:
+                out[key] = field.contents()
+            except Exception as exc:
+                raise ModelError(f"{self.path}: metadata key {key!r} is unreadable ({exc})") from None
+        return out
+
+    def _get(self, key: str, default: Any = ...) -> Any:
+        md = self.metadata
+        if key in md:
+            return md[key]
+        if default is ...:
+            raise ModelError(f"{self.path}: metadata key {key!r} is missing")
+        return default
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        """The typed model configuration; ModelError for an architecture we cannot run."""
+        arch = self._get("general.architecture")
+        if arch not in ROPE_STYLE:
+            raise ModelError(
+                f"{self.path}: architecture {arch!r} is not supported (supported: {', '.join(sorted(ROPE_STYLE))})"
+            )
+        p = arch + "."
+        n_embd = int(self._get(p + "embedding_length"))
+        n_head = int(self._get(p + "attention.head_count"))
+        n_head_kv = self._get(p + "attention.head_count_kv", n_head)
+        if isinstance(n_head_kv, list):  # per-layer lists exist in some files; we need one value
+            if len(set(n_head_kv)) != 1:
+                raise ModelError(f"{self.path}: per-layer head_count_kv is not supported")
+            n_head_kv = n_head_kv[0]
+        head_dim = int(self._get(p + "attention.key_length", n_embd // n_head))
+        emb = self.tensors.get("token_embd.weight")
+        if emb is None:
+            raise ModelError(f"{self.path}: tensor 'token_embd.weight' is missing")
+        vocab = int(self._get(p + "vocab_size", int(emb.shape[-1])))
+        return ModelConfig(
+            arch=arch,
+            name=str(self._get("general.name", self.path.stem)),
+            n_layer=int(self._get(p + "block_count")),
+            n_embd=n_embd,
+            n_ff=int(self._get(p + "feed_forward_length")),
+            n_head=n_head,
+            n_head_kv=int(n_head_kv),
+            head_dim=head_dim,
+            vocab_size=vocab,
+            context_length=int(self._get(p + "context_length", 2048)),
+            rope_base=float(self._get(p + "rope.freq_base", 10000.0)),
+            rms_eps=float(self._get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_style=ROPE_STYLE[arch],
+            qk_norm=arch == "qwen3",
+            attn_bias=arch == "qwen2",
+            tied_embeddings="output.weight" not in self.tensors,
+        )
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Dequantize one tensor to float32 numpy, shaped like torch (rows = last GGUF dim)."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelError(f"{self.path}: tensor {name!r} is missing")
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        qtype = GGMLQuantizationType(t.tensor_type)
+        try:
+            arr = dequantize(np.asarray(t.data), qtype)
+        except NotImplementedError:
+            raise ModelError(f"{self.path}: tensor {name!r} has type {qtype.name}, which cannot be dequantized") from None
+        except Exception as exc:
+            raise ModelError(f"{self.path}: tensor {name!r} ({qtype.name}) is corrupt or truncated ({exc})") from None
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if arr.size != int(np.prod(shape)):
+            raise ModelError(f"{self.path}: tensor {name!r} holds {arr.size} values, expected shape {shape}")
+        arr = arr.reshape(shape).astype(np.float32, copy=False)
+        return arr if arr.flags.writeable else arr.copy()  # F32 tensors come straight from the read-only map
+
+    def tensor_type(self, name: str) -> str:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.tensors[name].tensor_type).name

@@ -1,0 +1,314 @@
+"""The target model: a llama-family transformer in plain torch, run over batches of
+(token, position, sequence) entries against a multi-sequence KV cache.
+
+One forward serves prompt chunks, single-token decoding and k-token verification of many
+sequences at once. The caller chooses which rows get logits and which hidden states are
+tapped; nothing is computed or copied for rows and taps nobody asked for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specplug.errors import ModelError
+from specplug.runtime.gguf_file import GGUFFile, ModelConfig
+from specplug.runtime.kv_cache import KVCache
+from specplug.runtime.linear import DenseLinear, Int8Linear, int8_available
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTS = ("auto", "none", "int8")
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"device {device!r} was asked for but torch sees no CUDA device (use device: cpu or auto)")
+    return torch.device(device)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What one forward returns, rows in the order of the batch entries."""
+
+    logits: torch.Tensor | None  # [len(logits_rows), vocab] float32
+    hidden: dict[int, torch.Tensor]  # tap -> [n_entries, n_embd] float32; tap i = input of layer i, n_layer = pre-norm final
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: object
+    o: object
+    ffn_norm: torch.Tensor
+    gate_up: object
+    down: object
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # aten's rms_norm is not fused on CPU and costs ~3x these four ops for one row
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
+
+
+def _neox_to_interleaved(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder Q/K rows so RoPE pairs (i, i+d/2) become (2i, 2i+1); q.k is unchanged."""
+    perm = torch.stack([torch.arange(head_dim // 2), torch.arange(head_dim // 2) + head_dim // 2], -1).flatten()
+    return w.reshape(n_heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
+
+
+class Transformer:
+    """A llama/qwen2/qwen3 decoder loaded from GGUF. Use `Transformer.load(path, ...)`."""
+
+    def __init__(self, gguf: GGUFFile, device: torch.device, dtype: torch.dtype, quant: str):
+        self.config = cfg = gguf.config
+        self.path = gguf.path
+        self.device, self.dtype = device, dtype
+        if quant == "auto":
+            quant = "int8" if device.type == "cpu" and dtype == torch.float32 and int8_available() else "none"
+        if quant == "int8" and (device.type != "cpu" or dtype != torch.float32 or not int8_available()):
+            raise ModelError("quant: int8 needs device: cpu and dtype: float32 on an x86 torch build with fbgemm")
+        self.quant = quant
+
+        def t(name: str) -> torch.Tensor:
+            return torch.from_numpy(gguf.tensor(name))
+
+        def lin(w: torch.Tensor, b: torch.Tensor | None = None):
+            if quant == "int8":
+                return Int8Linear(w, b)
+            return DenseLinear(w.to(device, dtype), None if b is None else b.to(device, dtype))
+
+        def vec(w: torch.Tensor) -> torch.Tensor:
+            return w.to(device, dtype)
+
+        H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        self.layers: list[_Layer] = []
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            wq, wk, wv = t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")
+            bias = None
+            if cfg.attn_bias:
+                bias = [t(p + f"attn_{x}.bias") for x in "qkv"]
+            if cfg.rope_style == "neox":
+                wq, wk = _neox_to_interleaved(wq, H, D), _neox_to_interleaved(wk, Hkv, D)
+                if bias:
+                    bias[0], bias[1] = _neox_to_interleaved(bias[0], H, D), _neox_to_interleaved(bias[1], Hkv, D)
+            if wq.shape != (H * D, cfg.n_embd) or wk.shape != (Hkv * D, cfg.n_embd):
+                raise ModelError(f"{gguf.path}: {p}attn_q/attn_k have shapes {tuple(wq.shape)}/{tuple(wk.shape)}, "
+                                 f"which do not match the metadata (heads {H}/{Hkv}, head_dim {D})")
+            layer = _Layer(
+                attn_norm=vec(t(p + "attn_norm.weight")),
+                qkv=lin(torch.cat([wq, wk, wv]), None if bias is None else torch.cat(bias)),
+                o=lin(t(p + "attn_output.weight")),
+                ffn_norm=vec(t(p + "ffn_norm.weight")),
+                gate_up=lin(torch.cat([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")])),
+                down=lin(t(p + "ffn_down.weight")),
+            )
+            if cfg.qk_norm:
+                perm = _neox_to_interleaved(torch.arange(D).float().unsqueeze(1), 1, D).squeeze(1).long()
+                layer.q_norm = vec(t(p + "attn_q_norm.weight")[perm])
+                layer.k_norm = vec(t(p + "attn_k_norm.weight")[perm])
+            self.layers.append(layer)
+        emb = t("token_embd.weight")
+        if emb.shape != (cfg.vocab_size, cfg.n_embd):
+            raise ModelError(f"{gguf.path}: token_embd.weight has shape {tuple(emb.shape)}, "
+                             f"expected ({cfg.vocab_size}, {cfg.n_embd})")
+        self.embed = emb.to(device, dtype)  # [vocab, n_embd]
+        self.norm = vec(t("output_norm.weight"))
+        self.head = lin(emb if cfg.tied_embeddings else t("output.weight"))
+        # RoPE as complex rotations of interleaved pairs, one row per position.
+        inv = cfg.rope_base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+        self._rope_inv_freq = inv.float()
+        self._rope = torch.empty(0, D // 2, dtype=torch.complex64, device=device)
+        self.metadata = gguf.metadata
+
+    @classmethod
+    def load(cls, path: str | Path, device: str = "cpu", dtype: str = "float32", quant: str = "auto") -> "Transformer":
+        """Load a GGUF model; every problem is a ModelError naming the file."""
+        if dtype not in DTYPES:
+            raise ModelError(f"dtype {dtype!r} is not supported (choose one of: {', '.join(DTYPES)})")
+        if quant not in QUANTS:
+            raise ModelError(f"quant {quant!r} is not supported (choose one of: {', '.join(QUANTS)})")
+        return cls(GGUFFile(path), resolve_device(device), DTYPES[dtype], quant)
+
+    def new_cache(self, n_seq: int, max_ctx: int) -> KVCache:
+        """A KV cache for `n_seq` sequences of up to `max_ctx` positions each."""
+        cfg = self.config
+        cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        return KVCache(cfg.n_layer, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, cache_dtype, self.device)
+
+    def _rope_table(self, n: int) -> torch.Tensor:
+        if self._rope.shape[0] < n:
+            n = max(n, 2 * self._rope.shape[0], 256)
+            ang = torch.outer(torch.arange(n, dtype=torch.float32), self._rope_inv_freq)
+            self._rope = torch.polar(torch.ones_like(ang), ang).to(self.device)
+        return self._rope
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        seq_ids: Sequence[int],
+        cache: KVCache,
+        logits_rows: Sequence[int] | None = None,
+        taps: frozenset[int] | set[int] = frozenset(),
+    ) -> ForwardOutput:
+        """Run one batch of entries (token, position, sequence) and update the cache.
+
+        logits_rows: indices of entries to compute logits for (None = every entry).
+        taps: layer indices whose input hidden state to return for every entry;
+        `config.n_layer` is the pre-norm final state (what MTP heads condition on).
+        """
+        cfg = self.config
+        n = len(token_ids)
+        assert n == len(positions) == len(seq_ids) and n > 0, (n, len(positions), len(seq_ids))
+        plan = _Plan(positions, seq_ids, cache, self.device)
+        dev = self.device
+        tok = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
+        if plan.gather is not None:
+            tok = tok[plan.gather]
+        x = self.embed[tok]  # [B*T, n_embd]
+        rope = self._rope_table(cache.max_ctx)[plan.q_pos]  # [B*T, D/2] complex
+        rope = rope.unsqueeze(1)
+        H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        B, T = plan.B, plan.T
+        hidden: dict[int, torch.Tensor] = {}
+        for li, L in enumerate(self.layers):
+            if li in taps:
+                hidden[li] = x
+            h = _rms_norm(x, L.attn_norm, cfg.rms_eps)
+            qkv = L.qkv(h)  # [B*T, (H+2Hkv)*D]
+            qk = qkv[:, : (H + Hkv) * D].unflatten(1, (H + Hkv, D))
+            if L.q_norm is not None:
+                qk = torch.cat([_rms_norm(qk[:, :H], L.q_norm, cfg.rms_eps),
+                                _rms_norm(qk[:, H:], L.k_norm, cfg.rms_eps)], 1)
+            qk = torch.view_as_real(torch.view_as_complex(qk.float().unflatten(2, (D // 2, 2))) * rope).flatten(2)
+            qk = qk.to(x.dtype)
+            q = qk[:, :H]
+            k = qk[:, H:]
+            v = qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D))
+            kc, vc = plan.write(cache.k[li], k), plan.write(cache.v[li], v)
+            q = q.unflatten(0, (B, T)).transpose(1, 2)  # [B, H, T, D]
+            o = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=plan.mask,
+                                               enable_gqa=Hkv != H)
+            x = x + L.o(o.transpose(1, 2).reshape(B * T, H * D))
+            h = _rms_norm(x, L.ffn_norm, cfg.rms_eps)
+            gu = L.gate_up(h)
+            x = x + L.down(F.silu(gu[:, : cfg.n_ff]) * gu[:, cfg.n_ff:])
+        if cfg.n_layer in taps:
+            hidden[cfg.n_layer] = x
+        hidden = {k: plan.to_entries(v).float() for k, v in hidden.items()}
+        logits = None
+        if logits_rows is None or len(logits_rows) > 0:
+            rows = plan.padded_rows(logits_rows)
+            xr = x if rows is None else x[rows]
+            logits = self.head(_rms_norm(xr, self.norm, cfg.rms_eps)).float()
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+
+class _Plan:
+    """How a batch of entries maps onto a padded [B sequences, T tokens] layout and the cache.
+
+    Computed once per forward in Python (the batch is small), used by every layer.
+    """
+
+    def __init__(self, positions: Sequence[int], seq_ids: Sequence[int], cache: KVCache, dev: torch.device):
+        positions = [int(p) for p in positions]
+        seq_ids = [int(s) for s in seq_ids]
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(seq_ids):
+            groups.setdefault(s, []).append(i)
+        self.slots = list(groups)
+        self.B = B = len(groups)
+        self.T = T = max(len(g) for g in groups.values())
+        self.n = n = len(positions)
+        for s, g in groups.items():
+            pos = [positions[i] for i in g]
+            if len(set(pos)) != len(pos):
+                raise ValueError(f"sequence {s} has the same position twice in one batch: {sorted(pos)}")
+            cache._check_seq(s)
+            cache.note_writes(s, pos)
+        # padded row r = b*T + t holds entry groups[b][t]; pad rows repeat the group's last entry
+        if B == 1:
+            self.gather = None  # identity: entries are already the padded layout
+            row_of_entry = None
+            q_pos = positions
+            real = None
+        else:
+            order = []
+            row_of_entry = [0] * n
+            real = []
+            for b, g in enumerate(groups.values()):
+                for t in range(T):
+                    e = g[min(t, len(g) - 1)]
+                    order.append(e)
+                    if t < len(g):
+                        row_of_entry[e] = b * T + t
+                        real.append(b * T + t)
+            q_pos = [positions[e] for e in order]
+            self.gather = torch.tensor(order, dtype=torch.long, device=dev)
+        self._row_of_entry = row_of_entry
+        self.q_pos = torch.tensor(q_pos, dtype=torch.long, device=dev)  # [B*T]
+        # cache cells written by this batch (real rows only; pads would clobber cells)
+        w_seq = [s for s, g in groups.items() for _ in g]
+        w_pos = [positions[i] for g in groups.values() for i in g]
+        real_rows = real if real is not None else None
+        self._real_rows = None if real_rows is None or len(real_rows) == B * T else torch.tensor(real_rows, device=dev)
+        s0, p = self.slots[0], positions
+        contiguous = B == 1 and p == list(range(p[0], p[0] + n))
+        self._span = (s0, p[0], p[0] + n) if contiguous else None
+        if contiguous:
+            cache.valid[s0, p[0]:p[0] + n] = True
+        else:
+            self._w_seq = torch.tensor(w_seq, dtype=torch.long, device=dev)
+            self._w_pos = torch.tensor(w_pos, dtype=torch.long, device=dev)
+            cache.valid[self._w_seq, self._w_pos] = True
+        # keys visible to the batch: each slot's cells [0, L)
+        self.L = L = max(cache.end[s] for s in self.slots)
+        self._slot_span = (self.slots[0], self.slots[0] + B) if self.slots == list(range(self.slots[0], self.slots[0] + B)) else None
+        self._slot_idx = None if self._slot_span else torch.tensor(self.slots, dtype=torch.long, device=dev)
+        need_mask = B > 1 or T > 1 or not all(cache.dense[s] for s in self.slots)
+        self.mask = None
+        if need_mask:
+            kpos = torch.arange(L, device=dev)
+            valid = cache.valid[self._slot_span[0]:self._slot_span[1], :L] if self._slot_span else cache.valid[self._slot_idx, :L]
+            mask = (kpos.view(1, 1, L) <= self.q_pos.view(B, T, 1)) & valid.view(B, 1, L)
+            self.mask = mask.unsqueeze(1)  # [B, 1, T, L] bool
+        self._max_ctx = cache.max_ctx
+
+    def write(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Write new K or V rows [B*T, Hkv, D] into `store` [n_seq, Hkv, max_ctx, D]; return [B, Hkv, L, D]."""
+        if self._span is not None:
+            s, a, b = self._span
+            store[s, :, a:b] = new.transpose(0, 1)
+        else:
+            rows = new if self._real_rows is None else new[self._real_rows]
+            store[self._w_seq, :, self._w_pos] = rows.to(store.dtype)
+        if self._slot_span is not None:
+            return store[self._slot_span[0]:self._slot_span[1], :, : self.L]
+        return store[self._slot_idx, :, : self.L]
+
+    def to_entries(self, x: torch.Tensor) -> torch.Tensor:
+        """Padded rows [B*T, ...] -> entry order [n, ...]."""
+        if self._row_of_entry is None:
+            return x
+        return x[torch.tensor(self._row_of_entry, device=x.device)]
+
+    def padded_rows(self, entry_rows: Sequence[int] | None):
+        """Padded-row indices of the given entries (None = all entries)."""
+        if entry_rows is None:
+            if self._row_of_entry is None:
+                return None
+            entry_rows = range(self.n)
+        m = self._row_of_entry
+        idx = list(entry_rows) if m is None else [m[i] for i in entry_rows]
+        if m is None and idx == list(range(self.n)):
+            return None
+        return torch.tensor(idx, dtype=torch.long, device=self.q_pos.device)

@@ -1,0 +1,1 @@
+"""pytest plugin (entry point `pytest11`) for specplug and third-party speculator authors. Filled in below."""

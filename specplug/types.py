@@ -1,0 +1,117 @@
+"""Data that crosses the plugin boundary. Frozen dataclasses; tensors carry a shape comment.
+
+A speculator sees the target only through these: what the target is (`TargetInfo`),
+the batches the target ran (`Batch`), the draft requests (`DraftRequest`) and the
+verification outcome (`Verified`). It answers with `EmbeddingRequest` and `Draft`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """The target model as a speculator may inspect it (given once, at start-up)."""
+
+    model_path: str
+    arch: str
+    n_layer: int
+    n_embd: int
+    vocab_size: int
+    token_texts: Sequence[str]  # raw GGUF token strings, index = token id
+    token_types: Sequence[int]  # GGUF token types (1 normal, 3 control, 4 user-defined, 6 byte)
+    bos_id: int | None
+    eos_id: int | None
+    eot_ids: frozenset[int]  # every id that ends a turn
+    device: torch.device
+    dtype: torch.dtype
+    n_seq: int  # parallel sequences the run may have in flight (sequence ids are 0..n_seq-1)
+    max_ctx: int  # positions per sequence
+    token_embeddings: torch.Tensor | None = field(default=None, repr=False)  # [vocab, n_embd] the target's input embedding table (shared, read-only)
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """Which target hidden states a speculator needs for every token the target processes.
+
+    `layers`: the *input* hidden state of each listed layer (Eagle3: low/mid/high layers).
+    `final`: the pre-norm final hidden state, i.e. the input of the output norm (MTP).
+    """
+
+    layers: tuple[int, ...] = ()
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Entries the target has just committed to its context, for all sequences at once.
+
+    Row i is token `token_ids[i]` of sequence `seq_ids[i]` at position `positions[i]`.
+    For one sequence the rows are in position order and start exactly where that
+    sequence's committed context ended, so a speculator's own context for that sequence
+    stays in step by appending them (anything it held at those positions or later is stale).
+    `embeddings[tap][i]` is the target hidden state computed *at* row i (it has seen tokens
+    <= position i). MTP/Eagle3 pair h(t-1) with x_t: they keep the last hidden state of each
+    sequence between batches, and use zeros before position 0.
+    """
+
+    token_ids: torch.Tensor  # [n] int64, CPU
+    positions: torch.Tensor  # [n] int64, CPU
+    seq_ids: torch.Tensor  # [n] int64, CPU
+    embeddings: Mapping[int | str, torch.Tensor] = field(default_factory=dict)  # tap -> [n, n_embd] float32 on the target device; tap = layer index, or "final"
+    is_prompt: bool = False  # True for prompt chunks, False for tokens accepted after verification
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """Ask for a draft continuing one sequence.
+
+    `tokens` is the sequence's whole history (prompt + generated); its last token is not yet
+    in the target's cache: the draft continues *after* it, at position len(tokens).
+    """
+
+    seq_id: int
+    tokens: Sequence[int]  # read-only view of the history, last = most recent token
+    n_max: int  # longest draft the host will verify now
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposed continuation: `token_ids[0]` is the guess for position len(tokens)."""
+
+    token_ids: tuple[int, ...]
+    probs: torch.Tensor | None = None  # [len(token_ids), vocab] float32: the draft distribution each token was sampled from; None = token-only (treated as one-hot)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Verified:
+    """The outcome of verifying one sequence's draft from this speculator."""
+
+    seq_id: int
+    n_drafted: int  # tokens this speculator proposed (0 if it proposed nothing)
+    n_accepted: int  # of those, accepted by the target (0..n_drafted); meaningful when chosen
+    chosen: bool  # whether this speculator's draft was the one verified
+
+
+@runtime_checkable
+class Speculator(Protocol):
+    """What an entry point of group `specplug.speculators` must load: a class like this.
+
+    The host builds it as `cls(params, target)`, where `params` is an instance of the class
+    attribute `Params` (a dataclass: its fields are the YAML keys, with types and defaults),
+    then registers the instance with pluggy. Its methods decorated with
+    `specplug.hookimpl` implement the hooks in `specplug.hooks`.
+    """
+
+    Params: ClassVar[type]
+
+    def __init__(self, params: Any, target: TargetInfo) -> None: ...

@@ -1,0 +1,55 @@
+"""Verification of one sequence's draft against the target's logits.
+
+Knows nothing of speculators: it takes draft token ids (and the draft distribution when the
+method has one) and the target's logits for the rows [last, d_1, ..., d_g], and returns how
+many draft tokens are accepted plus the token the target adds (correction or bonus).
+
+Greedy: accept while d_i equals the target's argmax. Stochastic (Leviathan et al. /
+Chen et al. rejection sampling): accept d_i with probability min(1, p(d_i) / q(d_i)); on a
+rejection draw from norm(max(0, p - q)); after a full acceptance draw the bonus from p.
+A token-only draft is a one-hot q. The output distribution equals sampling from p alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specplug.sampling import SamplingParams, sample, target_probs
+
+
+@dataclass(frozen=True)
+class Verdict:
+    n_accepted: int  # draft tokens kept
+    next_token: int  # the target's own token after them (correction or bonus)
+
+
+def verify(target_logits: torch.Tensor, draft_ids: list[int], draft_probs: torch.Tensor | None,
+           sp: SamplingParams, gen: torch.Generator | None) -> Verdict:
+    """target_logits [g+1, vocab] for rows (last, d_1..d_g); draft_ids [g]; draft_probs [g, vocab] or None."""
+    g = len(draft_ids)
+    assert target_logits.shape[0] == g + 1, (target_logits.shape, g)
+    if sp.greedy:
+        best = target_logits.argmax(-1).tolist()
+        a = 0
+        while a < g and draft_ids[a] == best[a]:
+            a += 1
+        return Verdict(a, best[a])
+    p = target_probs(target_logits, sp)  # [g+1, vocab]
+    if g:
+        idx = torch.tensor(draft_ids)
+        p_d = p[torch.arange(g), idx]
+        q_d = torch.ones(g) if draft_probs is None else draft_probs[torch.arange(g), idx].float()
+        u = torch.rand(g, generator=gen)
+        ok = (u * q_d <= p_d).tolist()  # u < p/q without dividing by a zero q
+        for i in range(g):
+            if not ok[i]:
+                if draft_probs is None:
+                    residual = p[i].clone()
+                    residual[draft_ids[i]] = 0.0
+                else:
+                    residual = (p[i] - draft_probs[i].float()).clamp_min_(0.0)
+                total = float(residual.sum())
+                # total == 0 only if p == q exactly, where rejection has probability 0
+                return Verdict(i, sample(residual / total if total > 0 else p[i], gen))
+    return Verdict(g, sample(p[g], gen))
