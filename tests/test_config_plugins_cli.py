@@ -1,0 +1,135 @@
+"""YAML validation, plugin discovery and the CLI, end to end on the tiny model."""
+from __future__ import annotations
+
+import json
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+
+from specplug import plugins
+from specplug.cli import main
+from specplug.config import load_config, parse_config
+from specplug.errors import ConfigError, PluginError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("model: x\nmax_tokns: 3\n", "unknown key 'max_tokns' (did you mean 'max_tokens'?)"),
+    ("parallel: two\n", "parallel must be int, got 'two'"),
+    ("sampling:\n  temperature: -1\n", "sampling: sampling.temperature must be >= 0"),
+    ("sampling:\n  tempreature: 1\n", "unknown key 'sampling.tempreature'"),
+    ("speculators:\n  - type: eagl3\n", "unknown speculator type at speculators[0].type: 'eagl3'; installed: "),
+    ("speculators:\n  - n: 3\n", "speculators[0]: each speculator needs a `type:` key"),
+    ("speculators:\n  - type: noop\n    n_max: 0\n", "need 1 <= n_min <= n_max"),
+    ("speculators:\n  - type: noop\n    bogus: 1\n", "unknown key 'speculators[0].bogus'"),
+    ("speculators:\n  - type: noop\n  - type: noop\n", "name 'noop' is used twice"),
+    ("speculators: noop\n", "speculators must be a list"),
+    ("- just\n- a list\n", "the top level must be a mapping"),
+    ("model: [unclosed\n", "not valid YAML"),
+    ("context: 4\n", "context must be >= 16"),
+])
+def test_bad_yaml_gives_one_clear_error(tmp_path, text, msg):
+    with pytest.raises(ConfigError) as exc:
+        load_config(write(tmp_path, text))
+    assert msg in str(exc.value)
+    assert str(tmp_path / "run.yaml") in str(exc.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_good_config_round_trip(tmp_path):
+    cfg = load_config(write(tmp_path, "model: smollm2-135m\nparallel: 2\nsampling: {temperature: 0.7, seed: 3}\n"
+                                      "speculators:\n  - type: noop\n    name: idle\n    n_max: 4\n"))
+    assert cfg.parallel == 2 and cfg.sampling.temperature == 0.7 and cfg.sampling.seed == 3
+    (s,) = cfg.speculators
+    assert (s.type, s.name, s.policy.n_max) == ("noop", "idle", 4)
+
+
+class GoodSpec:
+    from dataclasses import dataclass as _dc
+
+    @_dc(frozen=True)
+    class Params:
+        k: int = 1
+
+    def __init__(self, params, target):
+        pass
+
+
+class Misspelled(GoodSpec):
+    from specplug.hooks import hookimpl as _hi
+
+    @_hi
+    def drfat(self, requests):
+        return None
+
+
+def _fake_eps(monkeypatch, eps):
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [EntryPoint(n, v, group) for n, v in eps])
+    monkeypatch.setattr(plugins, "_cache", None)
+
+
+def test_broken_plugins_are_reported_and_others_load(monkeypatch, capsys):
+    _fake_eps(monkeypatch, [("good", f"{__name__}:GoodSpec"), ("broken", "no_such_module_xyz:Thing"),
+                            ("typo", f"{__name__}:Misspelled")])
+    types = plugins.speculator_types()
+    assert types["good"].cls is GoodSpec
+    assert "No module named 'no_such_module_xyz'" in types["broken"].error
+    assert "drfat" in types["typo"].error  # check_pending: unknown hook at start-up
+    err = capsys.readouterr().err
+    assert "'broken'" in err and "'typo'" in err
+    with pytest.raises(PluginError, match="'broken' .* failed to load"):
+        plugins.get_type("broken")
+    assert plugins.installed_names() == ["good"]
+
+
+def test_allow_list_env_var(monkeypatch):
+    _fake_eps(monkeypatch, [("good", f"{__name__}:GoodSpec"), ("broken", "no_such_module_xyz:Thing")])
+    monkeypatch.setenv("SPECPLUG_LOAD_PLUGINS", "")
+    assert plugins.speculator_types(refresh=True) == {}
+    monkeypatch.setenv("SPECPLUG_LOAD_PLUGINS", "good")
+    assert list(plugins.speculator_types(refresh=True)) == ["good"]
+    with pytest.raises(PluginError, match="SPECPLUG_LOAD_PLUGINS is set to 'good'"):
+        plugins.get_type("broken")
+
+
+def test_plugins_command_lists_types(capsys):
+    plugins._cache = None
+    assert main(["plugins", "--json"]) == 0
+    listed = {t["type"]: t for t in json.loads(capsys.readouterr().out)}
+    assert listed["noop"]["distribution"] == "specplug" and listed["noop"]["hooks"] == ["draft"]
+
+
+def test_run_command_end_to_end(tmp_path, tiny_gguf, capsys):
+    cfg = write(tmp_path, f"model: {tiny_gguf}\ndevice: cpu\nquant: none\nmax_tokens: 12\nparallel: 2\n"
+                          "speculators:\n  - type: noop\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"turns": ["the sea", "again"], "question_id": 7}\n{"text": "x"}\n')
+    out = tmp_path / "out.jsonl"
+    stats = tmp_path / "stats.json"
+    assert main(["run", str(cfg), "--prompts", str(prompts), "--output", str(out), "--stats", str(stats)]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [1, 7, 3]
+    assert all(len(r["token_ids"]) <= 12 and r["stats"]["generated_tokens"] == len(r["token_ids"]) for r in rows)
+    assert json.loads(stats.read_text())["generated_tokens"] == sum(len(r["token_ids"]) for r in rows)
+    assert main(["run", str(cfg), "--prompt", "hello"]) == 0
+    assert "tokens in" in capsys.readouterr().err
+
+
+def test_cli_errors_exit_2_with_message(tmp_path, capsys):
+    assert main(["run", str(write(tmp_path, "speculators:\n  - type: nope\n"))]) == 2
+    assert "unknown speculator type" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{oops\n')
+    cfg = write(tmp_path, "model: /does/not/exist.gguf\n")
+    assert main(["run", str(cfg), "--prompts", str(bad)]) == 2
+    assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err

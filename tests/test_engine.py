@@ -1,0 +1,190 @@
+"""The draft -> verify -> rollback loop: lossless greedy, batching, faulty plugins, adaptivity."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specplug.engine import Request
+from specplug.testing import (Faulty, Oracle, RandomDrafts, Scripted, assert_greedy_equal, greedy_outputs,
+                              make_engine, speculator)
+from specplug.types import Batch, Draft, EmbeddingRequest, TargetInfo
+from specplug.hooks import hookimpl
+
+TEXTS = ["hello there the", "in the beginning was", "a", "on the other hand, the", "xyz 123",
+         "the the the", "she sells sea shells", "onion"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_target):
+    return [tiny_target.tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target, prompts):
+    return greedy_outputs(tiny_target, [], prompts, 40)[0]
+
+
+def test_plain_decoding_is_deterministic_and_varied(tiny_target, prompts, plain):
+    again, _ = greedy_outputs(tiny_target, [], prompts, 40, n_parallel=3)
+    assert again == plain
+    assert all(len(set(p)) > 5 for p in plain)  # the tiny model is not degenerate
+
+
+@pytest.mark.parametrize("n_parallel", [1, 3, 8])
+def test_random_drafts_never_change_greedy_output(tiny_target, prompts, n_parallel):
+    vocab = tiny_target.model.config.vocab_size
+    eng = assert_greedy_equal(tiny_target, [RandomDrafts(vocab, seed=n_parallel)], prompts, 40, n_parallel=n_parallel)
+    assert eng.stats.speculators["RandomDrafts"].drafted_tokens > 0
+
+
+@pytest.mark.parametrize("n_parallel", [1, 4])
+def test_oracle_is_fully_accepted_and_lossless(tiny_target, prompts, plain, n_parallel):
+    oracle = Oracle({tuple(p): g for p, g in zip(prompts, plain)})
+    eng = assert_greedy_equal(tiny_target, [oracle], prompts, 40, n_parallel=n_parallel)
+    st = eng.stats.speculators["Oracle"]
+    assert st.accepted_tokens == st.drafted_tokens > 0
+    assert eng.stats.target_forwards < sum(len(p) for p in plain) / 3  # many tokens per forward
+
+
+def test_corrupted_oracle_partial_acceptance_is_lossless(tiny_target, prompts, plain):
+    oracle = Oracle({tuple(p): g for p, g in zip(prompts, plain)}, corrupt_every=2)
+    eng = assert_greedy_equal(tiny_target, [oracle], prompts, 40, n_parallel=4)
+    st = eng.stats.speculators["Oracle"]
+    assert 0 < st.accepted_tokens < st.drafted_tokens
+
+
+def test_scripted_drafts_and_chaining_picks_best(tiny_target, prompts, plain):
+    vocab = tiny_target.model.config.vocab_size
+    oracle = Oracle({tuple(p): g for p, g in zip(prompts, plain)})
+    specs = [Scripted([(5, 6, 7), (), (9,)]), RandomDrafts(vocab, seed=1), oracle]
+    eng = assert_greedy_equal(tiny_target, specs, prompts, 40, n_parallel=3)
+    s = eng.stats.speculators
+    # the oracle's measured acceptance makes it win nearly every sequence after a few steps
+    assert s["Oracle"].drafts > 3 * (s["Scripted"].drafts + s["RandomDrafts"].drafts)
+
+
+def test_each_sequence_in_a_batch_equals_its_solo_run(tiny_target, prompts):
+    vocab = tiny_target.model.config.vocab_size
+    batched, _ = greedy_outputs(tiny_target, [RandomDrafts(vocab, seed=7)], prompts, 30, n_parallel=8)
+    for p, b in zip(prompts, batched):
+        solo, _ = greedy_outputs(tiny_target, [RandomDrafts(vocab, seed=7)], [p], 30)
+        assert solo[0] == b
+
+
+@pytest.mark.parametrize("mode", ["raise", "oov", "too_long", "bad_len", "bad_probs"])
+def test_faulty_speculator_is_disabled_and_text_unchanged(tiny_target, prompts, plain, mode):
+    vocab = tiny_target.model.config.vocab_size
+    bad = speculator(Faulty(mode, vocab), name="faulty")
+    eng = assert_greedy_equal(tiny_target, [bad], prompts, 40, n_parallel=3)
+    assert "faulty" in eng.stats.disabled
+    assert not bad.enabled
+
+
+def test_dead_drafts_back_off(tiny_target, prompts):
+    vocab = tiny_target.model.config.vocab_size
+    rnd = RandomDrafts(vocab, seed=3)
+    eng = make_engine(tiny_target, [rnd])
+    eng.run([Request(prompts[0], 60)])
+    drafts = eng.stats.speculators["RandomDrafts"].drafts
+    assert drafts < 30  # paused after repeated rejections instead of drafting every step
+
+
+def test_max_tokens_and_stop_tokens(tiny_target, prompts, plain):
+    oracle = Oracle({tuple(p): g for p, g in zip(prompts, plain)})
+    eng = make_engine(tiny_target, [oracle])
+    res = eng.run([Request(p, 7) for p in prompts])
+    assert all(len(r.token_ids) == 7 and r.finish_reason == "length" for r in res)
+    assert [r.token_ids for r in res] == [p[:7] for p in plain]
+    # a stop token inside an accepted draft ends the sequence there
+    stop = plain[0][5]
+    eng = make_engine(tiny_target, [Oracle({tuple(prompts[0]): plain[0]})])
+    eng.stop_ids = frozenset({stop})
+    r = eng.run([Request(prompts[0], 40)])[0]
+    assert r.finish_reason == "stop" and r.token_ids == plain[0][: plain[0].index(stop)]
+
+
+class Recorder:
+    """Asks for embeddings and records what process_batch / remove receive."""
+
+    @classmethod
+    def make(cls, n_layer):
+        self = cls()
+        self.n_layer = n_layer
+        self.batches, self.removed, self.results, self.encoded = [], [], [], []
+        return self
+
+    @hookimpl
+    def request_embeddings(self, target):
+        return EmbeddingRequest(layers=(1,), final=True)
+
+    @hookimpl
+    def encode(self, batch):
+        return batch.embeddings["final"] * 2
+
+    @hookimpl
+    def process_batch(self, batch, encoded):
+        self.batches.append(batch)
+        self.encoded.append(encoded)
+
+    @hookimpl
+    def draft(self, requests):
+        return [Draft((7, 8, 9)[: r.n_max]) for r in requests]
+
+    @hookimpl
+    def verified(self, results):
+        self.results.extend(results)
+
+    @hookimpl
+    def remove(self, seq_id, p0):
+        self.removed.append((seq_id, p0))
+
+
+def test_process_batch_sees_exactly_the_committed_context(tiny_target, prompts):
+    rec = Recorder.make(tiny_target.model.config.n_layer)
+    eng = make_engine(tiny_target, [rec], n_parallel=2)
+    res = eng.run([Request(prompts[1], 20), Request(prompts[3], 20)])
+    for slot, (p, r) in enumerate(zip([prompts[1], prompts[3]], res)):
+        toks, pos = [], []
+        for b in rec.batches:
+            mask = b.seq_ids == slot
+            toks += b.token_ids[mask].tolist()
+            pos += b.positions[mask].tolist()
+        # positions 0..n-1, contiguous and in order; tokens = prompt + generated (minus the last,
+        # which was never fed back to the target)
+        assert pos == list(range(len(pos)))
+        full = p + r.token_ids
+        assert toks == full[: len(toks)] and len(toks) >= len(full) - 1
+    # embeddings: per batch, aligned with rows, and equal to a fresh forward's hidden states
+    m = tiny_target.model
+    first = rec.batches[0]
+    assert set(first.embeddings) == {1, "final"}
+    ref = m.forward(first.token_ids.tolist(), first.positions.tolist(), [0] * len(first), m.new_cache(1, 64),
+                    taps={1, m.config.n_layer})
+    torch.testing.assert_close(first.embeddings[1], ref.hidden[1])
+    torch.testing.assert_close(rec.encoded[0], ref.hidden[m.config.n_layer] * 2)
+    assert any(p0 > 0 for _, p0 in rec.removed)  # rejected drafts were rolled back
+    assert {(0, 0), (1, 0)} <= set(rec.removed)  # sequence ends
+    assert rec.results and all(v.n_accepted <= v.n_drafted for v in rec.results)
+
+
+def test_stochastic_run_is_reproducible_with_a_seed(tiny_target, prompts, plain):
+    from specplug.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    vocab = tiny_target.model.config.vocab_size
+    outs = []
+    for _ in range(2):
+        eng = make_engine(tiny_target, [RandomDrafts(vocab, seed=2)], sampling=sp, n_parallel=2)
+        outs.append([r.token_ids for r in eng.run([Request(p, 20) for p in prompts[:4]])])
+    assert outs[0] == outs[1]
+    assert outs[0] != [p[:20] for p in plain[:4]]  # it really sampled
+
+
+def test_empty_and_too_long_prompts(tiny_target):
+    from specplug.errors import SpecplugError
+
+    eng = make_engine(tiny_target, [], max_ctx=32)
+    with pytest.raises(SpecplugError, match="prompt is empty"):
+        eng.run([Request([], 5)])
+    with pytest.raises(SpecplugError, match="context size 32"):
+        eng.run([Request(list(range(40)), 5)])
