@@ -237,6 +237,8 @@ class Engine:
             out = self._forward(ids[a:b], list(range(a, b)), [slot] * (b - a), [b - a - 1] if last else [])
             self._tell_committed([(ids[i], i, slot) for i in range(a, b)], None, out.hidden, True)
             logits = out.logits
+        seq.stats.target_forwards += 1  # the forward that produced the first token
+        self.stats.target_forwards += 1
         probs = target_probs(logits, self.sampling) if not self.sampling.greedy else None
         first = int(logits[0].argmax()) if probs is None else sample(probs[0], gen)
         self._append(seq, [first], on_tokens)

@@ -1,0 +1,90 @@
+"""`specplug bench CONFIG.yaml --data ...`: the command users run to see whether speculation pays."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from specplug.errors import SpecplugError
+
+
+def select_prompts(records: list[dict], categories: str | None, limit: int | None, source: str) -> list[dict]:
+    """Filter by category (error naming unknown ones) and keep the first `limit` of each category."""
+    present = sorted({r["category"] for r in records})
+    if categories:
+        wanted = [c.strip() for c in categories.split(",") if c.strip()]
+        unknown = [c for c in wanted if c not in present]
+        if unknown:
+            raise SpecplugError(f"{source}: unknown categor{'y' if len(unknown) == 1 else 'ies'} "
+                                f"{', '.join(map(repr, unknown))}; present: {', '.join(present)}")
+        records = [r for r in records if r["category"] in wanted]
+    if limit is not None:
+        if limit < 1:
+            raise SpecplugError(f"--limit must be >= 1, got {limit}")
+        seen: dict[str, int] = {}
+        kept = []
+        for r in records:
+            if seen.get(r["category"], 0) < limit:
+                seen[r["category"]] = seen.get(r["category"], 0) + 1
+                kept.append(r)
+        records = kept
+    return records
+
+
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    from specplug.bench.data import DATASETS, dataset_path, read_jsonl_prompts
+    from specplug.bench.report import build_report, markdown_table, write_outputs
+    from specplug.bench.runner import Bench, peak_rss_mb
+    from specplug.config import load_config
+    from specplug.runtime import load_target
+
+    overrides = {"max_tokens": args.max_tokens} if args.max_tokens else {}
+    cfg = load_config(args.config, overrides)
+    if not cfg.speculators:
+        raise SpecplugError(f"{args.config}: `speculators:` is empty; the bench compares them with plain decoding")
+    path = dataset_path(args.data) if args.data in DATASETS else Path(args.data)
+    if args.data not in DATASETS and not path.suffix.startswith(".json"):
+        raise SpecplugError(f"unknown data set {args.data!r}; bundled: {', '.join(DATASETS)} (or pass a .jsonl file)")
+    records = select_prompts(read_jsonl_prompts(path), args.categories, args.limit, str(path))
+    if args.repeats < 1:
+        raise SpecplugError(f"--repeats must be >= 1, got {args.repeats}")
+    target = load_target(cfg.model, cfg.device, cfg.dtype, cfg.quant, cfg.threads)
+    bench = Bench(cfg, target, chain=args.chain)
+    n_turns = sum(len(r["turns"]) for r in records)
+    bar = tqdm(total=n_turns * len(bench.engines) * args.repeats, unit="run", file=sys.stderr,
+               desc=f"bench {Path(args.config).name} on {path.name}")
+    results = []
+    for i, rec in enumerate(records):
+        results += bench.run_prompt(rec, cfg.max_tokens, args.repeats, i, progress=lambda: bar.update(1))
+    bar.close()
+    variant_names = [n for n in bench.engines if n != "plain"]
+    settings = {"config": str(args.config), "data": str(path), "categories": args.categories, "limit": args.limit,
+                "repeats": args.repeats, "max_tokens": cfg.max_tokens, "model": cfg.model,
+                "device": str(target.model.device), "quant": target.model.quant,
+                "threads": cfg.threads, "greedy": cfg.sampling.greedy}
+    report = build_report(results, variant_names, settings, peak_rss_mb())
+    print(markdown_table(report))
+    out = Path(args.out)
+    written = write_outputs(report, out)
+    print(f"\npeak RSS {report['peak_rss_mb']} MB; wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    if report["mismatches"]:
+        for m in report["mismatches"]:
+            gap = f"{m['top2_gap']:.4f}" if m["top2_gap"] is not None else "n/a"
+            print(f"MISMATCH: prompt {m['id']} ({m['category']}, turn {m['turn']}) variant {m['variant']}: "
+                  f"differs from plain greedy at token {m['index']} (top-2 logit gap there: {gap})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="speculative vs plain decoding on real prompt sets")
+    p.add_argument("config")
+    p.add_argument("--data", default="spec_bench", help="spec_bench | mt_bench | humaneval | FILE.jsonl")
+    p.add_argument("--categories", help="comma-separated categories to keep")
+    p.add_argument("--limit", type=int, default=None, help="prompts per category")
+    p.add_argument("--repeats", type=int, default=1, help="runs per prompt and variant (median time)")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--chain", action="store_true", help="also bench all speculators chained together")
+    p.add_argument("--out", default="bench-out", help="folder for results.json, results.md and plots")
+    p.set_defaults(func=cmd_bench)

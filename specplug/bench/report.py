@@ -1,0 +1,144 @@
+"""Bench arithmetic: per-category and overall figures, the markdown table, results.json, plots.
+
+results.json (schema version 1):
+  {"schema": 1, "settings": {...}, "peak_rss_mb": float,
+   "overall":    {variant: FIGURES},
+   "categories": {category: {variant: FIGURES}},
+   "prompts":    [{"id", "category", "turn", "prompt_tokens", "mismatch",
+                   "runs": {variant|"plain": {"time_s", "tokens", "forwards", "drafted", "accepted"}}}],
+   "mismatches": [{"id", "category", "turn", "variant", "index", "top2_gap"}]}
+  FIGURES = {"n_prompts", "tokens", "plain_tok_s", "spec_tok_s",
+             "speedup"          (total plain time / total speculative time, per generated token),
+             "speedup_median"   (median of per-prompt tok/s ratios),
+             "mean_accepted_length" (tokens per target forward), "acceptance_rate",
+             "acceptance_per_position", "accepted_length_hist" (drafts by tokens accepted),
+             "time_split" {"target", "speculators", "host"} (fractions of speculative time),
+             "mismatches"}
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from specplug.bench.runner import PromptResult
+
+
+def figures(results: list[PromptResult], variant: str) -> dict:
+    """The figures of one variant over a set of prompt results (see module docstring)."""
+    rs = [r for r in results if variant in r.runs]
+    plain_t = sum(r.runs["plain"].time_s for r in rs)
+    spec_t = sum(r.runs[variant].time_s for r in rs)
+    plain_n = sum(len(r.runs["plain"].token_ids) for r in rs)
+    spec_n = sum(len(r.runs[variant].token_ids) for r in rs)
+    plain_tok_s = plain_n / plain_t if plain_t else 0.0
+    spec_tok_s = spec_n / spec_t if spec_t else 0.0
+    ratios = []
+    for r in rs:
+        p, s = r.runs["plain"], r.runs[variant]
+        if p.time_s > 0 and s.time_s > 0 and p.token_ids and s.token_ids:
+            ratios.append((len(s.token_ids) / s.time_s) / (len(p.token_ids) / p.time_s))
+    runs = [r.runs[variant] for r in rs]
+    forwards = sum(x.forwards for x in runs)
+    drafted = sum(x.drafted for x in runs)
+    accepted = sum(x.accepted for x in runs)
+    drafts = sum(x.drafts for x in runs)
+    width = max([len(x.drafted_at) for x in runs] + [0])
+    acc_at = [sum(x.accepted_at[i] if i < len(x.accepted_at) else 0 for x in runs) for i in range(width)]
+    dr_at = [sum(x.drafted_at[i] if i < len(x.drafted_at) else 0 for x in runs) for i in range(width)]
+    # drafts with exactly k accepted tokens: accepted_at[k-1] - accepted_at[k]
+    hist = [drafts - (acc_at[0] if acc_at else 0)] + [acc_at[k] - (acc_at[k + 1] if k + 1 < width else 0)
+                                                      for k in range(width)]
+    t_target = sum(x.time_target_s for x in runs)
+    t_spec = sum(x.time_speculators_s for x in runs)
+    return {
+        "n_prompts": len(rs),
+        "tokens": spec_n,
+        "plain_tok_s": round(plain_tok_s, 3),
+        "spec_tok_s": round(spec_tok_s, 3),
+        "speedup": round(spec_tok_s / plain_tok_s, 4) if plain_tok_s else 0.0,
+        "speedup_median": round(statistics.median(ratios), 4) if ratios else 0.0,
+        "mean_accepted_length": round(spec_n / forwards, 4) if forwards else 0.0,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(acc_at, dr_at)],
+        "accepted_length_hist": hist,
+        "time_split": {"target": round(t_target / spec_t, 4) if spec_t else 0.0,
+                       "speculators": round(t_spec / spec_t, 4) if spec_t else 0.0,
+                       "host": round(max(0.0, spec_t - t_target - t_spec) / spec_t, 4) if spec_t else 0.0},
+        "mismatches": sum(1 for r in rs if r.mismatch and r.mismatch["variant"] == variant),
+    }
+
+
+def build_report(results: list[PromptResult], variant_names: list[str], settings: dict, peak_rss_mb: float) -> dict:
+    cats = sorted({r.category for r in results})
+    return {
+        "schema": 1,
+        "settings": settings,
+        "peak_rss_mb": round(peak_rss_mb, 1),
+        "overall": {v: figures(results, v) for v in variant_names},
+        "categories": {c: {v: figures([r for r in results if r.category == c], v) for v in variant_names}
+                       for c in cats},
+        "prompts": [{"id": r.id, "category": r.category, "turn": r.turn, "prompt_tokens": r.prompt_tokens,
+                     "mismatch": r.mismatch,
+                     "runs": {n: {"time_s": round(x.time_s, 4), "tokens": len(x.token_ids), "forwards": x.forwards,
+                                  "drafted": x.drafted, "accepted": x.accepted} for n, x in r.runs.items()}}
+                    for r in results],
+        "mismatches": [{"id": r.id, "category": r.category, "turn": r.turn, **r.mismatch}
+                       for r in results if r.mismatch],
+    }
+
+
+def markdown_table(report: dict) -> str:
+    head = ("| category | speculator | prompts | plain tok/s | spec tok/s | speedup | median speedup | "
+            "accepted length | acceptance | mismatches |")
+    lines = [head, "|" + "---|" * 10]
+    rows = [(c, v) for c in report["categories"] for v in report["categories"][c]]
+    rows += [("**overall**", v) for v in report["overall"]]
+    for c, v in rows:
+        f = report["overall"][v] if c == "**overall**" else report["categories"][c][v]
+        lines.append(f"| {c} | {v} | {f['n_prompts']} | {f['plain_tok_s']:.1f} | {f['spec_tok_s']:.1f} | "
+                     f"{f['speedup']:.2f}x | {f['speedup_median']:.2f}x | {f['mean_accepted_length']:.2f} | "
+                     f"{100 * f['acceptance_rate']:.1f}% | {f['mismatches']} |")
+    return "\n".join(lines)
+
+
+def write_outputs(report: dict, out_dir: Path) -> list[Path]:
+    """results.json, results.md and the PNG plots (when matplotlib is installed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "results.md"]
+    paths[0].write_text(json.dumps(report, indent=2, default=str))
+    paths[1].write_text(markdown_table(report) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return paths
+    cats = list(report["categories"]) + ["overall"]
+    variants = list(report["overall"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats) * max(1, len(variants)) / 2), 4))
+    width = 0.8 / max(1, len(variants))
+    for i, v in enumerate(variants):
+        vals = [(report["categories"][c][v] if c != "overall" else report["overall"][v])["speedup"] for c in cats]
+        ax.bar([x + i * width for x in range(len(cats))], vals, width, label=v)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(variants) - 1) / 2 for x in range(len(cats))], cats, rotation=30, ha="right")
+    ax.set_ylabel("speedup over plain decoding (x)")
+    ax.set_title("specplug bench: speedup per category")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for v in variants:
+        hist = report["overall"][v]["accepted_length_hist"]
+        ax.plot(range(len(hist)), hist, marker="o", label=v)
+    ax.set_xlabel("draft tokens accepted in one verification")
+    ax.set_ylabel("drafts")
+    ax.set_title("accepted length histogram")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "accepted_length.png", dpi=110)
+    plt.close(fig)
+    return paths + [out_dir / "speedup.png", out_dir / "accepted_length.png"]

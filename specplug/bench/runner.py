@@ -1,0 +1,143 @@
+"""Run plain decoding and each speculative variant on the same prompts, interleaved.
+
+One target is loaded once; every variant is an Engine around it (plain = no speculators).
+For each prompt (and each turn of multi-turn prompts) the variants run back to back in a
+rotating order, so slow drift of the machine falls on all of them alike. Multi-turn sets
+feed the model's own first answer (from plain decoding) into the second turn.
+"""
+from __future__ import annotations
+
+import dataclasses
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specplug.api import build_engine, prompt_ids
+from specplug.config import RunConfig
+from specplug.engine import Engine, Request
+from specplug.runtime import Target
+
+
+@dataclass
+class Run:
+    """One prompt-turn under one variant."""
+
+    variant: str
+    time_s: float  # median over repeats
+    token_ids: list[int]
+    forwards: int
+    drafted: int = 0
+    accepted: int = 0
+    drafts: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    drafted_at: list[int] = field(default_factory=list)
+    time_target_s: float = 0.0
+    time_speculators_s: float = 0.0
+
+
+@dataclass
+class PromptResult:
+    id: object
+    category: str
+    turn: int
+    prompt_tokens: int
+    runs: dict[str, Run]
+    mismatch: dict | None = None  # greedy only: where a variant diverged from plain
+
+
+def variants(cfg: RunConfig, chain: bool) -> dict[str, RunConfig]:
+    """variant name -> config: each speculator alone, plus all of them chained if asked."""
+    out = {}
+    for s in cfg.speculators:
+        out[s.name] = dataclasses.replace(cfg, speculators=(s,))
+    if chain and len(cfg.speculators) > 1:
+        out["chain"] = cfg
+    if not out:
+        raise ValueError("the config lists no speculators to compare with plain decoding")
+    return out
+
+
+def top2_gap(target: Target, prefix: list[int], ctx: int) -> float:
+    """Logit gap between the best and second-best token after `prefix` (near-tie check)."""
+    m = target.model
+    logits = m.forward(prefix, list(range(len(prefix))), [0] * len(prefix), m.new_cache(1, ctx),
+                       logits_rows=[len(prefix) - 1]).logits[0]
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+class Bench:
+    def __init__(self, cfg: RunConfig, target: Target, chain: bool = False):
+        self.cfg = dataclasses.replace(cfg, parallel=1)
+        self.target = target
+        self.engines: dict[str, Engine] = {"plain": build_engine(self.cfg, target, speculators=False)}
+        for name, vcfg in variants(self.cfg, chain).items():
+            self.engines[name] = build_engine(vcfg, target)
+
+    def _once(self, name: str, ids: list[int], max_tokens: int) -> Run:
+        eng = self.engines[name]
+        before = (eng.stats.time_target_s, eng.stats.time_speculators_s)
+        t0 = time.perf_counter()
+        res = eng.run([Request(ids, max_tokens)])[0]
+        dt = time.perf_counter() - t0
+        st = res.stats
+        run = Run(name, dt, res.token_ids, st.target_forwards, st.drafted_tokens, st.accepted_tokens,
+                  time_target_s=eng.stats.time_target_s - before[0],
+                  time_speculators_s=eng.stats.time_speculators_s - before[1])
+        for s in st.by_speculator.values():
+            run.drafts += s.drafts
+            for arr_name in ("accepted_at", "drafted_at"):
+                arr, src = getattr(run, arr_name), getattr(s, arr_name)
+                arr.extend([0] * (len(src) - len(arr)))
+                for i, v in enumerate(src):
+                    arr[i] += v
+        return run
+
+    def run_prompt(self, rec: dict, max_tokens: int, repeats: int, index: int,
+                   progress: Callable[[], None] | None = None) -> list[PromptResult]:
+        tok = self.target.tokenizer
+        names = list(self.engines)
+        messages: list[dict] = []
+        results = []
+        for turn, text in enumerate(rec["turns"]):
+            messages.append({"role": "user", "content": text})
+            ids = prompt_ids(tok, messages, self.cfg.chat, self.cfg.system) if self.cfg.chat else tok.encode(text)
+            room = self.cfg.context - len(ids) - 1
+            if room < 1:
+                break
+            mt = min(max_tokens, room)
+            # rotate the order per prompt and turn so drift is shared by all variants
+            k = (index + turn) % len(names)
+            order = names[k:] + names[:k]
+            runs: dict[str, list[Run]] = {n: [] for n in names}
+            for _ in range(repeats):
+                for n in order:
+                    runs[n].append(self._once(n, ids, mt))
+                    if progress:
+                        progress()
+            med = {}
+            for n, rs in runs.items():
+                r = rs[0]
+                r.time_s = statistics.median(x.time_s for x in rs)
+                med[n] = r
+            pr = PromptResult(rec["id"], rec["category"], turn, len(ids), med)
+            plain = med["plain"].token_ids
+            if self.cfg.sampling.greedy:
+                for n, r in med.items():
+                    if r.token_ids != plain:
+                        j = next((i for i, (a, b) in enumerate(zip(plain, r.token_ids)) if a != b),
+                                 min(len(plain), len(r.token_ids)))
+                        gap = top2_gap(self.target, ids + plain[:j], self.cfg.context) if j < len(plain) else None
+                        pr.mismatch = {"variant": n, "index": j, "top2_gap": gap}
+                        break
+            results.append(pr)
+            messages.append({"role": "assistant", "content": tok.decode(plain, skip_special=True)})
+        return results
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
