@@ -51,6 +51,7 @@ def cmd_bench(args) -> int:
         raise SpecplugError(f"--repeats must be >= 1, got {args.repeats}")
     target = load_target(cfg.model, cfg.device, cfg.dtype, cfg.quant, cfg.threads)
     bench = Bench(cfg, target, chain=args.chain)
+    bench.warmup()
     n_turns = sum(len(r["turns"]) for r in records)
     bar = tqdm(total=n_turns * len(bench.engines) * args.repeats, unit="run", file=sys.stderr,
                desc=f"bench {Path(args.config).name} on {path.name}")

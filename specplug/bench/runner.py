@@ -97,6 +97,12 @@ class Bench:
                     arr[i] += v
         return run
 
+    def warmup(self, text: str = "Hello!") -> None:
+        """One short untimed run per engine: first calls pay for allocations and kernel setup."""
+        ids = prompt_ids(self.target.tokenizer, text, self.cfg.chat, self.cfg.system)
+        for n in self.engines:
+            self._once(n, ids, 8)
+
     def run_prompt(self, rec: dict, max_tokens: int, repeats: int, index: int,
                    progress: Callable[[], None] | None = None) -> list[PromptResult]:
         tok = self.target.tokenizer

@@ -1,0 +1,100 @@
+"""Bench arithmetic, prompt selection, data errors, and mismatch detection."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specplug.bench.cli import select_prompts
+from specplug.bench.data import dataset_path, read_jsonl_prompts
+from specplug.bench.report import build_report, figures, markdown_table, write_outputs
+from specplug.bench.runner import Bench, PromptResult, Run
+from specplug.config import parse_config
+from specplug.errors import SpecplugError
+
+
+def _pr(cat, plain_t, spec_t, n, forwards, drafted, accepted, acc_at, dr_at, mismatch=None):
+    return PromptResult(1, cat, 0, 10, {
+        "plain": Run("plain", plain_t, list(range(n)), n),
+        "v": Run("v", spec_t, list(range(n)), forwards, drafted, accepted, len(dr_at) and dr_at[0], acc_at, dr_at,
+                 time_target_s=spec_t * 0.5, time_speculators_s=spec_t * 0.1),
+    }, mismatch)
+
+
+def test_figures_arithmetic():
+    a = _pr("x", 2.0, 1.0, 20, 8, 20, 12, [4, 3, 2], [4, 4, 4])  # 2x on 20 tokens
+    b = _pr("x", 1.0, 1.0, 10, 10, 0, 0, [], [])  # 1x on 10 tokens
+    f = figures([a, b], "v")
+    assert f["plain_tok_s"] == pytest.approx(30 / 3.0)
+    assert f["spec_tok_s"] == pytest.approx(30 / 2.0)
+    assert f["speedup"] == pytest.approx(1.5)  # total-time ratio
+    assert f["speedup_median"] == pytest.approx(1.5)  # median of [2.0, 1.0]
+    assert f["mean_accepted_length"] == pytest.approx(30 / 18, abs=1e-4)
+    assert f["acceptance_rate"] == pytest.approx(0.6)
+    assert f["acceptance_per_position"] == [1.0, 0.75, 0.5]
+    # 4 drafts: accepted >=1: 4, >=2: 3, >=3: 2 -> exactly 0:0, 1:1, 2:1, 3:2
+    assert f["accepted_length_hist"] == [0, 1, 1, 2]
+    assert f["time_split"] == {"target": 0.5, "speculators": 0.1, "host": 0.4}
+
+
+def test_report_table_json_and_plots(tmp_path):
+    rs = [_pr("sum", 2.0, 1.0, 20, 8, 20, 12, [4, 3, 2], [4, 4, 4]),
+          _pr("qa", 1.0, 2.0, 10, 10, 5, 0, [0], [5], mismatch={"variant": "v", "index": 3, "top2_gap": 0.001})]
+    rep = build_report(rs, ["v"], {"x": 1}, 123.4)
+    assert rep["categories"]["sum"]["v"]["speedup"] == 2.0 and rep["categories"]["qa"]["v"]["speedup"] == 0.5
+    assert rep["overall"]["v"]["mismatches"] == 1
+    assert rep["mismatches"] == [{"id": 1, "category": "qa", "turn": 0, "variant": "v", "index": 3, "top2_gap": 0.001}]
+    table = markdown_table(rep)
+    assert "| sum | v | 1 | 10.0 | 20.0 | 2.00x |" in table and "**overall**" in table
+    written = write_outputs(rep, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["overall"]["v"]["tokens"] == 30
+    for p in written:
+        assert p.stat().st_size > 0
+    assert {p.name for p in written} >= {"results.json", "results.md", "speedup.png", "accepted_length.png"}
+
+
+def test_bundled_datasets_and_selection():
+    sb = read_jsonl_prompts(dataset_path("spec_bench"))
+    assert len(sb) == 480 and {"summarization", "rag", "writing"} <= {r["category"] for r in sb}
+    he = read_jsonl_prompts(dataset_path("humaneval"))
+    assert len(he) == 164 and he[0]["id"] == "HumanEval/0"
+    mt = read_jsonl_prompts(dataset_path("mt_bench"))
+    assert all(len(r["turns"]) == 2 for r in mt)
+    picked = select_prompts(sb, "rag,summarization", 2, "sb")
+    assert [r["category"] for r in picked] == ["summarization", "summarization", "rag", "rag"]
+    with pytest.raises(SpecplugError, match="unknown category 'sumarization'; present: "):
+        select_prompts(sb, "sumarization", None, "sb")
+    with pytest.raises(SpecplugError, match="unknown data set 'specbench'"):
+        dataset_path("specbench")
+
+
+def test_bad_prompt_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(SpecplugError, match="empty.jsonl: no prompts"):
+        read_jsonl_prompts(empty)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["a"]}\n{"turns": []}\n')
+    with pytest.raises(SpecplugError, match="bad.jsonl:2: needs a non-empty 'turns'"):
+        read_jsonl_prompts(bad)
+
+
+def test_mismatch_is_detected_with_the_prompt_named(tiny_target, tiny_gguf, monkeypatch):
+    cfg = parse_config({"model": str(tiny_gguf), "device": "cpu", "quant": "none", "max_tokens": 12,
+                        "speculators": [{"type": "noop"}]})
+    bench = Bench(cfg, tiny_target)
+    rec = {"id": "p7", "category": "c", "turns": ["hello there", "and again"]}
+    ok = bench.run_prompt(rec, 12, 1, 0)
+    assert len(ok) == 2 and all(r.mismatch is None for r in ok)  # two turns, lossless
+    real = bench._once
+
+    def corrupt(name, ids, mt):
+        run = real(name, ids, mt)
+        if name == "noop":
+            run.token_ids = run.token_ids[:4] + [(run.token_ids[4] + 1) % 200] + run.token_ids[5:]
+        return run
+
+    monkeypatch.setattr(bench, "_once", corrupt)
+    bad = bench.run_prompt(rec, 12, 1, 0)
+    assert bad[0].mismatch["variant"] == "noop" and bad[0].mismatch["index"] == 4
+    assert bad[0].mismatch["top2_gap"] > 0
