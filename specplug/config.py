@@ -19,6 +19,7 @@ import yaml
 
 from specplug.engine import DraftPolicy
 from specplug.errors import ConfigError, SpecplugError
+from specplug.plugins import HOST_KEYS
 from specplug.sampling import SamplingParams
 
 
@@ -51,6 +52,7 @@ class RunConfig:
 
 
 _SPEC_HOST_KEYS = {"type", "name"} | {f.name for f in dataclasses.fields(DraftPolicy)}
+assert _SPEC_HOST_KEYS == HOST_KEYS, "plugins.HOST_KEYS must list DraftPolicy's fields"
 
 
 def _type_ok(value: Any, tp: Any) -> bool:

@@ -122,6 +122,7 @@ class Engine:
                 taps.add(n_layer)
         self.taps = frozenset(taps)
         self.stats = RunStats()
+        self._asked: dict[str, dict[int, int]] = {}  # speculator -> {seq: tokens it proposed} this step
         for s in self.specs:
             self.stats.speculators[s.name] = s.stats
 
@@ -284,7 +285,7 @@ class Engine:
             if problem:
                 self._disable(spec, problem)
                 continue
-            asked[spec.name] = [r.seq_id for r in reqs]
+            asked[spec.name] = {r.seq_id: len(d) if d is not None else 0 for r, d in zip(reqs, res)}
             acc = spec.acceptance
             for r, d in zip(reqs, res):
                 if d is None or len(d) == 0:
@@ -372,9 +373,9 @@ class Engine:
             if not asked or not spec.enabled:
                 continue
             results = []
-            for slot in asked:
+            for slot, n_proposed in asked.items():
                 mine = slot in chosen and chosen[slot][0] is spec
-                n_d, n_a = outcome[slot] if mine else (0, 0)
+                n_d, n_a = outcome[slot] if mine else (n_proposed, 0)
                 results.append(Verified(slot, n_d, n_a, mine))
                 if not mine or n_a < n_d:
                     q = next(q for q in seqs if q.slot == slot)

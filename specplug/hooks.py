@@ -98,9 +98,11 @@ def verified(results: Sequence[Verified]) -> None:
 
 @hookspec
 def remove(seq_id: int, p0: int) -> None:
-    """Positions >= p0 of sequence `seq_id` are gone from the target's context.
+    """Positions >= p0 of sequence `seq_id` are not (or no longer) in the target's context.
 
-    Called after a verification rejected draft tokens (p0 = the first position no longer in
-    the target's context), and with p0 = 0 when a sequence finishes and its id may be reused.
+    Called after a verification for every sequence this speculator was asked to draft for,
+    unless its own draft was verified and fully accepted (p0 = the target's committed end:
+    anything you drafted or processed at p0 or later is stale), and with p0 = 0 when a
+    sequence finishes and its id may be reused for a new one.
     Drop your own state for those positions (like `llama_memory_seq_rm(mem, seq_id, p0, -1)`).
     """

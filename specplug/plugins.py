@@ -21,6 +21,8 @@ from specplug.errors import PluginError
 
 GROUP = "specplug.speculators"
 ENV_ALLOW = "SPECPLUG_LOAD_PLUGINS"
+# YAML keys of a speculator entry that the host reads itself (engine.DraftPolicy + type/name)
+HOST_KEYS = frozenset({"type", "name", "n_max", "n_min", "p_min", "backoff"})
 HOOK_NAMES = ("are_compatible", "request_embeddings", "encode", "process_batch", "draft", "verified", "remove")
 
 
@@ -77,6 +79,10 @@ def _check_class(cls: Any, name: str) -> None:
     params = getattr(cls, "Params", None)
     if params is None or not dataclasses.is_dataclass(params):
         raise PluginError(f"speculator class {cls.__qualname__} needs a dataclass attribute `Params`")
+    clash = sorted({f.name for f in dataclasses.fields(params)} & HOST_KEYS)
+    if clash:
+        raise PluginError(f"speculator type {name!r}: Params field(s) {', '.join(clash)} clash with YAML keys the host "
+                          f"reserves ({', '.join(sorted(HOST_KEYS))}); rename them")
     # validate hook names/signatures now, so a misspelled hook is an error at start-up
     pm = new_plugin_manager()
     try:

