@@ -133,3 +133,10 @@ def test_cli_errors_exit_2_with_message(tmp_path, capsys):
     cfg = write(tmp_path, "model: /does/not/exist.gguf\n")
     assert main(["run", str(cfg), "--prompts", str(bad)]) == 2
     assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[1].glob("examples/*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_examples_are_valid(path):
+    cfg = load_config(path)
+    assert cfg.speculators, f"{path.name} configures no speculator"
