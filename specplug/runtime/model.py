@@ -162,7 +162,7 @@ class Transformer:
         cfg = self.config
         n = len(token_ids)
         assert n == len(positions) == len(seq_ids) and n > 0, (n, len(positions), len(seq_ids))
-        plan = _Plan(positions, seq_ids, cache, self.device)
+        plan = _Plan(positions, seq_ids, cache, self.device, cfg.n_head // cfg.n_head_kv, self.dtype)
         dev = self.device
         tok = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
         if plan.gather is not None:
@@ -187,10 +187,8 @@ class Transformer:
             k = qk[:, H:]
             v = qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D))
             kc, vc = plan.write(cache.k[li], k), plan.write(cache.v[li], v)
-            q = q.unflatten(0, (B, T)).transpose(1, 2)  # [B, H, T, D]
-            o = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=plan.mask,
-                                               enable_gqa=Hkv != H)
-            x = L.o(o.transpose(1, 2).reshape(B * T, H * D), residual=x)
+            o = _attention(q, kc.to(q.dtype), vc.to(q.dtype), plan.mask, B, T, H, Hkv, D)
+            x = L.o(o, residual=x)
             gu = L.gate_up.norm_linear(x, cfg.rms_eps)
             x = L.down(F.silu(gu[:, : cfg.n_ff]) * gu[:, cfg.n_ff:], residual=x)
         if cfg.n_layer in taps:
@@ -204,13 +202,31 @@ class Transformer:
         return ForwardOutput(logits=logits, hidden=hidden)
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               B: int, T: int, H: int, Hkv: int, D: int) -> torch.Tensor:
+    """q [B*T, H, D], k/v [B, Hkv, L, D] -> [B*T, H*D].
+
+    With several query rows, the G = H/Hkv query heads sharing a kv head become rows of one
+    attention per kv head ([B, Hkv, G*T, D]): no K/V repetition and fewer, larger kernels.
+    """
+    if T == 1:
+        o = F.scaled_dot_product_attention(q.unflatten(0, (B, 1)).transpose(1, 2), k, v, attn_mask=mask,
+                                           enable_gqa=Hkv != H)  # [B, H, 1, D]
+        return o.reshape(B, H * D)
+    G = H // Hkv
+    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # [B, Hkv, G*T, D]
+    return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
+
+
 class _Plan:
     """How a batch of entries maps onto a padded [B sequences, T tokens] layout and the cache.
 
     Computed once per forward in Python (the batch is small), used by every layer.
     """
 
-    def __init__(self, positions: Sequence[int], seq_ids: Sequence[int], cache: KVCache, dev: torch.device):
+    def __init__(self, positions: Sequence[int], seq_ids: Sequence[int], cache: KVCache, dev: torch.device,
+                 group: int = 1, dtype: torch.dtype = torch.float32):
         positions = [int(p) for p in positions]
         seq_ids = [int(s) for s in seq_ids]
         groups: dict[int, list[int]] = {}
@@ -270,8 +286,11 @@ class _Plan:
         if need_mask:
             kpos = torch.arange(L, device=dev)
             valid = cache.valid[self._slot_span[0]:self._slot_span[1], :L] if self._slot_span else cache.valid[self._slot_idx, :L]
-            mask = (kpos.view(1, 1, L) <= self.q_pos.view(B, T, 1)) & valid.view(B, 1, L)
-            self.mask = mask.unsqueeze(1)  # [B, 1, T, L] bool
+            keep = (kpos.view(1, 1, L) <= self.q_pos.view(B, T, 1)) & valid.view(B, 1, L)  # [B, T, L]
+            # additive float mask (SDPA converts a bool one on every call), rows laid out as
+            # _attention groups them: [B, 1, G*T, L] for T > 1, [B, 1, 1, L] for T == 1
+            mask = torch.zeros(keep.shape, dtype=dtype, device=dev).masked_fill_(~keep, float("-inf"))
+            self.mask = mask.unsqueeze(1) if T == 1 else mask.unsqueeze(1).repeat(1, 1, group, 1).view(B, 1, group * T, L)
         self._max_ctx = cache.max_ctx
 
     def write(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
