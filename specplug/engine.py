@@ -240,7 +240,7 @@ class Engine:
             logits = out.logits
         seq.stats.target_forwards += 1  # the forward that produced the first token
         self.stats.target_forwards += 1
-        probs = target_probs(logits, self.sampling) if not self.sampling.greedy else None
+        probs = target_probs(logits.float().cpu(), self.sampling) if not self.sampling.greedy else None
         first = int(logits[0].argmax()) if probs is None else sample(probs[0], gen)
         self._append(seq, [first], on_tokens)
         return seq

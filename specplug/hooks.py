@@ -81,8 +81,11 @@ def draft(requests: Sequence[DraftRequest]) -> Sequence[Draft | None] | None:
     Return a sequence of the same length as `requests`, element i a Draft for requests[i]
     or None for no draft; returning None means no drafts at all this step. Rules, enforced by
     the host (breaking one disables the speculator): at most `requests[i].n_max` tokens;
-    every id in [0, vocab_size); `probs`, when given, shaped [len(draft), vocab_size] with
-    rows that are probability distributions giving the drafted token non-zero mass.
+    every id in [0, vocab_size); `probs`, when given, shaped [len(draft), vocab_size] (any
+    device) with rows that are probability distributions giving the drafted token non-zero
+    mass. `probs` must be the distribution each token was actually *sampled* from: a method
+    that picks tokens by argmax returns probs=None (treated as one-hot), never its softmax,
+    or stochastic verification would be biased.
     Drafting should be batched across requests where the method allows it (one forward of a
     draft model for all sequences).
     """

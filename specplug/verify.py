@@ -35,7 +35,10 @@ def verify(target_logits: torch.Tensor, draft_ids: list[int], draft_probs: torch
         while a < g and draft_ids[a] == best[a]:
             a += 1
         return Verdict(a, best[a])
-    p = target_probs(target_logits, sp)  # [g+1, vocab]
+    # sampling happens on the CPU with the sequence's CPU generator, whatever the device
+    p = target_probs(target_logits.float().cpu(), sp)  # [g+1, vocab]
+    if draft_probs is not None:
+        draft_probs = draft_probs.float().cpu()
     if g:
         idx = torch.tensor(draft_ids)
         p_d = p[torch.arange(g), idx]

@@ -64,7 +64,10 @@ class Transformer:
         self.path = gguf.path
         self.device, self.dtype = device, dtype
         if quant == "auto":
-            quant = "int8" if device.type == "cpu" and dtype == torch.float32 and int8_available() else "none"
+            # int8 is opt-in: its activation quantization turns attention's last-bit rounding
+            # differences (k rows vs 1 row) into real ones, so speculative output could differ
+            # from plain output away from near-ties. Exact float weights keep it lossless.
+            quant = "none"
         if quant == "int8" and (device.type != "cpu" or dtype != torch.float32 or not int8_available()):
             raise ModelError("quant: int8 needs device: cpu and dtype: float32 on an x86 torch build with fbgemm")
         self.quant = quant

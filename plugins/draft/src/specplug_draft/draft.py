@@ -46,7 +46,7 @@ class DraftModel:
         model: str  # known model name or path to a .gguf file: the drafter (required)
         device: str = "auto"  # auto = the target's device | cpu | cuda[:N]
         dtype: str = "float32"  # float32 | bfloat16 | float16
-        quant: str = "auto"  # auto (int8 on CPU) | none | int8
+        quant: str = "auto"  # auto (= the runtime default, none) | none | int8 (fast, approximate)
         temperature: float = 0.0  # 0 = greedy, token-only drafts; > 0 = sampled drafts with probs
         # Stop a sequence's draft when the drafter's top probability falls below this (llama.cpp
         # --draft-p-min). Not `p_min`: that YAML key belongs to the host's DraftPolicy, which can only
