@@ -81,9 +81,9 @@ def _use_fbgemm() -> None:
 class Int8Linear:
     """Per-output-channel int8 weights, per-row dynamically quantized activations (CPU).
 
-    With `norm_weight` g, the RMSNorm before the linear is folded in: W*g is quantized, and
-    since a row is divided by its own max |x| anyway, rms_norm's per-row factor only
-    rescales the output. That saves the norm's ops on the hot path (8 small ops, not 12).
+    With `norm_weight`, `norm_linear(x)` is linear(rms_norm(x) * norm_weight). (Folding the
+    norm weight into W saves ops but quantizes the raw residual stream, whose outlier
+    channels cost accuracy: top-1 agreement with float32 fell from >90% to 83%.)
     """
 
     _MAX_BUFFERS = 16
@@ -91,7 +91,8 @@ class Int8Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None):
         out_f, in_f = weight.shape
         w = torch.zeros(out_f, in_f + 2, dtype=torch.float32)
-        w[:, :in_f] = weight.float() if norm_weight is None else weight.float() * norm_weight.float()
+        w[:, :in_f] = weight.float()
+        self.norm_weight = None if norm_weight is None else norm_weight.float()
         scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12).double()
         _use_fbgemm()
         with warnings.catch_warnings():
@@ -127,10 +128,4 @@ class Int8Linear:
         return y.mul_(scale) if residual is None else torch.addcmul(residual, y, scale)
 
     def norm_linear(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        """linear(rms_norm(x) * g) with g folded into the weights."""
-        scale = torch.linalg.vector_norm(x, float("inf"), -1, keepdim=True).clamp_min_(1e-30)
-        y = self._matmul(x, scale)
-        # rms_norm's factor rsqrt(mean(x^2) + eps), times the row scale
-        rms = torch.linalg.vector_norm(x, 2, -1, keepdim=True).mul_(x.shape[-1] ** -0.5)
-        y.mul_(scale.div_(torch.hypot(rms, torch.tensor(eps ** 0.5))))
-        return y if self.bias is None else y.add_(self.bias)
+        return self(rms_norm(x, self.norm_weight, eps))
