@@ -47,7 +47,6 @@ class RunConfig:
     system: str | None = None  # system message for chat prompts
     ignore_eos: bool = False
     prefill_chunk: int = 256
-    row_cost: float = 0.07  # draft-length model: extra cost of one more verified row, relative to T(1) (bench-runtime)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculators: tuple[SpeculatorConfig, ...] = ()
 
@@ -147,8 +146,7 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
         raise ConfigError(f"speculators: name {sorted(dup)[0]!r} is used twice; give each a distinct `name:`")
     cfg = build_dataclass(RunConfig, data, "")
     for key, ok, rule in [("context", cfg.context >= 16, ">= 16"), ("parallel", cfg.parallel >= 1, ">= 1"),
-                          ("max_tokens", cfg.max_tokens >= 1, ">= 1"), ("prefill_chunk", cfg.prefill_chunk >= 1, ">= 1"),
-                          ("row_cost", cfg.row_cost >= 0, ">= 0")]:
+                          ("max_tokens", cfg.max_tokens >= 1, ">= 1"), ("prefill_chunk", cfg.prefill_chunk >= 1, ">= 1")]:
         if not ok:
             raise ConfigError(f"{key} must be {rule}, got {getattr(cfg, key)!r}")
     return dataclasses.replace(cfg, sampling=sampling, speculators=specs)

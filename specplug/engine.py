@@ -52,19 +52,10 @@ class Speculator:
     stats: SpecStats = field(default_factory=SpecStats)
     _seq: dict[int, list[int]] = field(default_factory=dict)  # seq -> [n_cur, dead, skip]
 
-    def expected_accepted(self, n: int) -> list[float]:
-        """E[accepted tokens] if a draft is cut to g = 1..n tokens, from this speculator's
-        measured acceptance at each draft position (given all earlier ones were accepted),
-        with a prior of 1/2 per position so that a new speculator gets tried."""
-        st, out, reach, total = self.stats, [], 1.0, 0.0
-        for i in range(n):
-            acc = st.accepted_at[i] if i < len(st.accepted_at) else 0
-            prev = st.drafts if i == 0 else (st.accepted_at[i - 1] if i - 1 < len(st.accepted_at) else 0)
-            tried = min(prev, st.drafted_at[i] if i < len(st.drafted_at) else 0)
-            reach *= (acc + 1) / (tried + 2)
-            total += reach
-            out.append(total)
-        return out
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance estimate with a weak prior (so a new speculator gets tried)."""
+        return (self.stats.accepted_tokens + 1) / (self.stats.drafted_tokens + 2)
 
     def state(self, seq: int) -> list[int]:
         st = self._seq.get(seq)
@@ -111,7 +102,7 @@ class Engine:
 
     def __init__(self, target: Target, speculators: Sequence[Speculator] = (), n_parallel: int = 1,
                  max_ctx: int = 2048, sampling: SamplingParams = SamplingParams(), prefill_chunk: int = 256,
-                 ignore_eos: bool = False, strict: bool = False, row_cost: float = 0.07):
+                 ignore_eos: bool = False, strict: bool = False):
         self.target = target
         self.model = target.model
         self.specs = list(speculators)
@@ -121,7 +112,6 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.stop_ids = frozenset() if ignore_eos else target.tokenizer.eot_ids
         self.strict = strict  # tests: re-raise speculator errors instead of disabling
-        self.row_cost = row_cost  # extra cost of one more row in a forward, relative to a 1-row forward
         self.cache = self.model.new_cache(n_parallel, max_ctx)
         self.vocab = self.model.config.vocab_size
         n_layer = self.model.config.n_layer
@@ -296,7 +286,7 @@ class Engine:
                 self._disable(spec, problem)
                 continue
             asked[spec.name] = {r.seq_id: len(d) if d is not None else 0 for r, d in zip(reqs, res)}
-            base = len(seqs)  # rows of this step without any draft
+            acc = spec.acceptance
             for r, d in zip(reqs, res):
                 if d is None or len(d) == 0:
                     continue
@@ -304,29 +294,13 @@ class Engine:
                     p = d.probs[torch.arange(len(d)), torch.tensor(d.token_ids)].tolist()
                     cut = next((i for i, x in enumerate(p) if x < spec.policy.p_min), len(d))
                     d = Draft(d.token_ids[:cut], d.probs[:cut])
-                # cut the draft where the expected gain stops paying for the extra verified rows
-                gains = spec.expected_accepted(len(d))
-                values = [base / self._cost(base)] + [(base + e) / self._cost(base + g + 1)
-                                                      for g, e in enumerate(gains)]
-                g = max(range(len(values)), key=values.__getitem__)
-                if g < len(d):
-                    d = Draft(d.token_ids[:g], None if d.probs is None else d.probs[:g])
                 if len(d) < spec.policy.n_min or len(d) == 0:
                     continue
-                score = gains[g - 1]
+                score = acc * len(d)
                 if r.seq_id not in best or score > best[r.seq_id][0]:
                     best[r.seq_id] = (score, spec, d)
         self._asked = asked
         return {k: (v[1], v[2]) for k, v in best.items()}
-
-    def _cost(self, rows: int) -> float:
-        """Relative time of a decoding forward of `rows` rows: 1 + row_cost * (rows - 1).
-
-        A fixed model, not live timings, so that draft lengths (and with them a seeded
-        sampling run) are reproducible; `specplug bench-runtime` measures the slope
-        (T(k)/T(1) grows ~7% per row for the float32 CPU runtime, ~1% on a GPU).
-        """
-        return 1.0 + self.row_cost * (rows - 1)
 
     def _check_drafts(self, res: Any, reqs: list[DraftRequest]) -> str | None:
         if not isinstance(res, (list, tuple)) or len(res) != len(reqs):
