@@ -88,3 +88,14 @@ def test_sampling_filters():
     torch.testing.assert_close(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     p = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))
     torch.testing.assert_close(p, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.5, 0.9), (3.0, 0.99)])  # nucleus inside / beyond the top 256
+def test_top_p_matches_a_full_sort_on_a_large_vocabulary(temperature, top_p):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 49152) * 4
+    got = target_probs(logits, SamplingParams(temperature=temperature, top_p=top_p))
+    p = torch.softmax(logits / temperature, -1)
+    sp, idx = torch.sort(p, -1, descending=True)
+    ref = p.scatter(-1, idx, sp.masked_fill(sp.cumsum(-1) - sp >= top_p, 0.0))
+    torch.testing.assert_close(got, ref / ref.sum(-1, keepdim=True), rtol=0, atol=1e-7)
