@@ -37,7 +37,7 @@ class DraftPolicy:
     n_max: int = 16  # longest draft verified
     n_min: int = 1  # shorter drafts are not worth a verification row
     p_min: float = 0.0  # cut a draft at its first token whose draft probability is below this
-    backoff: int = 3  # consecutive fully rejected drafts before a sequence pauses this speculator
+    backoff: int = 6  # consecutive fully rejected drafts before a sequence pauses this speculator
 
 
 @dataclass
