@@ -84,7 +84,7 @@ def test_mismatch_is_detected_with_the_prompt_named(tiny_target, tiny_gguf, monk
                         "speculators": [{"type": "noop"}]})
     bench = Bench(cfg, tiny_target)
     rec = {"id": "p7", "category": "c", "turns": ["hello there", "and again"]}
-    ok = bench.run_prompt(rec, 12, 1, 0)
+    ok = bench.run_prompt(rec, 12, 0)
     assert len(ok) == 2 and all(r.mismatch is None for r in ok)  # two turns, lossless
     real = bench._once
 
@@ -95,6 +95,26 @@ def test_mismatch_is_detected_with_the_prompt_named(tiny_target, tiny_gguf, monk
         return run
 
     monkeypatch.setattr(bench, "_once", corrupt)
-    bad = bench.run_prompt(rec, 12, 1, 0)
+    bad = bench.run_prompt(rec, 12, 0)
     assert bad[0].mismatch["variant"] == "noop" and bad[0].mismatch["index"] == 4
     assert bad[0].mismatch["top2_gap"] > 0
+
+
+def test_passes_merge_to_the_median_run():
+    from specplug.bench.runner import merge_passes
+
+    def pr(t, acc):
+        r = _pr("c", 1.0, t, 10, 5, 8, acc, [acc], [8])
+        return [r]
+
+    merged = merge_passes([pr(3.0, 1), pr(1.0, 2), pr(2.0, 3)])
+    assert merged[0].runs["v"].time_s == 2.0 and merged[0].runs["v"].accepted == 3  # one run, whole
+
+
+def test_repeated_passes_use_fresh_speculators(tiny_target, tiny_gguf):
+    cfg = parse_config({"model": str(tiny_gguf), "device": "cpu", "quant": "none", "max_tokens": 8,
+                        "speculators": [{"type": "noop"}]})
+    bench = Bench(cfg, tiny_target)
+    first = bench.engines["noop"].specs[0].caller.plugin
+    bench.fresh_engines()
+    assert bench.engines["noop"].specs[0].caller.plugin is not first

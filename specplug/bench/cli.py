@@ -35,7 +35,7 @@ def cmd_bench(args) -> int:
 
     from specplug.bench.data import DATASETS, dataset_path, read_jsonl_prompts
     from specplug.bench.report import build_report, markdown_table, write_outputs
-    from specplug.bench.runner import Bench, peak_rss_mb
+    from specplug.bench.runner import Bench, merge_passes, peak_rss_mb
     from specplug.config import load_config
     from specplug.runtime import load_target
 
@@ -52,13 +52,20 @@ def cmd_bench(args) -> int:
     target = load_target(cfg.model, cfg.device, cfg.dtype, cfg.quant, cfg.threads)
     bench = Bench(cfg, target, chain=args.chain)
     bench.warmup()
+    bench.fresh_engines()  # the warm-up must not seed any speculator's state
     n_turns = sum(len(r["turns"]) for r in records)
     bar = tqdm(total=n_turns * len(bench.engines) * args.repeats, unit="run", file=sys.stderr,
                desc=f"bench {Path(args.config).name} on {path.name}")
-    results = []
-    for i, rec in enumerate(records):
-        results += bench.run_prompt(rec, cfg.max_tokens, args.repeats, i, progress=lambda: bar.update(1))
+    passes = []
+    for r in range(args.repeats):  # whole passes, each with fresh speculators: see Bench.fresh_engines
+        if r:
+            bench.fresh_engines()
+        results = []
+        for i, rec in enumerate(records):
+            results += bench.run_prompt(rec, cfg.max_tokens, i + r, progress=lambda: bar.update(1))
+        passes.append(results)
     bar.close()
+    results = merge_passes(passes)
     variant_names = [n for n in bench.engines if n != "plain"]
     settings = {"config": str(args.config), "data": str(path), "categories": args.categories, "limit": args.limit,
                 "repeats": args.repeats, "max_tokens": cfg.max_tokens, "model": cfg.model,
@@ -84,7 +91,8 @@ def register(sub) -> None:
     p.add_argument("--data", default="spec_bench", help="spec_bench | mt_bench | humaneval | FILE.jsonl")
     p.add_argument("--categories", help="comma-separated categories to keep")
     p.add_argument("--limit", type=int, default=None, help="prompts per category")
-    p.add_argument("--repeats", type=int, default=1, help="runs per prompt and variant (median time)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="passes over the prompts, each with fresh speculators; per prompt the median-time run is kept")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--chain", action="store_true", help="also bench all speculators chained together")
     p.add_argument("--out", default="bench-out", help="folder for results.json, results.md and plots")

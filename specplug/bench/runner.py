@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import resource
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -74,9 +73,16 @@ class Bench:
     def __init__(self, cfg: RunConfig, target: Target, chain: bool = False):
         self.cfg = dataclasses.replace(cfg, parallel=1)
         self.target = target
-        self.engines: dict[str, Engine] = {"plain": build_engine(self.cfg, target, speculators=False)}
-        for name, vcfg in variants(self.cfg, chain).items():
-            self.engines[name] = build_engine(vcfg, target)
+        self.variants = variants(self.cfg, chain)
+        self.fresh_engines()
+
+    def fresh_engines(self) -> None:
+        """New engines with new speculator instances. Called before each pass over the prompts:
+        speculators that learn across a run (ngram-mod's pool, ngram-cache's dynamic cache)
+        would otherwise have seen a prompt's answer when it is repeated."""
+        self.engines: dict[str, Engine] = {"plain": build_engine(self.cfg, self.target, speculators=False)}
+        for name, vcfg in self.variants.items():
+            self.engines[name] = build_engine(vcfg, self.target)
 
     def _once(self, name: str, ids: list[int], max_tokens: int) -> Run:
         eng = self.engines[name]
@@ -103,8 +109,9 @@ class Bench:
         for n in self.engines:
             self._once(n, ids, 8)
 
-    def run_prompt(self, rec: dict, max_tokens: int, repeats: int, index: int,
+    def run_prompt(self, rec: dict, max_tokens: int, index: int,
                    progress: Callable[[], None] | None = None) -> list[PromptResult]:
+        """Every variant on one prompt (each turn of it), in an order rotated by `index`."""
         tok = self.target.tokenizer
         names = list(self.engines)
         messages: list[dict] = []
@@ -119,17 +126,12 @@ class Bench:
             # rotate the order per prompt and turn so drift is shared by all variants
             k = (index + turn) % len(names)
             order = names[k:] + names[:k]
-            runs: dict[str, list[Run]] = {n: [] for n in names}
-            for _ in range(repeats):
-                for n in order:
-                    runs[n].append(self._once(n, ids, mt))
-                    if progress:
-                        progress()
             med = {}
-            for n, rs in runs.items():
-                r = rs[0]
-                r.time_s = statistics.median(x.time_s for x in rs)
-                med[n] = r
+            for n in order:
+                med[n] = self._once(n, ids, mt)
+                if progress:
+                    progress()
+            med = {n: med[n] for n in names}
             pr = PromptResult(rec["id"], rec["category"], turn, len(ids), med)
             plain = med["plain"].token_ids
             if self.cfg.sampling.greedy:
@@ -143,6 +145,21 @@ class Bench:
             results.append(pr)
             messages.append({"role": "assistant", "content": tok.decode(plain, skip_special=True)})
         return results
+
+
+def merge_passes(passes: list[list[PromptResult]]) -> list[PromptResult]:
+    """Per prompt-turn and variant, keep the run with the median time over the passes
+    (the whole run, so its time and its acceptance figures belong together)."""
+    merged = []
+    for same in zip(*passes):
+        first = same[0]
+        runs = {}
+        for n in first.runs:
+            ordered = sorted((p.runs[n] for p in same), key=lambda r: r.time_s)
+            runs[n] = ordered[(len(ordered) - 1) // 2]
+        mismatch = next((p.mismatch for p in same if p.mismatch), None)
+        merged.append(PromptResult(first.id, first.category, first.turn, first.prompt_tokens, runs, mismatch))
+    return merged
 
 
 def peak_rss_mb() -> float:
