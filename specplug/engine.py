@@ -176,6 +176,10 @@ class Engine:
         for i, r in enumerate(requests):
             if not r.prompt_ids:
                 raise SpecplugError(f"request {r.id if r.id is not None else i}: the prompt is empty")
+            bad = next((t for t in r.prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab)), None)
+            if bad is not None:
+                raise SpecplugError(f"request {r.id if r.id is not None else i}: token id {bad!r} is outside "
+                                    f"the vocabulary [0, {self.vocab})")
             if len(r.prompt_ids) + 1 > self.max_ctx:
                 raise SpecplugError(f"request {r.id if r.id is not None else i}: the prompt has {len(r.prompt_ids)} "
                                     f"tokens, more than the context size {self.max_ctx} allows (raise `context`)")

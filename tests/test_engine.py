@@ -186,5 +186,7 @@ def test_empty_and_too_long_prompts(tiny_target):
     eng = make_engine(tiny_target, [], max_ctx=32)
     with pytest.raises(SpecplugError, match="prompt is empty"):
         eng.run([Request([], 5)])
+    with pytest.raises(SpecplugError, match="token id 999999 is outside the vocabulary"):
+        eng.run([Request([5, 999999], 5)])
     with pytest.raises(SpecplugError, match="context size 32"):
         eng.run([Request(list(range(40)), 5)])
