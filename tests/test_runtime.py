@@ -102,7 +102,6 @@ def test_logits_only_for_requested_rows_and_taps(tiny_target):
     torch.testing.assert_close(out.logits, full[[9, 3]])
     torch.testing.assert_close(out.hidden[0], m.embed[torch.tensor(toks)])
     final = out.hidden[n_layer]
-    normed = final * torch.rsqrt(final.square().mean(-1, keepdim=True) + m.config.rms_eps) * m.norm
     torch.testing.assert_close(m.head.norm_linear(final, m.config.rms_eps), full, rtol=1e-4, atol=1e-4)
     none = run(m, m.new_cache(1, 64), toks, list(range(10)), [0] * 10, logits_rows=[])
     assert none.logits is None and none.hidden == {}
