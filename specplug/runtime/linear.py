@@ -71,13 +71,6 @@ def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def _use_fbgemm() -> None:
-    # torch's default "x86" engine picks fbgemm or oneDNN per call by shape, and the two do
-    # not round alike: rows would then depend on how many share a batch. Pin fbgemm.
-    if torch.backends.quantized.engine != "fbgemm":
-        torch.backends.quantized.engine = "fbgemm"
-
-
 class Int8Linear:
     """Per-output-channel int8 weights, per-row dynamically quantized activations (CPU).
 
@@ -94,7 +87,6 @@ class Int8Linear:
         w[:, :in_f] = weight.float()
         self.norm_weight = None if norm_weight is None else norm_weight.float()
         scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12).double()
-        _use_fbgemm()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch marks quantized tensor creation as deprecated
             qw = torch.quantize_per_channel(w, scale, torch.zeros(out_f, dtype=torch.long), 0, torch.qint8)

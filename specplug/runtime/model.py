@@ -116,8 +116,9 @@ class Transformer:
             raise ModelError(f"{gguf.path}: token_embd.weight has shape {tuple(emb.shape)}, "
                              f"expected ({cfg.vocab_size}, {cfg.n_embd})")
         self.embed = emb.to(device, dtype)  # [vocab, n_embd]
-        self.norm = vec(t("output_norm.weight"))
-        self.head = lin(emb if cfg.tied_embeddings else t("output.weight"), None, t("output_norm.weight"))
+        out_norm = t("output_norm.weight")
+        self.norm = vec(out_norm)  # [n_embd]: the head applies it (norm_linear); kept for callers of taps
+        self.head = lin(emb if cfg.tied_embeddings else t("output.weight"), None, out_norm)
         # RoPE as complex rotations of interleaved pairs, one row per position.
         inv = cfg.rope_base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
         self._rope_inv_freq = inv.float()
@@ -269,8 +270,7 @@ class _Plan:
         # cache cells written by this batch (real rows only; pads would clobber cells)
         w_seq = [s for s, g in groups.items() for _ in g]
         w_pos = [positions[i] for g in groups.values() for i in g]
-        real_rows = real if real is not None else None
-        self._real_rows = None if real_rows is None or len(real_rows) == B * T else torch.tensor(real_rows, device=dev)
+        self._real_rows = None if real is None or len(real) == B * T else torch.tensor(real, device=dev)
         s0, p = self.slots[0], positions
         contiguous = B == 1 and p == list(range(p[0], p[0] + n))
         self._span = (s0, p[0], p[0] + n) if contiguous else None
@@ -294,7 +294,6 @@ class _Plan:
             # _attention groups them: [B, 1, G*T, L] for T > 1, [B, 1, 1, L] for T == 1
             mask = torch.zeros(keep.shape, dtype=dtype, device=dev).masked_fill_(~keep, float("-inf"))
             self.mask = mask.unsqueeze(1) if T == 1 else mask.unsqueeze(1).repeat(1, 1, group, 1).view(B, 1, group * T, L)
-        self._max_ctx = cache.max_ctx
 
     def write(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new K or V rows [B*T, Hkv, D] into `store` [n_seq, Hkv, max_ctx, D]; return [B, Hkv, L, D]."""
