@@ -7,7 +7,7 @@ from specplug.config import RunConfig
 from specplug.engine import Engine, Speculator, target_info
 from specplug.errors import PluginError, SpecplugError
 from specplug.plugins import HookCaller, get_type, new_plugin_manager
-from specplug.runtime import Target, Tokenizer, load_target
+from specplug.runtime import KVCache, Target, Tokenizer, load_target
 from specplug.types import EmbeddingRequest, TargetInfo
 
 
@@ -42,14 +42,16 @@ def build_speculators(cfg: RunConfig, info: TargetInfo) -> list[Speculator]:
     return out
 
 
-def build_engine(cfg: RunConfig, target: Target | None = None, speculators: bool = True) -> Engine:
-    """Load the target (unless given) and build an Engine; speculators=False gives plain decoding."""
+def build_engine(cfg: RunConfig, target: Target | None = None, speculators: bool = True,
+                 cache: KVCache | None = None) -> Engine:
+    """Load the target (unless given) and build an Engine; speculators=False gives plain decoding.
+    `cache`: a KV cache to share with engines that never run at the same time."""
     if target is None:
         target = load_target(cfg.model, cfg.device, cfg.dtype, cfg.quant, cfg.threads)
     info = target_info(target, cfg.parallel, cfg.context)
     specs = build_speculators(cfg, info) if speculators else []
     return Engine(target, specs, n_parallel=cfg.parallel, max_ctx=cfg.context, sampling=cfg.sampling,
-                  prefill_chunk=cfg.prefill_chunk, ignore_eos=cfg.ignore_eos)
+                  prefill_chunk=cfg.prefill_chunk, ignore_eos=cfg.ignore_eos, cache=cache)
 
 
 def prompt_ids(tokenizer: Tokenizer, turns: str | Sequence[dict], chat: bool, system: str | None = None) -> list[int]:

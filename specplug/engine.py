@@ -22,7 +22,7 @@ import torch
 from specplug.errors import SpecplugError
 from specplug.metrics import RunStats, SeqStats, SpecStats
 from specplug.plugins import HookCaller
-from specplug.runtime import Target
+from specplug.runtime import KVCache, Target
 from specplug.sampling import SamplingParams, sample, target_probs
 from specplug.types import Batch, Draft, DraftRequest, EmbeddingRequest, TargetInfo, Verified
 from specplug.verify import verify
@@ -102,7 +102,7 @@ class Engine:
 
     def __init__(self, target: Target, speculators: Sequence[Speculator] = (), n_parallel: int = 1,
                  max_ctx: int = 2048, sampling: SamplingParams = SamplingParams(), prefill_chunk: int = 256,
-                 ignore_eos: bool = False, strict: bool = False):
+                 ignore_eos: bool = False, strict: bool = False, cache: KVCache | None = None):
         self.target = target
         self.model = target.model
         self.specs = list(speculators)
@@ -112,7 +112,11 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.stop_ids = frozenset() if ignore_eos else target.tokenizer.eot_ids
         self.strict = strict  # tests: re-raise speculator errors instead of disabling
-        self.cache = self.model.new_cache(n_parallel, max_ctx)
+        # engines that never run at the same time (the bench's variants) may share one cache:
+        # every sequence's cells are cleared when it finishes
+        if cache is not None and (cache.n_seq < n_parallel or cache.max_ctx < max_ctx):
+            raise ValueError(f"shared cache holds {cache.n_seq} x {cache.max_ctx}, need {n_parallel} x {max_ctx}")
+        self.cache = cache if cache is not None else self.model.new_cache(n_parallel, max_ctx)
         self.vocab = self.model.config.vocab_size
         n_layer = self.model.config.n_layer
         taps: set[int] = set()

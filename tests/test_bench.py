@@ -118,3 +118,12 @@ def test_repeated_passes_use_fresh_speculators(tiny_target, tiny_gguf):
     first = bench.engines["noop"].specs[0].caller.plugin
     bench.fresh_engines()
     assert bench.engines["noop"].specs[0].caller.plugin is not first
+
+
+def test_variants_share_one_kv_cache(tiny_target, tiny_gguf):
+    cfg = parse_config({"model": str(tiny_gguf), "device": "cpu", "quant": "none", "max_tokens": 8,
+                        "speculators": [{"type": "noop"}, {"type": "noop", "name": "other"}]})
+    bench = Bench(cfg, tiny_target, chain=True)
+    assert len({id(e.cache) for e in bench.engines.values()}) == 1
+    res = bench.run_prompt({"id": 1, "category": "c", "turns": ["hello there"]}, 8, 0)
+    assert all(r.token_ids == res[0].runs["plain"].token_ids for r in res[0].runs.values())

@@ -74,15 +74,16 @@ class Bench:
         self.cfg = dataclasses.replace(cfg, parallel=1)
         self.target = target
         self.variants = variants(self.cfg, chain)
+        self.cache = target.model.new_cache(1, self.cfg.context)  # the variants run one after another
         self.fresh_engines()
 
     def fresh_engines(self) -> None:
         """New engines with new speculator instances. Called before each pass over the prompts:
         speculators that learn across a run (ngram-mod's pool, ngram-cache's dynamic cache)
         would otherwise have seen a prompt's answer when it is repeated."""
-        self.engines: dict[str, Engine] = {"plain": build_engine(self.cfg, self.target, speculators=False)}
+        self.engines: dict[str, Engine] = {"plain": build_engine(self.cfg, self.target, False, self.cache)}
         for name, vcfg in self.variants.items():
-            self.engines[name] = build_engine(vcfg, self.target)
+            self.engines[name] = build_engine(vcfg, self.target, cache=self.cache)
 
     def _once(self, name: str, ids: list[int], max_tokens: int) -> Run:
         eng = self.engines[name]
