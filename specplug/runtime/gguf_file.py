@@ -141,6 +141,23 @@ class GGUFFile:
         arr = arr.reshape(shape).astype(np.float32, copy=False)
         return arr if arr.flags.writeable else arr.copy()  # F32 tensors come straight from the read-only map
 
+    def raw(self, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
+        """A tensor as stored: (bytes [rows, bytes per row], type name, torch-order shape)."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelError(f"{self.path}: tensor {name!r} is missing")
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        qtype = GGMLQuantizationType(t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        block, size = GGML_QUANT_SIZES[qtype]
+        data = np.asarray(t.data).view(np.uint8)
+        row_bytes = shape[-1] // block * size
+        if shape[-1] % block or data.size != int(np.prod(shape[:-1])) * row_bytes:
+            raise ModelError(f"{self.path}: tensor {name!r} ({qtype.name}) holds {data.size} bytes, "
+                             f"which does not match its shape {shape}")
+        return data.reshape(-1, row_bytes), qtype.name, shape
+
     def tensor_type(self, name: str) -> str:
         from gguf import GGMLQuantizationType
 

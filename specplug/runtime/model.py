@@ -7,20 +7,24 @@ tapped; nothing is computed or copied for rows and taps nobody asked for.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from specplug.errors import ModelError
 from specplug.runtime.gguf_file import GGUFFile, ModelConfig
 from specplug.runtime.kv_cache import KVCache
+from specplug.runtime import native
 from specplug.runtime.linear import DenseLinear, Int8Linear, int8_available, rms_norm
+from specplug.runtime.native import QuantLinear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTS = ("auto", "none", "int8")
+QUANTS = ("auto", "none", "int8", "gguf")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -30,6 +34,35 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelError(f"device {device!r} was asked for but torch sees no CUDA device (use device: cpu or auto)")
     return torch.device(device)
+
+
+_LINEAR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+                    "ffn_up.weight", "ffn_down.weight")
+
+
+def _gguf_problem(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why quant: gguf cannot run this model here, or None."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return "it runs on device: cpu with dtype: float32"
+    if cfg.n_embd % 32 or cfg.n_ff % 32:
+        return f"n_embd ({cfg.n_embd}) and n_ff ({cfg.n_ff}) must be multiples of 32"
+    if cfg.head_dim % 8 or cfg.head_dim > 256:
+        return f"head_dim ({cfg.head_dim}) must be a multiple of 8, at most 256"
+    return native.unavailable_reason()
+
+
+def _auto_quant(gguf: GGUFFile, device: torch.device, dtype: torch.dtype) -> str:
+    """gguf for a quantized file on CPU when the kernels build here; none (exact float weights) otherwise."""
+    quantized = all(gguf.tensor_type(n) not in ("F32", "F16", "BF16", "F64")
+                    for n in gguf.tensors if n.endswith(_LINEAR_SUFFIXES))
+    if not quantized or _gguf_problem(gguf.config, device, dtype):
+        return "none"
+    try:
+        native.kernels()
+    except ModelError as exc:
+        warnings.warn(f"{exc}; running with exact float weights (quant: none) instead")
+        return "none"
+    return "gguf"
 
 
 @dataclass(frozen=True)
@@ -64,12 +97,14 @@ class Transformer:
         self.path = gguf.path
         self.device, self.dtype = device, dtype
         if quant == "auto":
-            # int8 is opt-in: its activation quantization turns attention's last-bit rounding
-            # differences (k rows vs 1 row) into real ones, so speculative output could differ
-            # from plain output away from near-ties. Exact float weights keep it lossless.
-            quant = "none"
+            quant = _auto_quant(gguf, device, dtype)
         if quant == "int8" and (device.type != "cpu" or dtype != torch.float32 or not int8_available()):
             raise ModelError("quant: int8 needs device: cpu and dtype: float32 on an x86 torch build with fbgemm")
+        if quant == "gguf":
+            problem = _gguf_problem(cfg, device, dtype)
+            if problem:
+                raise ModelError(f"{gguf.path}: quant: gguf is not possible here: {problem} (use quant: none)")
+            self._k = native.kernels()
         self.quant = quant
 
         def t(name: str) -> torch.Tensor:
@@ -80,6 +115,22 @@ class Transformer:
                 return Int8Linear(w, b, norm)
             return DenseLinear(w.to(device, dtype), None if b is None else b.to(device, dtype),
                                None if norm is None else norm.to(device, dtype))
+
+        def qlin(names: list[str], heads: list[int] | None = None, b: torch.Tensor | None = None,
+                 norm: torch.Tensor | None = None):
+            """The named tensors stacked by rows as GGUF blocks; heads[i]: neox-permute part i."""
+            parts = [gguf.raw(n) for n in names]
+            types = {qt for _, qt, _ in parts}
+            perm = [heads[i] if heads else None for i in range(len(names))]
+            if len(types) == 1 and types <= set(native.NATIVE_TYPES):
+                rows = [torch.from_numpy(np.array(r)) for r, _, _ in parts]
+                rows = [r if h is None else _neox_to_interleaved(r, h, cfg.head_dim) for r, h in zip(rows, perm)]
+                raw = torch.cat(rows).numpy()
+                return QuantLinear.from_blocks(raw, types.pop(), (raw.shape[0], parts[0][2][1]), bias=b,
+                                               norm_weight=norm)
+            ws = [t(n) for n in names]  # other types: re-quantized to Q8_0
+            ws = [w if h is None else _neox_to_interleaved(w, h, cfg.head_dim) for w, h in zip(ws, perm)]
+            return QuantLinear.from_float(torch.cat(ws), bias=b, norm_weight=norm)
 
         def vec(w: torch.Tensor) -> torch.Tensor:
             return w.to(device, dtype)
@@ -99,13 +150,24 @@ class Transformer:
             if wq.shape != (H * D, cfg.n_embd) or wk.shape != (Hkv * D, cfg.n_embd):
                 raise ModelError(f"{gguf.path}: {p}attn_q/attn_k have shapes {tuple(wq.shape)}/{tuple(wk.shape)}, "
                                  f"which do not match the metadata (heads {H}/{Hkv}, head_dim {D})")
-            layer = _Layer(
-                qkv=lin(torch.cat([wq, wk, wv]), None if bias is None else torch.cat(bias), t(p + "attn_norm.weight")),
-                o=lin(t(p + "attn_output.weight")),
-                gate_up=lin(torch.cat([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")]), None,
-                            t(p + "ffn_norm.weight")),
-                down=lin(t(p + "ffn_down.weight")),
-            )
+            if quant == "gguf":
+                neox = [H, Hkv, None] if cfg.rope_style == "neox" else None
+                layer = _Layer(
+                    qkv=qlin([p + f"attn_{x}.weight" for x in "qkv"], neox, None if bias is None else torch.cat(bias),
+                             t(p + "attn_norm.weight")),
+                    o=qlin([p + "attn_output.weight"]),
+                    gate_up=qlin([p + "ffn_gate.weight", p + "ffn_up.weight"], None, None, t(p + "ffn_norm.weight")),
+                    down=qlin([p + "ffn_down.weight"]),
+                )
+            else:
+                layer = _Layer(
+                    qkv=lin(torch.cat([wq, wk, wv]), None if bias is None else torch.cat(bias),
+                            t(p + "attn_norm.weight")),
+                    o=lin(t(p + "attn_output.weight")),
+                    gate_up=lin(torch.cat([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")]), None,
+                                t(p + "ffn_norm.weight")),
+                    down=lin(t(p + "ffn_down.weight")),
+                )
             if cfg.qk_norm:
                 perm = _neox_to_interleaved(torch.arange(D).float().unsqueeze(1), 1, D).squeeze(1).long()
                 layer.q_norm = vec(t(p + "attn_q_norm.weight")[perm])
@@ -118,11 +180,15 @@ class Transformer:
         self.embed = emb.to(device, dtype)  # [vocab, n_embd]
         out_norm = t("output_norm.weight")
         self.norm = vec(out_norm)  # [n_embd]: the head applies it (norm_linear); kept for callers of taps
-        self.head = lin(emb if cfg.tied_embeddings else t("output.weight"), None, out_norm)
+        if quant == "gguf":
+            self.head = qlin(["token_embd.weight" if cfg.tied_embeddings else "output.weight"], None, None, out_norm)
+        else:
+            self.head = lin(emb if cfg.tied_embeddings else t("output.weight"), None, out_norm)
         # RoPE as complex rotations of interleaved pairs, one row per position.
         inv = cfg.rope_base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
         self._rope_inv_freq = inv.float()
         self._rope = torch.empty(0, D // 2, dtype=torch.complex64, device=device)
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self.metadata = gguf.metadata
 
     @classmethod
@@ -166,6 +232,8 @@ class Transformer:
         cfg = self.config
         n = len(token_ids)
         assert n == len(positions) == len(seq_ids) and n > 0, (n, len(positions), len(seq_ids))
+        if self.quant == "gguf":
+            return self._forward_gguf(token_ids, positions, seq_ids, cache, logits_rows, taps)
         plan = _Plan(positions, seq_ids, cache, self.device, cfg.n_head // cfg.n_head_kv, self.dtype)
         dev = self.device
         tok = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
@@ -204,6 +272,57 @@ class Transformer:
             xr = x if rows is None else x[rows]
             logits = self.head.norm_linear(xr, cfg.rms_eps).float()
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def _forward_gguf(self, token_ids, positions, seq_ids, cache: KVCache, logits_rows, taps) -> ForwardOutput:
+        """forward() on the GGUF-block kernels: every entry is one row, no padding, no mask.
+
+        Each row attends to its own sequence's valid cells up to its position, so rows of
+        different sequences and lengths mix freely and every row's result is independent of
+        the rest of the batch.
+        """
+        cfg, k = self.config, self._k
+        positions = [int(p) for p in positions]
+        seq_ids = [int(s) for s in seq_ids]
+        groups: dict[int, list[int]] = {}
+        for s, p in zip(seq_ids, positions):
+            groups.setdefault(s, []).append(p)
+        for s, pos in groups.items():
+            if len(set(pos)) != len(pos):
+                raise ValueError(f"sequence {s} has the same position twice in one batch: {sorted(pos)}")
+            cache._check_seq(s)
+            cache.note_writes(s, pos)
+        if cache.k.dtype != torch.float32 or cache.k.device.type != "cpu":
+            raise ModelError("quant: gguf needs a float32 CPU cache (make it with model.new_cache)")
+        seq_t = torch.tensor(seq_ids, dtype=torch.int32)
+        pos_t = torch.tensor(positions, dtype=torch.int32)
+        cache.valid[seq_t.long(), pos_t.long()] = True
+        cos, sin = self._cos_sin_table(cache.max_ctx)
+        x = self.embed[torch.as_tensor(token_ids, dtype=torch.long)]
+        H, Hkv, D, eps = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
+        scale = D ** -0.5
+        hidden: dict[int, torch.Tensor] = {}
+        for li, L in enumerate(self.layers):
+            if li in taps:
+                hidden[li] = x
+            qkv = L.qkv.norm_linear(x, eps)  # [n, (H + 2 Hkv) D]
+            kc, vc = cache.k[li], cache.v[li]
+            k.rope_store(qkv, seq_t, pos_t, cos, sin, H, Hkv, L.q_norm, L.k_norm, eps, kc, vc)
+            x = L.o(k.attention(qkv, kc, vc, seq_t, pos_t, cache.valid, H, scale), residual=x)
+            x = L.down.matmul(k.silu_mul_quantize(L.gate_up.norm_linear(x, eps)), residual=x)
+        if cfg.n_layer in taps:
+            hidden[cfg.n_layer] = x
+        logits = None
+        if logits_rows is None or len(logits_rows) > 0:
+            xr = x if logits_rows is None or list(logits_rows) == list(range(len(seq_ids))) else \
+                x[torch.as_tensor(list(logits_rows), dtype=torch.long)]
+            logits = self.head.norm_linear(xr, eps)
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    def _cos_sin_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos_sin is None or self._cos_sin[0].shape[0] < n:
+            rope = self._rope_table(n)
+            self._cos_sin = (rope.real.contiguous(), rope.imag.contiguous())
+        return self._cos_sin
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -1,0 +1,495 @@
+// CPU kernels that compute directly on GGUF's quantized weight blocks (AVX2 + FMA + F16C).
+//
+// The scheme is llama.cpp's: each activation row is quantized to 8 bits per block of 32
+// values (Q8 with one float scale per block), and dotted in integers with the weights as
+// stored in the file (Q4_1 or Q8_0); one float multiply-add per block applies the scales.
+// Weights are re-laid out at load into tiles of 8 output columns so that one 256-bit
+// register holds 4 consecutive weights of 8 columns and the activations are broadcast.
+//
+// Every kernel is batch-invariant: a row's result depends only on that row (and for
+// attention on that row's keys), never on how many rows share the call or on the thread
+// count. Each output value is reduced by one thread in one fixed order. That is what makes
+// verifying k drafted tokens in one forward give bit-identical results to decoding them
+// one at a time, so speculative decoding stays exactly lossless.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int QK = 32;  // values per quantization block
+constexpr int NC = 8;   // output columns per weight tile
+constexpr int RT = 4;   // activation rows per pass over a tile (more spills registers)
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline float hmax(__m256 v) {
+  __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_max_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline int hsum_i32(__m256i v) {
+  __m128i lo = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0x4e));
+  lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0xb1));
+  return _mm_cvtsi128_si32(lo);
+}
+
+// exp(x) for 8 floats (Cephes polynomial, ~1 ulp over the clamped range).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// Quantize 32 floats to int8 with one scale (round to nearest even); returns d, writes sum(q)*d.
+inline float quantize_block(const float* y, int8_t* q, float* s) {
+  __m256 v0 = _mm256_loadu_ps(y), v1 = _mm256_loadu_ps(y + 8), v2 = _mm256_loadu_ps(y + 16),
+         v3 = _mm256_loadu_ps(y + 24);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                           _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+  const float amax = hmax(a);
+  const float d = amax / 127.0f;
+  const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+  __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));
+  __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+  __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id));
+  __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
+  *s = d * (float)hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+  i0 = _mm256_packs_epi32(i0, i1);
+  i2 = _mm256_packs_epi32(i2, i3);
+  i0 = _mm256_packs_epi16(i0, i2);
+  i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i*)q, i0);
+  return d;
+}
+
+void check_cpu_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+// Rows of x (optionally RMS-normalized and scaled by w) -> int8 blocks, block scales d, and d*sum(q).
+std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
+                                         double eps) {
+  check_cpu_f32(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % QK == 0, "row length must be a multiple of 32");
+  const int64_t nb = K / QK;
+  auto q = torch::empty({M, K}, torch::kInt8);
+  auto d = torch::empty({M, nb}, torch::kFloat32);
+  auto s = torch::empty({M, nb}, torch::kFloat32);
+  const float* w = nullptr;
+  if (norm_w.has_value()) {
+    TORCH_CHECK(norm_w->is_contiguous() && norm_w->numel() == K && norm_w->scalar_type() == torch::kFloat32);
+    w = norm_w->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  float* sp = s.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(K);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * ldx;
+      const float* src = xr;
+      if (w) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+          __m256 v = _mm256_loadu_ps(xr + k);
+          acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        const __m256 sc = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / (float)K + (float)eps));
+        for (int64_t k = 0; k < K; k += 8)
+          _mm256_storeu_ps(buf.data() + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k), sc),
+                                                         _mm256_loadu_ps(w + k)));
+        src = buf.data();
+      }
+      for (int64_t b = 0; b < nb; ++b)
+        dp[r * nb + b] = quantize_block(src + b * QK, qp + r * K + b * QK, sp + r * nb + b);
+    }
+  });
+  return {q, d, s};
+}
+
+// silu(g) * u for gu = [g | u] rows, quantized like quantize_rows.
+std::vector<torch::Tensor> silu_mul_quantize(const torch::Tensor& gu) {
+  check_cpu_f32(gu, "gu");
+  const int64_t M = gu.size(0), F = gu.size(1) / 2;
+  TORCH_CHECK(F % QK == 0, "ffn width must be a multiple of 32");
+  const int64_t nb = F / QK;
+  auto q = torch::empty({M, F}, torch::kInt8);
+  auto d = torch::empty({M, nb}, torch::kFloat32);
+  auto s = torch::empty({M, nb}, torch::kFloat32);
+  const float* gp = gu.data_ptr<float>();
+  const int64_t ld = gu.stride(0);
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  float* sp = s.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(F);
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = gp + r * ld;
+      const float* u = g + F;
+      for (int64_t k = 0; k < F; k += 8) {
+        __m256 gv = _mm256_loadu_ps(g + k);
+        __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, neg))));
+        _mm256_storeu_ps(buf.data() + k, _mm256_mul_ps(sg, _mm256_loadu_ps(u + k)));
+      }
+      for (int64_t b = 0; b < nb; ++b)
+        dp[r * nb + b] = quantize_block(buf.data() + b * QK, qp + r * F + b * QK, sp + r * nb + b);
+    }
+  });
+  return {q, d, s};
+}
+
+struct Act {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t K, nb;
+};
+
+// R rows x 8 columns of one Q4_1 tile. qs: nb blocks of 4 x 32 bytes; byte c*4+i of load p
+// holds w[c][4p+i] (low nibble) and w[c][16+4p+i] (high nibble), as GGUF stores them.
+template <int R>
+inline void q4_1_tile(const uint8_t* qs, const uint16_t* wd, const uint16_t* wm, const Act& a, int64_t r0,
+                      __m256* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wd + b * NC)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wm + b * NC)));
+    const uint8_t* blk = qs + b * 128;
+    __m256i s16[R];
+    for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + p * 32));
+      const __m256i lo = _mm256_and_si256(raw, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
+        // Each maddubs lane sums two products of at most 15*127: 8 of them fit in int16.
+        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[p])));
+        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[p + 4])));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * a.nb + b;
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+      acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d[rb])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[rb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// R rows x 8 columns of one Q8_0 tile: byte c*4+i of load j holds w[c][4j+i].
+template <int R>
+inline void q8_0_tile(const uint8_t* qs, const uint16_t* wd, const uint16_t*, const Act& a, int64_t r0,
+                      __m256* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wd + b * NC)));
+    const uint8_t* blk = qs + b * 256;
+    __m256i s32[R];
+    for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
+      const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, with sign moved onto x
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w);
+        s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * a.nb + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[rb])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+template <int R, bool Q4>
+inline void run_tile(const uint8_t* qs, const uint16_t* wd, const uint16_t* wm, const Act& a, int64_t r0,
+                     __m256* out) {
+  if constexpr (Q4)
+    q4_1_tile<R>(qs, wd, wm, a, r0, out);
+  else
+    q8_0_tile<R>(qs, wd, wm, a, r0, out);
+}
+
+// y[M, N] = x @ W.T (+ bias) (+ residual), W given as tiles (see the tile kernels).
+template <bool Q4>
+torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Tensor& qs, const torch::Tensor& wd,
+                          const c10::optional<torch::Tensor>& wm, const c10::optional<torch::Tensor>& bias,
+                          const c10::optional<torch::Tensor>& residual, int64_t n_out) {
+  TORCH_CHECK(xa.size() == 3, "activations are (q, d, s)");
+  const auto& xq = xa[0];
+  const int64_t M = xq.size(0), K = xq.size(1), nb = K / QK;
+  const int64_t ntile = qs.size(0);
+  const int64_t N = ntile * NC;
+  TORCH_CHECK(qs.size(1) == nb, "weight has ", qs.size(1), " blocks per row, activations ", nb);
+  TORCH_CHECK(n_out > N - NC && n_out <= N, "n_out must be within the last tile");
+  auto y = torch::empty({M, n_out}, torch::kFloat32);
+  const Act a{xq.data_ptr<int8_t>(), xa[1].data_ptr<float>(), xa[2].data_ptr<float>(), K, nb};
+  const uint8_t* qsp = qs.data_ptr<uint8_t>();
+  const int64_t tile_bytes = qs.stride(0);
+  const uint16_t* wdp = (const uint16_t*)wd.data_ptr();
+  const uint16_t* wmp = wm.has_value() ? (const uint16_t*)wm->data_ptr() : nullptr;
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const float* rp = nullptr;
+  int64_t ldr = 0;
+  if (residual.has_value()) {
+    check_cpu_f32(*residual, "residual");
+    TORCH_CHECK(residual->size(0) == M && residual->size(1) == n_out, "residual has the wrong shape");
+    rp = residual->data_ptr<float>();
+    ldr = residual->stride(0);
+  }
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, ntile, 1, [&](int64_t t0, int64_t t1) {
+    __m256 out[4];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tq = qsp + t * tile_bytes;
+      const uint16_t* td = wdp + t * nb * NC;
+      const uint16_t* tm = wmp ? wmp + t * nb * NC : nullptr;
+      const __m256 bv = bp ? _mm256_loadu_ps(bp + t * NC) : _mm256_setzero_ps();
+      for (int64_t r0 = 0; r0 < M; r0 += RT) {
+        const int64_t R = std::min<int64_t>(RT, M - r0);
+        switch (R) {
+          case 4: run_tile<4, Q4>(tq, td, tm, a, r0, out); break;
+          case 3: run_tile<3, Q4>(tq, td, tm, a, r0, out); break;
+          case 2: run_tile<2, Q4>(tq, td, tm, a, r0, out); break;
+          default: run_tile<1, Q4>(tq, td, tm, a, r0, out); break;
+        }
+        const int64_t nc = std::min<int64_t>(NC, n_out - t * NC);  // the last tile may be partial
+        for (int64_t r = 0; r < R; ++r) {
+          __m256 v = out[r];
+          if (bp) v = _mm256_add_ps(v, bv);
+          float* yr = yp + (r0 + r) * n_out + t * NC;
+          const float* rr = rp ? rp + (r0 + r) * ldr + t * NC : nullptr;
+          if (nc == NC) {
+            if (rr) v = _mm256_add_ps(_mm256_loadu_ps(rr), v);
+            _mm256_storeu_ps(yr, v);
+          } else {
+            float tmp[NC];
+            _mm256_storeu_ps(tmp, v);
+            for (int64_t c = 0; c < nc; ++c) yr[c] = rr ? rr[c] + tmp[c] : tmp[c];
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor matmul_q4_1(const std::vector<torch::Tensor>& xa, const torch::Tensor& qs, const torch::Tensor& wd,
+                          const torch::Tensor& wm, const c10::optional<torch::Tensor>& bias,
+                          const c10::optional<torch::Tensor>& residual, int64_t n_out) {
+  return matmul_impl<true>(xa, qs, wd, wm, bias, residual, n_out);
+}
+
+torch::Tensor matmul_q8_0(const std::vector<torch::Tensor>& xa, const torch::Tensor& qs, const torch::Tensor& wd,
+                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual,
+                          int64_t n_out) {
+  return matmul_impl<false>(xa, qs, wd, c10::nullopt, bias, residual, n_out);
+}
+
+inline void rms_norm_head(float* v, const float* w, int64_t D, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < D; ++i) ss += v[i] * v[i];
+  const float sc = 1.0f / std::sqrt(ss / (float)D + eps);
+  for (int64_t i = 0; i < D; ++i) v[i] = v[i] * sc * w[i];
+}
+
+// In place on qkv rows [M, (H + 2 Hkv) * D]: optional per-head RMSNorm of q and k, RoPE on
+// interleaved pairs; then k and v are written to the caches [n_seq, Hkv, ctx, D] at (seq, pos).
+void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& cos,
+                const torch::Tensor& sin, int64_t H, int64_t Hkv, const c10::optional<torch::Tensor>& q_norm,
+                const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc) {
+  check_cpu_f32(qkv, "qkv");
+  const int64_t M = qkv.size(0), D = kc.size(3), ctx = kc.size(2);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qkv width does not match the heads");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32);
+  float* p = qkv.data_ptr<float>();
+  const int64_t ld = qkv.stride(0);
+  const int32_t* sp = seq.data_ptr<int32_t>();
+  const int32_t* pp = pos.data_ptr<int32_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  float* kcp = kc.data_ptr<float>();
+  float* vcp = vc.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r) {
+    float* row = p + r * ld;
+    const int64_t ps = pp[r], s = sp[r];
+    TORCH_CHECK(ps >= 0 && ps < ctx && ps < cos.size(0), "position out of range");
+    const float* c = cp + ps * (D / 2);
+    const float* sn = snp + ps * (D / 2);
+    for (int64_t h = 0; h < H + Hkv; ++h) {
+      float* v = row + h * D;
+      if (qn && h < H) rms_norm_head(v, qn, D, (float)eps);
+      if (kn && h >= H) rms_norm_head(v, kn, D, (float)eps);
+      for (int64_t i = 0; i < D / 2; ++i) {
+        const float a = v[2 * i], b = v[2 * i + 1];
+        v[2 * i] = a * c[i] - b * sn[i];
+        v[2 * i + 1] = a * sn[i] + b * c[i];
+      }
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t cell = ((s * Hkv + h) * ctx + ps) * D;
+      std::memcpy(kcp + cell, row + (H + h) * D, D * sizeof(float));
+      std::memcpy(vcp + cell, row + (H + Hkv + h) * D, D * sizeof(float));
+    }
+  }
+}
+
+// Softmax-weighted sum of V rows for one query head over the cells listed in `cells`.
+// Scores go 4 keys at a time with independent accumulators; every step's order depends only
+// on the number of cells, so a row's result never depends on what else is in the batch.
+template <int ND>
+void attend_head(const float* qh, const float* K, const float* V, const int32_t* cells, int64_t n, int64_t nd_rt,
+                 float scale, float* sc, float* o) {
+  const int64_t nd = ND > 0 ? ND : nd_rt;
+  const int64_t D = nd * 8;
+  __m256 qv[ND > 0 ? ND : 32];
+  for (int64_t i = 0; i < nd; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_set1_ps(scale));
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* k0 = K + (int64_t)cells[j] * D;
+    const float* k1 = K + (int64_t)cells[j + 1] * D;
+    const float* k2 = K + (int64_t)cells[j + 2] * D;
+    const float* k3 = K + (int64_t)cells[j + 3] * D;
+    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k1));
+    __m256 a2 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k3));
+    for (int64_t i = 1; i < nd; ++i) {
+      a0 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k0 + 8 * i), a0);
+      a1 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k1 + 8 * i), a1);
+      a2 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k2 + 8 * i), a2);
+      a3 = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k3 + 8 * i), a3);
+    }
+    // 4 horizontal sums at once: [a0 a1 a2 a3] -> 4 floats
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(sc + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+  for (; j < n; ++j) {
+    const float* kr = K + (int64_t)cells[j] * D;
+    __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
+    for (int64_t i = 1; i < nd; ++i) acc = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kr + 8 * i), acc);
+    const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 h2 = _mm_hadd_ps(lo, lo);
+    sc[j] = _mm_cvtss_f32(_mm_hadd_ps(h2, h2));
+  }
+  __m256 mx8 = _mm256_set1_ps(-INFINITY);
+  for (j = 0; j + 8 <= n; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
+  float mx = hmax(mx8);
+  for (; j < n; ++j) mx = sc[j] > mx ? sc[j] : mx;
+  for (j = n; j < ((n + 7) & ~int64_t(7)); ++j) sc[j] = -INFINITY;  // exp -> 0 in the padded tail
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (j = 0; j < n; j += 8) {
+    const __m256 x = _mm256_loadu_ps(sc + j);
+    __m256 e = exp8(_mm256_sub_ps(x, mv));
+    e = _mm256_and_ps(e, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+    _mm256_storeu_ps(sc + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum8));
+  __m256 acc[ND > 0 ? ND : 32];
+  for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_setzero_ps();
+  for (j = 0; j < n; ++j) {
+    const float* vr = V + (int64_t)cells[j] * D;
+    const __m256 pj = _mm256_set1_ps(sc[j]);
+    for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * i), acc[i]);
+  }
+  for (int64_t i = 0; i < nd; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], inv));
+}
+
+// Causal attention of each query row over its own sequence's valid cells [0, pos].
+// q: rows of [M, >= H*D] (row stride any); caches [n_seq, Hkv, ctx, D]; valid [n_seq, ctx].
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
+                        const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
+                        double scale) {
+  const int64_t M = q.size(0), Hkv = kc.size(1), ctx = kc.size(2), D = kc.size(3), G = H / Hkv;
+  TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
+  TORCH_CHECK(q.stride(1) == 1 && q.scalar_type() == torch::kFloat32);
+  auto out = torch::empty({M, H * D}, torch::kFloat32);
+  const float* qp = q.data_ptr<float>();
+  const int64_t ldq = q.stride(0);
+  const float* kcp = kc.data_ptr<float>();
+  const float* vcp = vc.data_ptr<float>();
+  const int32_t* sp = seq.data_ptr<int32_t>();
+  const int32_t* pp = pos.data_ptr<int32_t>();
+  const bool* vp = valid.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  const float fscale = (float)scale;
+  at::parallel_for(0, M * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int32_t> cells(ctx);
+    std::vector<float> sc(ctx + 8);
+    int64_t last_r = -1, n = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      // head-major: consecutive tasks reuse one head's keys and values from L2
+      const int64_t head = t / M, r = t % M, h = head / G, s = sp[r], ps = pp[r];
+      if (r != last_r) {  // the cells this row sees
+        const bool* vm = vp + s * ctx;
+        n = 0;
+        for (int64_t c = 0; c <= ps; ++c)
+          if (vm[c]) cells[n++] = (int32_t)c;
+        last_r = r;
+      }
+      const float* K = kcp + (s * Hkv + h) * ctx * D;
+      const float* V = vcp + (s * Hkv + h) * ctx * D;
+      const float* qh = qp + r * ldq + head * D;
+      float* o = op + r * H * D + head * D;
+      switch (D) {
+        case 64: attend_head<8>(qh, K, V, cells.data(), n, 8, fscale, sc.data(), o); break;
+        case 128: attend_head<16>(qh, K, V, cells.data(), n, 16, fscale, sc.data(), o); break;
+        default: attend_head<0>(qh, K, V, cells.data(), n, D / 8, fscale, sc.data(), o); break;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_rows", &quantize_rows, "rows -> Q8 blocks (optionally RMS-normalized first)");
+  m.def("silu_mul_quantize", &silu_mul_quantize, "silu(g) * u -> Q8 blocks");
+  m.def("matmul_q4_1", &matmul_q4_1, "Q8 activations x Q4_1 weight tiles");
+  m.def("matmul_q8_0", &matmul_q8_0, "Q8 activations x Q8_0 weight tiles");
+  m.def("rope_store", &rope_store, "RoPE (and q/k norm) in place, k/v into the cache");
+  m.def("attention", &attention, "causal attention over each row's sequence");
+}
