@@ -50,8 +50,12 @@ def kernels():
         raise ModelError(reason)
     with _lock:
         if _ext is None:
+            import sys
+
             from torch.utils.cpp_extension import load
 
+            if not _built_before():
+                print("specplug: building the gguf CPU kernels (once, ~30 s)...", file=sys.stderr, flush=True)
             try:
                 _ext = load(name="specplug_gguf_kernels", sources=[str(_SRC)],
                             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
@@ -61,6 +65,15 @@ def kernels():
                               "install a C++ compiler and ninja, or use quant: none")
                 raise ModelError(_ext_error) from None
     return _ext
+
+
+def _built_before() -> bool:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: only used for a message
+
+        return any(Path(_get_build_directory("specplug_gguf_kernels", False)).glob("*.so"))
+    except Exception:
+        return True
 
 
 def _f16_as_i16(a: np.ndarray) -> torch.Tensor:
