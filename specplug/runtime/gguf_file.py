@@ -141,6 +141,13 @@ class GGUFFile:
         arr = arr.reshape(shape).astype(np.float32, copy=False)
         return arr if arr.flags.writeable else arr.copy()  # F32 tensors come straight from the read-only map
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape in torch order (rows = last GGUF dim), without reading its data."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelError(f"{self.path}: tensor {name!r} is missing")
+        return tuple(int(d) for d in reversed(t.shape))
+
     def raw(self, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
         """A tensor as stored: (bytes [rows, bytes per row], type name, torch-order shape)."""
         t = self.tensors.get(name)
@@ -149,7 +156,7 @@ class GGUFFile:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         qtype = GGMLQuantizationType(t.tensor_type)
-        shape = tuple(int(d) for d in reversed(t.shape))
+        shape = self.shape(name)
         block, size = GGML_QUANT_SIZES[qtype]
         data = np.asarray(t.data).view(np.uint8)
         row_bytes = shape[-1] // block * size

@@ -139,17 +139,15 @@ class Transformer:
         self.layers: list[_Layer] = []
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
-            wq, wk, wv = t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")
+            q_shape, k_shape = gguf.shape(p + "attn_q.weight"), gguf.shape(p + "attn_k.weight")
+            if q_shape != (H * D, cfg.n_embd) or k_shape != (Hkv * D, cfg.n_embd):
+                raise ModelError(f"{gguf.path}: {p}attn_q/attn_k have shapes {q_shape}/{k_shape}, "
+                                 f"which do not match the metadata (heads {H}/{Hkv}, head_dim {D})")
             bias = None
             if cfg.attn_bias:
                 bias = [t(p + f"attn_{x}.bias") for x in "qkv"]
-            if cfg.rope_style == "neox":
-                wq, wk = _neox_to_interleaved(wq, H, D), _neox_to_interleaved(wk, Hkv, D)
-                if bias:
+                if cfg.rope_style == "neox":
                     bias[0], bias[1] = _neox_to_interleaved(bias[0], H, D), _neox_to_interleaved(bias[1], Hkv, D)
-            if wq.shape != (H * D, cfg.n_embd) or wk.shape != (Hkv * D, cfg.n_embd):
-                raise ModelError(f"{gguf.path}: {p}attn_q/attn_k have shapes {tuple(wq.shape)}/{tuple(wk.shape)}, "
-                                 f"which do not match the metadata (heads {H}/{Hkv}, head_dim {D})")
             if quant == "gguf":
                 neox = [H, Hkv, None] if cfg.rope_style == "neox" else None
                 layer = _Layer(
@@ -160,6 +158,9 @@ class Transformer:
                     down=qlin([p + "ffn_down.weight"]),
                 )
             else:
+                wq, wk, wv = t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")
+                if cfg.rope_style == "neox":
+                    wq, wk = _neox_to_interleaved(wq, H, D), _neox_to_interleaved(wk, Hkv, D)
                 layer = _Layer(
                     qkv=lin(torch.cat([wq, wk, wv]), None if bias is None else torch.cat(bias),
                             t(p + "attn_norm.weight")),
