@@ -284,14 +284,7 @@ class Transformer:
         cfg, k = self.config, self._k
         positions = [int(p) for p in positions]
         seq_ids = [int(s) for s in seq_ids]
-        groups: dict[int, list[int]] = {}
-        for s, p in zip(seq_ids, positions):
-            groups.setdefault(s, []).append(p)
-        for s, pos in groups.items():
-            if len(set(pos)) != len(pos):
-                raise ValueError(f"sequence {s} has the same position twice in one batch: {sorted(pos)}")
-            cache._check_seq(s)
-            cache.note_writes(s, pos)
+        _note_batch(positions, seq_ids, cache)
         if cache.k.dtype != torch.float32 or cache.k.device.type != "cpu":
             raise ModelError("quant: gguf needs a float32 CPU cache (make it with model.new_cache)")
         seq_t = torch.tensor(seq_ids, dtype=torch.int32)
@@ -343,6 +336,20 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
 
 
+def _note_batch(positions: list[int], seq_ids: list[int], cache: KVCache) -> dict[int, list[int]]:
+    """Check a batch against the cache and record its writes; returns seq -> its entry indices."""
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(seq_ids):
+        groups.setdefault(s, []).append(i)
+    for s, g in groups.items():
+        pos = [positions[i] for i in g]
+        if len(set(pos)) != len(pos):
+            raise ValueError(f"sequence {s} has the same position twice in one batch: {sorted(pos)}")
+        cache._check_seq(s)
+        cache.note_writes(s, pos)
+    return groups
+
+
 class _Plan:
     """How a batch of entries maps onto a padded [B sequences, T tokens] layout and the cache.
 
@@ -353,19 +360,11 @@ class _Plan:
                  group: int = 1, dtype: torch.dtype = torch.float32):
         positions = [int(p) for p in positions]
         seq_ids = [int(s) for s in seq_ids]
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(seq_ids):
-            groups.setdefault(s, []).append(i)
+        groups = _note_batch(positions, seq_ids, cache)
         self.slots = list(groups)
         self.B = B = len(groups)
         self.T = T = max(len(g) for g in groups.values())
         self.n = n = len(positions)
-        for s, g in groups.items():
-            pos = [positions[i] for i in g]
-            if len(set(pos)) != len(pos):
-                raise ValueError(f"sequence {s} has the same position twice in one batch: {sorted(pos)}")
-            cache._check_seq(s)
-            cache.note_writes(s, pos)
         # padded row r = b*T + t holds entry groups[b][t]; pad rows repeat the group's last entry
         if B == 1:
             self.gather = None  # identity: entries are already the padded layout

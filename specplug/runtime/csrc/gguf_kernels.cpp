@@ -93,43 +93,22 @@ void check_cpu_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
 
-// Rows of x (optionally RMS-normalized and scaled by w) -> int8 blocks, block scales d, and d*sum(q).
-std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
-                                         double eps) {
-  check_cpu_f32(x, "x");
-  const int64_t M = x.size(0), K = x.size(1);
+// M rows of K values -> int8 blocks q [M, K], block scales d and d*sum(q) [M, K/32].
+// row(r, buf) returns row r as floats, computing it into buf (K floats) where needed.
+template <typename Row>
+std::vector<torch::Tensor> quantize_each_row(int64_t M, int64_t K, const Row& row) {
   TORCH_CHECK(K % QK == 0, "row length must be a multiple of 32");
   const int64_t nb = K / QK;
   auto q = torch::empty({M, K}, torch::kInt8);
   auto d = torch::empty({M, nb}, torch::kFloat32);
   auto s = torch::empty({M, nb}, torch::kFloat32);
-  const float* w = nullptr;
-  if (norm_w.has_value()) {
-    TORCH_CHECK(norm_w->is_contiguous() && norm_w->numel() == K && norm_w->scalar_type() == torch::kFloat32);
-    w = norm_w->data_ptr<float>();
-  }
-  const float* xp = x.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = d.data_ptr<float>();
   float* sp = s.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(K);
     for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * ldx;
-      const float* src = xr;
-      if (w) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t k = 0; k < K; k += 8) {
-          __m256 v = _mm256_loadu_ps(xr + k);
-          acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        const __m256 sc = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / (float)K + (float)eps));
-        for (int64_t k = 0; k < K; k += 8)
-          _mm256_storeu_ps(buf.data() + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k), sc),
-                                                         _mm256_loadu_ps(w + k)));
-        src = buf.data();
-      }
+      const float* src = row(r, buf.data());
       for (int64_t b = 0; b < nb; ++b)
         dp[r * nb + b] = quantize_block(src + b * QK, qp + r * K + b * QK, sp + r * nb + b);
     }
@@ -137,36 +116,50 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::opti
   return {q, d, s};
 }
 
-// silu(g) * u for gu = [g | u] rows, quantized like quantize_rows.
+// Rows of x (optionally RMS-normalized and scaled by w), quantized.
+std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
+                                         double eps) {
+  check_cpu_f32(x, "x");
+  const int64_t K = x.size(1);
+  const float* w = nullptr;
+  if (norm_w.has_value()) {
+    TORCH_CHECK(norm_w->is_contiguous() && norm_w->numel() == K && norm_w->scalar_type() == torch::kFloat32);
+    w = norm_w->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  return quantize_each_row(x.size(0), K, [&](int64_t r, float* buf) -> const float* {
+    const float* xr = xp + r * ldx;
+    if (!w) return xr;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+      __m256 v = _mm256_loadu_ps(xr + k);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    const __m256 sc = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / (float)K + (float)eps));
+    for (int64_t k = 0; k < K; k += 8)
+      _mm256_storeu_ps(buf + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k), sc), _mm256_loadu_ps(w + k)));
+    return buf;
+  });
+}
+
+// silu(g) * u for gu = [g | u] rows, quantized.
 std::vector<torch::Tensor> silu_mul_quantize(const torch::Tensor& gu) {
   check_cpu_f32(gu, "gu");
-  const int64_t M = gu.size(0), F = gu.size(1) / 2;
-  TORCH_CHECK(F % QK == 0, "ffn width must be a multiple of 32");
-  const int64_t nb = F / QK;
-  auto q = torch::empty({M, F}, torch::kInt8);
-  auto d = torch::empty({M, nb}, torch::kFloat32);
-  auto s = torch::empty({M, nb}, torch::kFloat32);
+  const int64_t F = gu.size(1) / 2;
   const float* gp = gu.data_ptr<float>();
   const int64_t ld = gu.stride(0);
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* dp = d.data_ptr<float>();
-  float* sp = s.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(F);
+  return quantize_each_row(gu.size(0), F, [&](int64_t r, float* buf) -> const float* {
     const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = gp + r * ld;
-      const float* u = g + F;
-      for (int64_t k = 0; k < F; k += 8) {
-        __m256 gv = _mm256_loadu_ps(g + k);
-        __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, neg))));
-        _mm256_storeu_ps(buf.data() + k, _mm256_mul_ps(sg, _mm256_loadu_ps(u + k)));
-      }
-      for (int64_t b = 0; b < nb; ++b)
-        dp[r * nb + b] = quantize_block(buf.data() + b * QK, qp + r * F + b * QK, sp + r * nb + b);
+    const float* g = gp + r * ld;
+    const float* u = g + F;
+    for (int64_t k = 0; k < F; k += 8) {
+      __m256 gv = _mm256_loadu_ps(g + k);
+      __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, neg))));
+      _mm256_storeu_ps(buf + k, _mm256_mul_ps(sg, _mm256_loadu_ps(u + k)));
     }
+    return buf;
   });
-  return {q, d, s};
 }
 
 struct Act {
