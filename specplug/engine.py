@@ -90,6 +90,7 @@ class _Seq:
     tokens: list[int]  # prompt + generated; tokens[-1] is not yet in the target cache
     gen: torch.Generator | None
     stats: SeqStats
+    t_admit: float = 0.0
     finish: str | None = None
 
     @property
@@ -219,6 +220,7 @@ class Engine:
             gen = gen[:-1]
         self.stats.generated_tokens += len(gen)
         seq.stats.generated_tokens = len(gen)
+        seq.stats.time_s = time.perf_counter() - seq.t_admit
         result = SequenceResult(seq.req.id, list(seq.req.prompt_ids), gen, seq.finish or "length", seq.stats)
         if on_finish is not None:
             on_finish(result)
@@ -235,7 +237,7 @@ class Engine:
         if not self.sampling.greedy:
             gen = torch.Generator().manual_seed((self.sampling.seed or 0) * 1_000_003 + index)
         seq = _Seq(slot, req, index, list(req.prompt_ids), gen,
-                   SeqStats(prompt_tokens=len(req.prompt_ids)))
+                   SeqStats(prompt_tokens=len(req.prompt_ids)), t_admit=time.perf_counter())
         seq.stats.by_speculator = {s.name: SpecStats() for s in self.specs}
         self.stats.prompt_tokens += len(req.prompt_ids)
         ids = req.prompt_ids
@@ -250,6 +252,7 @@ class Engine:
         self.stats.target_forwards += 1
         probs = target_probs(logits.float().cpu(), self.sampling) if not self.sampling.greedy else None
         first = int(logits[0].argmax()) if probs is None else sample(probs[0], gen)
+        seq.stats.time_prefill_s = time.perf_counter() - seq.t_admit
         self._append(seq, [first], on_tokens)
         return seq
 

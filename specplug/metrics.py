@@ -45,6 +45,8 @@ class SeqStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     by_speculator: dict[str, SpecStats] = field(default_factory=dict)
+    time_prefill_s: float = 0.0  # prompt processing up to and including the first generated token
+    time_s: float = 0.0  # admission to finish; time_s - time_prefill_s is the decoding phase
 
     @property
     def mean_accepted_length(self) -> float:
@@ -57,6 +59,7 @@ class SeqStats:
                 "accepted_tokens": self.accepted_tokens,
                 "acceptance_rate": round(self.accepted_tokens / self.drafted_tokens, 4) if self.drafted_tokens else 0.0,
                 "mean_accepted_length": round(self.mean_accepted_length, 4),
+                "time_s": {"total": round(self.time_s, 4), "prefill": round(self.time_prefill_s, 4)},
                 "by_speculator": {k: v.to_dict() for k, v in self.by_speculator.items()}}
 
 

@@ -13,11 +13,11 @@ from specplug.config import parse_config
 from specplug.errors import SpecplugError
 
 
-def _pr(cat, plain_t, spec_t, n, forwards, drafted, accepted, acc_at, dr_at, mismatch=None):
+def _pr(cat, plain_t, spec_t, n, forwards, drafted, accepted, acc_at, dr_at, mismatch=None, prefill=0.0):
     return PromptResult(1, cat, 0, 10, {
-        "plain": Run("plain", plain_t, list(range(n)), n),
+        "plain": Run("plain", plain_t, list(range(n)), n, prefill_s=prefill),
         "v": Run("v", spec_t, list(range(n)), forwards, drafted, accepted, len(dr_at) and dr_at[0], acc_at, dr_at,
-                 time_target_s=spec_t * 0.5, time_speculators_s=spec_t * 0.1),
+                 time_target_s=spec_t * 0.5, time_speculators_s=spec_t * 0.1, prefill_s=prefill),
     }, mismatch)
 
 
@@ -35,6 +35,16 @@ def test_figures_arithmetic():
     # 4 drafts: accepted >=1: 4, >=2: 3, >=3: 2 -> exactly 0:0, 1:1, 2:1, 3:2
     assert f["accepted_length_hist"] == [0, 1, 1, 2]
     assert f["time_split"] == {"target": 0.5, "speculators": 0.1, "host": 0.4}
+
+
+def test_decode_figures_leave_out_prompt_processing():
+    # 0.5 s of prefill in both: end-to-end 3.0 s vs 1.5 s (2x), decoding 2.5 s vs 1.0 s (2.5x)
+    a = _pr("x", 3.0, 1.5, 21, 8, 20, 12, [4], [4], prefill=0.5)
+    f = figures([a], "v")
+    assert f["speedup"] == pytest.approx(2.0)
+    assert f["decode_plain_tok_s"] == pytest.approx(20 / 2.5)  # the first token belongs to the prefill
+    assert f["decode_spec_tok_s"] == pytest.approx(20 / 1.0)
+    assert f["decode_speedup"] == pytest.approx(2.5)
 
 
 def test_report_table_json_and_plots(tmp_path):

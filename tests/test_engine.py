@@ -30,6 +30,14 @@ def test_plain_decoding_is_deterministic_and_varied(tiny_target, prompts, plain)
     assert all(len(set(p)) > 5 for p in plain)  # the tiny model is not degenerate
 
 
+def test_sequence_times_split_prefill_from_decoding(tiny_target, prompts):
+    eng = make_engine(tiny_target, [], n_parallel=2)
+    res = eng.run([Request(p, 12) for p in prompts[:3]])
+    for r in res:
+        assert 0 < r.stats.time_prefill_s < r.stats.time_s <= eng.stats.time_total_s
+        assert r.stats.to_dict()["time_s"]["prefill"] == round(r.stats.time_prefill_s, 4)
+
+
 @pytest.mark.parametrize("n_parallel", [1, 3, 8])
 def test_random_drafts_never_change_greedy_output(tiny_target, prompts, n_parallel):
     vocab = tiny_target.model.config.vocab_size

@@ -8,8 +8,12 @@ results.json (schema version 1):
                    "runs": {variant|"plain": {"time_s", "tokens", "forwards", "drafted", "accepted"}}}],
    "mismatches": [{"id", "category", "turn", "variant", "index", "top2_gap"}]}
   FIGURES = {"n_prompts", "tokens", "plain_tok_s", "spec_tok_s",
-             "speedup"          (total plain time / total speculative time, per generated token),
+             "speedup"          (total plain time / total speculative time, per generated token;
+                                 prompt processing included),
              "speedup_median"   (median of per-prompt tok/s ratios),
+             "decode_plain_tok_s", "decode_spec_tok_s", "decode_speedup"
+                                (the decoding phase only: tokens after the first, over the time after
+                                 the first token, as llama.cpp reports generation speed),
              "mean_accepted_length" (tokens per target forward), "acceptance_rate",
              "acceptance_per_position", "accepted_length_hist" (drafts by tokens accepted),
              "time_split" {"target", "speculators", "host"} (fractions of speculative time),
@@ -38,6 +42,12 @@ def figures(results: list[PromptResult], variant: str) -> dict:
         p, s = r.runs["plain"], r.runs[variant]
         if p.time_s > 0 and s.time_s > 0 and p.token_ids and s.token_ids:
             ratios.append((len(s.token_ids) / s.time_s) / (len(p.token_ids) / p.time_s))
+    def decode(run_of):
+        n = sum(max(0, len(run_of(r).token_ids) - 1) for r in rs)
+        t = sum(max(0.0, run_of(r).time_s - run_of(r).prefill_s) for r in rs)
+        return n / t if t > 0 else 0.0
+
+    dec_plain, dec_spec = decode(lambda r: r.runs["plain"]), decode(lambda r: r.runs[variant])
     runs = [r.runs[variant] for r in rs]
     forwards = sum(x.forwards for x in runs)
     drafted = sum(x.drafted for x in runs)
@@ -58,6 +68,9 @@ def figures(results: list[PromptResult], variant: str) -> dict:
         "spec_tok_s": round(spec_tok_s, 3),
         "speedup": round(spec_tok_s / plain_tok_s, 4) if plain_tok_s else 0.0,
         "speedup_median": round(statistics.median(ratios), 4) if ratios else 0.0,
+        "decode_plain_tok_s": round(dec_plain, 3),
+        "decode_spec_tok_s": round(dec_spec, 3),
+        "decode_speedup": round(dec_spec / dec_plain, 4) if dec_plain else 0.0,
         "mean_accepted_length": round(spec_n / forwards, 4) if forwards else 0.0,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(acc_at, dr_at)],
@@ -80,7 +93,7 @@ def build_report(results: list[PromptResult], variant_names: list[str], settings
                        for c in cats},
         "prompts": [{"id": r.id, "category": r.category, "turn": r.turn, "prompt_tokens": r.prompt_tokens,
                      "mismatch": r.mismatch,
-                     "runs": {n: {"time_s": round(x.time_s, 4), "tokens": len(x.token_ids), "forwards": x.forwards,
+                     "runs": {n: {"time_s": round(x.time_s, 4), "prefill_s": round(x.prefill_s, 4), "tokens": len(x.token_ids), "forwards": x.forwards,
                                   "drafted": x.drafted, "accepted": x.accepted} for n, x in r.runs.items()}}
                     for r in results],
         "mismatches": [{"id": r.id, "category": r.category, "turn": r.turn, **r.mismatch}
@@ -90,14 +103,15 @@ def build_report(results: list[PromptResult], variant_names: list[str], settings
 
 def markdown_table(report: dict) -> str:
     head = ("| category | speculator | prompts | plain tok/s | spec tok/s | speedup | median speedup | "
-            "accepted length | acceptance | mismatches |")
-    lines = [head, "|" + "---|" * 10]
+            "decode plain tok/s | decode spec tok/s | decode speedup | accepted length | acceptance | mismatches |")
+    lines = [head, "|" + "---|" * 13]
     rows = [(c, v) for c in report["categories"] for v in report["categories"][c]]
     rows += [("**overall**", v) for v in report["overall"]]
     for c, v in rows:
         f = report["overall"][v] if c == "**overall**" else report["categories"][c][v]
         lines.append(f"| {c} | {v} | {f['n_prompts']} | {f['plain_tok_s']:.1f} | {f['spec_tok_s']:.1f} | "
-                     f"{f['speedup']:.2f}x | {f['speedup_median']:.2f}x | {f['mean_accepted_length']:.2f} | "
+                     f"{f['speedup']:.2f}x | {f['speedup_median']:.2f}x | {f['decode_plain_tok_s']:.1f} | "
+                     f"{f['decode_spec_tok_s']:.1f} | {f['decode_speedup']:.2f}x | {f['mean_accepted_length']:.2f} | "
                      f"{100 * f['acceptance_rate']:.1f}% | {f['mismatches']} |")
     return "\n".join(lines)
 

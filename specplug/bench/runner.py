@@ -36,6 +36,7 @@ class Run:
     drafted_at: list[int] = field(default_factory=list)
     time_target_s: float = 0.0
     time_speculators_s: float = 0.0
+    prefill_s: float = 0.0  # prompt processing and the first token; the rest of time_s is decoding
 
 
 @dataclass
@@ -94,7 +95,8 @@ class Bench:
         st = res.stats
         run = Run(name, dt, res.token_ids, st.target_forwards, st.drafted_tokens, st.accepted_tokens,
                   time_target_s=eng.stats.time_target_s - before[0],
-                  time_speculators_s=eng.stats.time_speculators_s - before[1])
+                  time_speculators_s=eng.stats.time_speculators_s - before[1],
+                  prefill_s=st.time_prefill_s)
         for s in st.by_speculator.values():
             run.drafts += s.drafts
             for arr_name in ("accepted_at", "drafted_at"):
