@@ -11,6 +11,7 @@ runtime, which is what speculative output is compared against.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 import traceback
 from collections import deque
@@ -38,6 +39,7 @@ class DraftPolicy:
     n_min: int = 1  # shorter drafts are not worth a verification row
     p_min: float = 0.0  # cut a draft at its first token whose draft probability is below this
     backoff: int = 6  # consecutive fully rejected drafts before a sequence pauses this speculator
+    cost_trim: bool = True  # trim drafts that carry confidences where a row costs more than it saves
 
 
 @dataclass
@@ -304,14 +306,48 @@ class Engine:
                 if spec.policy.p_min > 0 and d.probs is not None:
                     p = d.probs[torch.arange(len(d)), torch.tensor(d.token_ids)].tolist()
                     cut = next((i for i, x in enumerate(p) if x < spec.policy.p_min), len(d))
-                    d = Draft(d.token_ids[:cut], d.probs[:cut])
+                    d = _cut(d, cut)
                 if len(d) < spec.policy.n_min or len(d) == 0:
                     continue
-                score = acc * len(d)
+                # expected accepted tokens less the extra verification rows (units of one-row forwards)
+                gain = sum(_cumulative(d.confidence)) if d.confidence is not None else acc * len(d)
+                score = gain - (self.model.verify_cost(1 + len(d)) - 1.0)
                 if r.seq_id not in best or score > best[r.seq_id][0]:
                     best[r.seq_id] = (score, spec, d)
         self._asked = asked
-        return {k: (v[1], v[2]) for k, v in best.items()}
+        chosen = {k: (v[1], v[2]) for k, v in best.items()}
+        self._trim(chosen, len(seqs))
+        return chosen
+
+    def _trim(self, chosen: dict[int, tuple[Speculator, Draft]], n_seqs: int) -> None:
+        """Cut drafts that carry confidences where the next row is not worth verifying.
+
+        A draft token is worth its row when its cumulative acceptance probability times what one
+        accepted token saves (a sequence's share of a plain step, T(B)/B for B sequences) is at
+        least what the row adds to the forward, T(R+1) - T(R), R being the rows taken so far.
+        Rows go to the most probable tokens of all sequences first (cumulative probabilities
+        only fall along a draft), drafts without confidences are kept whole.
+        """
+        cost = self.model.verify_cost
+        rows = n_seqs + sum(len(d) for s, d in chosen.values() if d.confidence is None or not s.policy.cost_trim)
+        worth = cost(n_seqs) / n_seqs
+        fronts = {slot: _cumulative(d.confidence) for slot, (s, d) in chosen.items()
+                  if d.confidence is not None and s.policy.cost_trim}
+        keep = dict.fromkeys(fronts, 0)
+        while fronts:
+            slot = max(fronts, key=lambda k: fronts[k][keep[k]])
+            if fronts[slot][keep[slot]] * worth < cost(rows + 1) - cost(rows):
+                break
+            keep[slot] += 1
+            rows += 1
+            if keep[slot] == len(fronts[slot]):
+                del fronts[slot]
+        for slot, k in keep.items():
+            s, d = chosen[slot]
+            if k < max(1, s.policy.n_min):
+                del chosen[slot]
+            elif k < len(d):
+                chosen[slot] = (s, _cut(d, k))
 
     def _check_drafts(self, res: Any, reqs: list[DraftRequest]) -> str | None:
         if not isinstance(res, (list, tuple)) or len(res) != len(reqs):
@@ -328,6 +364,11 @@ class Engine:
                 return f"draft for sequence {r.seq_id} has token id {bad[0]!r} outside the vocabulary [0, {self.vocab})"
             if d.probs is not None and tuple(d.probs.shape) != (len(d), self.vocab):
                 return f"draft probs for sequence {r.seq_id} have shape {tuple(d.probs.shape)}, expected ({len(d)}, {self.vocab})"
+            if d.confidence is not None:
+                c = d.confidence
+                if len(c) != len(d) or not all(isinstance(x, numbers.Real) and 0.0 <= x <= 1.0 for x in c):
+                    return (f"draft confidence for sequence {r.seq_id} must be {len(d)} numbers in [0, 1], "
+                            f"one per token, got {c!r}")
         return None
 
     def _step(self, seqs: list[_Seq], on_tokens) -> None:
@@ -392,6 +433,21 @@ class Engine:
                     q = next(q for q in seqs if q.slot == slot)
                     self._call(spec, "remove", seq_id=slot, p0=len(q.tokens) - 1)
             self._call(spec, "verified", results=results)
+
+
+def _cumulative(confidence: Sequence[float]) -> list[float]:
+    """P(tokens 0..i all accepted) from per-token conditional acceptance estimates."""
+    out, p = [], 1.0
+    for c in confidence:
+        p *= float(c)
+        out.append(p)
+    return out
+
+
+def _cut(d: Draft, k: int) -> Draft:
+    """The first k tokens of a draft, with their probs and confidences."""
+    return Draft(d.token_ids[:k], d.probs[:k] if d.probs is not None else None,
+                 tuple(d.confidence[:k]) if d.confidence is not None else None)
 
 
 def target_info(target: Target, n_seq: int, max_ctx: int) -> TargetInfo:

@@ -22,7 +22,7 @@ from specplug.errors import PluginError
 GROUP = "specplug.speculators"
 ENV_ALLOW = "SPECPLUG_LOAD_PLUGINS"
 # YAML keys of a speculator entry that the host reads itself (engine.DraftPolicy + type/name)
-HOST_KEYS = frozenset({"type", "name", "n_max", "n_min", "p_min", "backoff"})
+HOST_KEYS = frozenset({"type", "name", "n_max", "n_min", "p_min", "backoff", "cost_trim"})
 HOOK_NAMES = ("are_compatible", "request_embeddings", "encode", "process_batch", "draft", "verified", "remove")
 
 

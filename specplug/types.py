@@ -87,6 +87,11 @@ class Draft:
 
     token_ids: tuple[int, ...]
     probs: torch.Tensor | None = None  # [len(token_ids), vocab] float32: the draft distribution each token was sampled from; None = token-only (treated as one-hot)
+    # Optional, one per token: the drafter's estimate of the probability that the target accepts
+    # token i given that tokens before it were accepted. With it the host trims the draft to the
+    # length where one more verification row costs more than it is expected to save, and
+    # compares drafts of several speculators by expected tokens; without it, by measured acceptance.
+    confidence: tuple[float, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -97,7 +102,7 @@ class Verified:
     """The outcome of verifying one sequence's draft from this speculator."""
 
     seq_id: int
-    n_drafted: int  # tokens this speculator proposed for the sequence this step (0 if it proposed nothing)
+    n_drafted: int  # tokens verified from this speculator's draft (the host may have trimmed it); when not chosen, tokens proposed (0 if none)
     n_accepted: int  # of those, accepted by the target; 0 when another speculator's draft was verified
     chosen: bool  # whether this speculator's draft was the one verified
 

@@ -198,3 +198,64 @@ def test_empty_and_too_long_prompts(tiny_target):
         eng.run([Request([5, 999999], 5)])
     with pytest.raises(SpecplugError, match="context size 32"):
         eng.run([Request(list(range(40)), 5)])
+
+
+class _Confident(Oracle):
+    """The oracle's drafts with confidences: conf[seq_id][i] for token i."""
+
+    def __init__(self, cont, conf):
+        super().__init__(cont)
+        self.conf = conf
+
+    @hookimpl
+    def draft(self, requests):
+        out = super().draft(requests)
+        return [Draft(d.token_ids, confidence=tuple(self.conf[r.seq_id][:len(d)])) if d else None
+                for r, d in zip(requests, out)]
+
+
+def _linear_cost(monkeypatch, target, per_row):
+    monkeypatch.setattr(target.model, "verify_cost", lambda n: 1.0 + per_row * (n - 1))
+
+
+def test_confidences_trim_drafts_to_the_rows_that_pay(tiny_target, prompts, plain, monkeypatch):
+    _linear_cost(monkeypatch, tiny_target, 0.3)
+    cont = {tuple(p): g for p, g in zip(prompts, plain)}
+    # cumulative 0.9, 0.81, 0.16: the third row costs 0.3 and is expected to save 0.16
+    conf = {0: [0.9, 0.9, 0.2] + [1.0] * 20}
+    eng = assert_greedy_equal(tiny_target, [_Confident(cont, conf)], prompts[:1], 30)
+    st = eng.stats.speculators["_Confident"]
+    assert st.drafts > 0 and len(st.drafted_at) == 2 and st.accepted_tokens == st.drafted_tokens
+    # the host policy cost_trim: false verifies them whole
+    eng = assert_greedy_equal(tiny_target, [speculator(_Confident(cont, conf), cost_trim=False)], prompts[:1], 30)
+    assert len(eng.stats.speculators["_Confident"].drafted_at) > 3
+    # confident drafts are kept whole; hopeless ones are not verified at all
+    eng = assert_greedy_equal(tiny_target, [_Confident(cont, {0: [0.97] * 30})], prompts[:1], 30)
+    assert len(eng.stats.speculators["_Confident"].drafted_at) >= 8
+    eng = assert_greedy_equal(tiny_target, [_Confident(cont, {0: [0.2] * 30})], prompts[:1], 30)
+    assert eng.stats.speculators["_Confident"].drafts == 0 and eng.stats.target_forwards == 30
+
+
+def test_trimming_gives_rows_to_the_likeliest_tokens_of_the_batch(tiny_target, prompts, plain, monkeypatch):
+    # rows 3 and 4 of a forward are cheap (0.1 each), a fifth costs more than any token saves
+    monkeypatch.setattr(tiny_target.model, "verify_cost", lambda n: 1.0 + 0.1 * (n - 1) if n <= 4 else 10.0 * n)
+    cont = {tuple(p): g for p, g in zip(prompts, plain)}
+    conf = {0: [0.9] * 40, 1: [0.5] * 40}  # cumulative 0.9, 0.81, ... vs 0.5, 0.25, ...
+    eng = make_engine(tiny_target, [_Confident(cont, conf)], n_parallel=2)
+    res = eng.run([Request(prompts[0], 30), Request(prompts[1], 5)])  # the second ends first
+    assert [r.token_ids for r in res] == [plain[0][:30], plain[1][:5]]
+    # while both ran, both cheap rows went to the likelier sequence, none to the other (alone, its
+    # 0.5 would have paid for a 0.1 row); alone, the first one took all three cheap rows
+    assert res[1].stats.drafted_tokens == 0
+    assert res[0].stats.by_speculator["_Confident"].drafted_at[:3] == [8, 8, 4]
+
+
+@pytest.mark.parametrize("conf", [(0.5,), (0.5, 1.5, 0.5), (0.5, float("nan"), 0.5), ("high", 0.5, 0.5)])
+def test_bad_confidences_disable_the_speculator(tiny_target, prompts, plain, conf, caplog):
+    class Bad(Oracle):
+        @hookimpl
+        def draft(self, requests):
+            return [Draft((1, 2, 3), confidence=conf) for _ in requests]
+
+    eng = assert_greedy_equal(tiny_target, [Bad({})], prompts[:2], 10)
+    assert "confidence" in eng.stats.disabled["Bad"] and "3 numbers in [0, 1]" in eng.stats.disabled["Bad"]

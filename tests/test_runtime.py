@@ -217,3 +217,21 @@ def test_int8_model_rows_nearly_independent_of_batch(tiny_gguf):
     single = torch.cat([m.forward([t], [i], [0], c2).logits for i, t in enumerate(ids)])
     # linears are bit-identical; SDPA rounds differently for 16 rows than for 1
     torch.testing.assert_close(batched, single, rtol=0, atol=1e-4)
+
+
+def test_verify_cost_curves_interpolate_and_extend():
+    from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
+
+    curve = ((1, 1.0), (2, 1.5), (4, 2.0))
+    assert [interpolate_cost(curve, n) for n in (1, 2, 3, 4, 6)] == [1.0, 1.5, 1.75, 2.0, 2.5]
+    for name, c in VERIFY_COST_CURVES.items():  # every runtime's curve starts at 1 and rises
+        values = [interpolate_cost(c, n) for n in range(1, 65)]
+        assert values[0] == 1.0 and all(b > a for a, b in zip(values, values[1:])), name
+
+
+def test_model_verify_cost_follows_its_runtime(tiny_target):
+    from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
+
+    m = tiny_target.model
+    key = "gguf" if m.quant == "gguf" else "cpu"
+    assert m.verify_cost(8) == interpolate_cost(VERIFY_COST_CURVES[key], 8) > 1.0

@@ -26,6 +26,29 @@ from specplug.runtime.native import QuantLinear
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTS = ("auto", "none", "int8", "gguf")
 
+# T(k)/T(1): the time of one forward of k new rows relative to one row, per runtime, measured with
+# `specplug bench-runtime` (SmolLM2-135M, 2 threads, median of 3; README). The engine trims drafts
+# that carry confidences to the length where one more row costs more than it is expected to save.
+# CPU float32 (and int8, not measured apart) is flat because one row is already slow; the gguf
+# kernels are fast at one row, so each extra row costs ~0.15-0.3 of a step. CUDA: not measured
+# here (no GPU was lent); a small model's forward is launch-bound for dozens of rows, hence nearly flat.
+VERIFY_COST_CURVES = {
+    "gguf": ((1, 1.0), (2, 1.15), (3, 1.35), (4, 1.60), (6, 2.23), (8, 2.83), (12, 4.03), (16, 5.22), (32, 9.91)),
+    "cpu": ((1, 1.0), (2, 1.11), (3, 1.17), (4, 1.29), (6, 1.39), (8, 1.54), (12, 1.79), (16, 2.07), (32, 3.06)),
+    "cuda": ((1, 1.0), (32, 1.3)),
+}
+
+
+def interpolate_cost(curve: Sequence[tuple[int, float]], n: int) -> float:
+    """Piecewise-linear T(n)/T(1) through the curve's points, extended with its last slope."""
+    if n <= curve[0][0]:
+        return curve[0][1]
+    for (a, ta), (b, tb) in zip(curve, curve[1:]):
+        if n <= b:
+            return ta + (tb - ta) * (n - a) / (b - a)
+    (a, ta), (b, tb) = curve[-2], curve[-1]
+    return tb + (tb - ta) * (n - b) / (b - a)
+
 
 def resolve_device(device: str) -> torch.device:
     """'auto' -> cuda when available, else cpu."""
@@ -200,6 +223,11 @@ class Transformer:
         if quant not in QUANTS:
             raise ModelError(f"quant {quant!r} is not supported (choose one of: {', '.join(QUANTS)})")
         return cls(GGUFFile(path), resolve_device(device), DTYPES[dtype], quant)
+
+    def verify_cost(self, n_rows: int) -> float:
+        """Estimated time of a forward of `n_rows` new rows, in units of a one-row forward."""
+        key = "gguf" if self.quant == "gguf" else ("cuda" if self.device.type == "cuda" else "cpu")
+        return interpolate_cost(VERIFY_COST_CURVES[key], n_rows)
 
     def new_cache(self, n_seq: int, max_ctx: int) -> KVCache:
         """A KV cache for `n_seq` sequences of up to `max_ctx` positions each."""

@@ -60,19 +60,33 @@ def verify(spec, seq_id: int, n_drafted: int, n_accepted: int, chosen: bool = Tr
 
 
 def test_simple_copies_what_followed_the_match():
-    s = make(NgramSimple, n=3, m=8)
-    assert draft(s, [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]) == (4, 5, 9, 9, 1, 2, 3)  # up to the end of history
+    s = make(NgramSimple, n=3, m=5)
+    assert draft(s, [1, 2, 3, 4, 5, 9, 9, 0, 1, 2, 3]) == (4, 5, 9, 9, 0)
     assert draft(make(NgramSimple, n=3, m=3), [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]) == (4, 5, 9)
 
 
-def test_simple_uses_most_recent_occurrence():
+def test_simple_continues_a_periodic_history():
+    # the match runs into the current suffix: the history repeats with period 7 from there on
+    assert draft(make(NgramSimple, n=3, m=9), [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]) == (4, 5, 9, 9, 1, 2, 3, 4, 5)
+    assert draft(make(NgramSimple, n=2, m=5), [8, 7, 7, 7]) == (7, 7, 7, 7, 7)
+
+
+def test_simple_uses_most_recent_occurrence_among_equal_matches():
     s = make(NgramSimple, n=3, m=2)
     assert draft(s, [1, 2, 3, 7, 1, 2, 3, 8, 5, 1, 2, 3]) == (8, 5)
 
 
+def test_simple_prefers_the_occurrence_with_the_longest_match():
+    # [1, 2, 3] occurs twice; before the older one comes 6, as before the current suffix
+    hist = [6, 1, 2, 3, 4, 4, 0, 1, 2, 3, 8, 8, 6, 1, 2, 3]
+    assert draft(make(NgramSimple, n=3, m=2), hist) == (4, 4)
+    assert draft(make(NgramSimple, n=3, m=2, match_max=3), hist) == (8, 8)  # no look further back
+    assert draft(make(NgramSimple, n=3, m=2, candidates=1), hist) == (8, 8)  # only the latest compared
+
+
 def test_simple_falls_back_to_shorter_ngrams_down_to_ngram_min():
     hist = [5, 6, 7, 9, 6, 7]  # [9, 6, 7] is new, [6, 7] was followed by 9
-    assert draft(make(NgramSimple, n=3, ngram_min=1), hist) == (9, 6, 7)
+    assert draft(make(NgramSimple, n=3, ngram_min=1, m=3), hist) == (9, 6, 7)
     assert draft(make(NgramSimple, n=3, ngram_min=3), hist) is None
 
 
@@ -86,15 +100,28 @@ def test_simple_no_match_and_limits():
     assert draft(make(NgramSimple, n=2, m=8), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2], n_max=16) == tuple(range(3, 11))
 
 
-def _naive_simple(hist, n, n_min, m, n_max):
+def _naive_simple(hist, n, n_min, m, n_max, match_max):
+    """Longest backward match among all earlier occurrences (the most recent on ties), periodic."""
     for k in range(n, n_min - 1, -1):
         if len(hist) < k:
             continue
-        suffix = hist[-k:]
+        best = None
         for start in range(len(hist) - k - 1, -1, -1):
-            if hist[start:start + k] == suffix:
-                j = start + k
-                return tuple(hist[j:j + min(m, n_max)])
+            if hist[start:start + k] == hist[-k:]:
+                length = k
+                while (length < match_max and start - (length - k) - 1 >= 0
+                       and hist[start - (length - k) - 1] == hist[len(hist) - length - 1]):
+                    length += 1
+                if best is None or length > best[0]:
+                    best = (length, start + k)
+        if best is not None:
+            seq = list(hist)
+            j = best[1]
+            out = []
+            while len(out) < min(m, n_max):
+                out.append(seq[j + len(out)])
+                seq.append(out[-1]) if j + len(out) >= len(hist) else None
+            return tuple(out)
     return None
 
 
@@ -102,10 +129,25 @@ def test_simple_incremental_matches_naive_reference():
     rng = random.Random(1)
     for trial in range(4):
         hist = [rng.randrange(6) for _ in range(40)]
-        s = make(NgramSimple, n=3, ngram_min=1, m=5)
+        s = make(NgramSimple, n=3, ngram_min=1, m=5, match_max=6, candidates=1000)
         while len(hist) < 200:
-            assert draft(s, hist, n_max=4) == _naive_simple(hist, 3, 1, 5, 4), len(hist)
+            assert draft(s, hist, n_max=4) == _naive_simple(hist, 3, 1, 5, 4, 6), len(hist)
             hist += [rng.randrange(6) for _ in range(rng.randrange(1, 40))]  # small and bulk growth
+
+
+def test_simple_confidence_is_learnt_per_match_length():
+    s = make(NgramSimple, n=2, m=4, match_max=8)
+    hist = [5, 1, 2, 3, 4, 0, 9, 1, 2]  # match length 2 ([1, 2], preceded by 5 vs 9)
+    (d,) = s.draft([DraftRequest(0, hist, 4)])
+    assert d.token_ids == (3, 4, 0, 9) and d.confidence == (0.5, 0.5, 0.5, 0.5)  # the prior
+    verify(s, 0, 4, 1)  # token 0 (match length 2) accepted, token 1 (length 3) rejected
+    assert s.confidence_table()[2:5] == pytest.approx([2 / 3, 1 / 3, 0.5], abs=1e-4)
+    (d,) = s.draft([DraftRequest(0, hist, 4)])
+    assert d.confidence == (pytest.approx(2 / 3), pytest.approx(1 / 3), 0.5, 0.5)
+    verify(s, 0, 4, 0, chosen=False)  # another speculator's draft was verified: nothing learnt
+    assert s.confidence_table()[2] == pytest.approx(2 / 3, abs=1e-4)
+    verify(s, 0, 4, 4)  # no draft pending for the sequence any more: ignored
+    assert s.confidence_table()[2] == pytest.approx(2 / 3, abs=1e-4)
 
 
 def test_simple_rebuilds_when_history_changes():
@@ -123,7 +165,7 @@ def test_sequences_are_independent():
     assert draft(s, [1, 2, 3, 1, 2], seq_id=0) == (3, 1)
     assert draft(s, [1, 2], seq_id=1) is None
     out = s.draft([DraftRequest(0, [1, 2, 3, 1, 2], 4), DraftRequest(1, [1, 2], 4), DraftRequest(2, [5, 5, 5], 4)])
-    assert [d.token_ids if d else None for d in out] == [(3, 1), None, (5,)]
+    assert [d.token_ids if d else None for d in out] == [(3, 1), None, (5, 5)]  # (5) repeats
 
 
 def test_accepts_tensor_and_tuple_histories():
@@ -513,7 +555,8 @@ def test_build_command_with_smollm2(tmp_path):
 
 
 @pytest.mark.parametrize("cls, params, name", [
-    (NgramSimple, {"n": 0}, "n"), (NgramSimple, {"n": 2, "ngram_min": 3}, "ngram_min"), (NgramSimple, {"m": 0}, "m"),
+    (NgramSimple, {"n": 0}, "n"), (NgramSimple, {"match_max": 2}, "match_max"),
+    (NgramSimple, {"candidates": 0}, "candidates"), (NgramSimple, {"n": 2, "ngram_min": 3}, "ngram_min"), (NgramSimple, {"m": 0}, "m"),
     (NgramSimple, {"n": "3"}, "n"), (NgramSimple, {"m": True}, "m"),
     (NgramMapK, {"min_hits": 0}, "min_hits"), (NgramMapK, {"n": -1}, "n"),
     (NgramMapK4V, {"k": 0}, "k"), (NgramMapK4V, {"min_ratio": -1.0}, "min_ratio"),
