@@ -310,8 +310,20 @@ class Engine:
                 if len(d) < spec.policy.n_min or len(d) == 0:
                     continue
                 # expected accepted tokens less the extra verification rows (units of one-row forwards)
-                gain = sum(_cumulative(d.confidence)) if d.confidence is not None else acc * len(d)
-                score = gain - (self.model.verify_cost(1 + len(d)) - 1.0)
+                extra = self.model.verify_cost
+                if d.confidence is not None and spec.policy.cost_trim:
+                    # the prefix worth most; the batch-wide _trim below may cut it further
+                    k, score, run = 0, 0.0, 0.0
+                    for i, p in enumerate(_cumulative(d.confidence), 1):
+                        run += p
+                        if run - (extra(1 + i) - 1.0) > score:
+                            k, score = i, run - (extra(1 + i) - 1.0)
+                    d = _cut(d, k)
+                else:
+                    gain = sum(_cumulative(d.confidence)) if d.confidence is not None else acc * len(d)
+                    score = gain - (extra(1 + len(d)) - 1.0)
+                if spec.policy.cost_trim and (score <= 0 or len(d) < max(1, spec.policy.n_min)):
+                    continue  # expected to cost more verification time than it saves
                 if r.seq_id not in best or score > best[r.seq_id][0]:
                     best[r.seq_id] = (score, spec, d)
         self._asked = asked

@@ -259,3 +259,15 @@ def test_bad_confidences_disable_the_speculator(tiny_target, prompts, plain, con
 
     eng = assert_greedy_equal(tiny_target, [Bad({})], prompts[:2], 10)
     assert "confidence" in eng.stats.disabled["Bad"] and "3 numbers in [0, 1]" in eng.stats.disabled["Bad"]
+
+
+def test_drafts_expected_to_cost_more_than_they_save_are_not_verified(tiny_target, prompts, monkeypatch):
+    _linear_cost(monkeypatch, tiny_target, 0.3)
+    vocab = tiny_target.model.config.vocab_size
+    # random drafts: once the measured acceptance is below a row's cost (0.3), none is verified
+    eng = assert_greedy_equal(tiny_target, [RandomDrafts(vocab, max_len=1)], prompts[:4], 40)
+    st = eng.stats.speculators["RandomDrafts"]
+    assert 0 < st.drafts <= 4  # the prior (1 of 2 accepted) pays for the first couple of tries
+    eng = assert_greedy_equal(tiny_target, [speculator(RandomDrafts(vocab, max_len=1), cost_trim=False)],
+                              prompts[:4], 40)
+    assert eng.stats.speculators["RandomDrafts"].drafts > 20  # only the dead-draft back-off
