@@ -310,18 +310,13 @@ class Engine:
                 if len(d) < spec.policy.n_min or len(d) == 0:
                     continue
                 # expected accepted tokens less the extra verification rows (units of one-row forwards)
-                extra = self.model.verify_cost
+                cost = self.model.verify_cost
                 if d.confidence is not None and spec.policy.cost_trim:
-                    # the prefix worth most; the batch-wide _trim below may cut it further
-                    k, score, run = 0, 0.0, 0.0
-                    for i, p in enumerate(_cumulative(d.confidence), 1):
-                        run += p
-                        if run - (extra(1 + i) - 1.0) > score:
-                            k, score = i, run - (extra(1 + i) - 1.0)
+                    k, score = _best_prefix(d.confidence, cost)  # the batch-wide _trim may cut further
                     d = _cut(d, k)
                 else:
                     gain = sum(_cumulative(d.confidence)) if d.confidence is not None else acc * len(d)
-                    score = gain - (extra(1 + len(d)) - 1.0)
+                    score = gain - (cost(1 + len(d)) - cost(1))
                 if spec.policy.cost_trim and (score <= 0 or len(d) < max(1, spec.policy.n_min)):
                     continue  # expected to cost more verification time than it saves
                 if r.seq_id not in best or score > best[r.seq_id][0]:
@@ -454,6 +449,18 @@ def _cumulative(confidence: Sequence[float]) -> list[float]:
         p *= float(c)
         out.append(p)
     return out
+
+
+def _best_prefix(confidence: Sequence[float], cost: Callable[[int], float]) -> tuple[int, float]:
+    """(k, value) of the draft prefix with the most expected accepted tokens less the cost of
+    its extra verification rows, cost(1 + k) - cost(1); (0, 0.0) when no prefix pays."""
+    best, gain = (0, 0.0), 0.0
+    for k, p in enumerate(_cumulative(confidence), 1):
+        gain += p
+        value = gain - (cost(1 + k) - cost(1))
+        if value > best[1]:
+            best = (k, value)
+    return best
 
 
 def _cut(d: Draft, k: int) -> Draft:
