@@ -300,6 +300,7 @@ class Engine:
                 continue
             asked[spec.name] = {r.seq_id: len(d) if d is not None else 0 for r, d in zip(reqs, res)}
             acc = spec.acceptance
+            cost = self.model.verify_cost
             for r, d in zip(reqs, res):
                 if d is None or len(d) == 0:
                     continue
@@ -310,7 +311,6 @@ class Engine:
                 if len(d) < spec.policy.n_min or len(d) == 0:
                     continue
                 # expected accepted tokens less the extra verification rows (units of one-row forwards)
-                cost = self.model.verify_cost
                 if d.confidence is not None and spec.policy.cost_trim:
                     k, score = _best_prefix(d.confidence, cost)  # the batch-wide _trim may cut further
                     d = _cut(d, k)

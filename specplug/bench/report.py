@@ -5,7 +5,7 @@ results.json (schema version 1):
    "overall":    {variant: FIGURES},
    "categories": {category: {variant: FIGURES}},
    "prompts":    [{"id", "category", "turn", "prompt_tokens", "mismatch",
-                   "runs": {variant|"plain": {"time_s", "tokens", "forwards", "drafted", "accepted"}}}],
+                   "runs": {variant|"plain": {"time_s", "prefill_s", "tokens", "forwards", "drafted", "accepted"}}}],
    "mismatches": [{"id", "category", "turn", "variant", "index", "top2_gap"}]}
   FIGURES = {"n_prompts", "tokens", "plain_tok_s", "spec_tok_s",
              "speedup"          (total plain time / total speculative time, per generated token;
@@ -42,12 +42,12 @@ def figures(results: list[PromptResult], variant: str) -> dict:
         p, s = r.runs["plain"], r.runs[variant]
         if p.time_s > 0 and s.time_s > 0 and p.token_ids and s.token_ids:
             ratios.append((len(s.token_ids) / s.time_s) / (len(p.token_ids) / p.time_s))
-    def decode(run_of):
-        n = sum(max(0, len(run_of(r).token_ids) - 1) for r in rs)
-        t = sum(max(0.0, run_of(r).time_s - run_of(r).prefill_s) for r in rs)
+    def decode_tok_s(name: str) -> float:  # tokens after the first, over the time after it
+        n = sum(max(0, len(r.runs[name].token_ids) - 1) for r in rs)
+        t = sum(max(0.0, r.runs[name].time_s - r.runs[name].prefill_s) for r in rs)
         return n / t if t > 0 else 0.0
 
-    dec_plain, dec_spec = decode(lambda r: r.runs["plain"]), decode(lambda r: r.runs[variant])
+    dec_plain, dec_spec = decode_tok_s("plain"), decode_tok_s(variant)
     runs = [r.runs[variant] for r in rs]
     forwards = sum(x.forwards for x in runs)
     drafted = sum(x.drafted for x in runs)
@@ -93,7 +93,8 @@ def build_report(results: list[PromptResult], variant_names: list[str], settings
                        for c in cats},
         "prompts": [{"id": r.id, "category": r.category, "turn": r.turn, "prompt_tokens": r.prompt_tokens,
                      "mismatch": r.mismatch,
-                     "runs": {n: {"time_s": round(x.time_s, 4), "prefill_s": round(x.prefill_s, 4), "tokens": len(x.token_ids), "forwards": x.forwards,
+                     "runs": {n: {"time_s": round(x.time_s, 4), "prefill_s": round(x.prefill_s, 4),
+                                  "tokens": len(x.token_ids), "forwards": x.forwards,
                                   "drafted": x.drafted, "accepted": x.accepted} for n, x in r.runs.items()}}
                     for r in results],
         "mismatches": [{"id": r.id, "category": r.category, "turn": r.turn, **r.mismatch}
