@@ -14,14 +14,13 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from specplug.errors import ModelError
 from specplug.runtime.gguf_file import GGUFFile, ModelConfig
-from specplug.runtime.kv_cache import KVCache
 from specplug.runtime import native
-from specplug.runtime.linear import DenseLinear, Int8Linear, int8_available, rms_norm
-from specplug.runtime.native import QuantLinear
+from specplug.runtime.kv_cache import KVCache
+from specplug.runtime.layers import Backend, DecoderLayer, LayerShape, Linear, Rope, Step
+from specplug.runtime.linear import int8_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTS = ("auto", "none", "int8", "gguf")
@@ -96,20 +95,41 @@ class ForwardOutput:
     hidden: dict[int, torch.Tensor]  # tap -> [n_entries, n_embd] float32; tap i = input of layer i, n_layer = pre-norm final
 
 
-@dataclass
-class _Layer:
-    qkv: object  # attn_norm folded in: qkv.norm_linear(x)
-    o: object
-    gate_up: object  # ffn_norm folded in
-    down: object
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-
-
 def _neox_to_interleaved(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
     """Reorder Q/K rows so RoPE pairs (i, i+d/2) become (2i, 2i+1); q.k is unchanged."""
     perm = torch.stack([torch.arange(head_dim // 2), torch.arange(head_dim // 2) + head_dim // 2], -1).flatten()
     return w.reshape(n_heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
+
+
+class OutputHead:
+    """The target's output norm and vocabulary projection, shared with heads that reuse them
+    (MTP, DFlash): logits over the whole vocabulary or over a subset of its rows (a head that
+    drafts from the most frequent tokens pays for those rows only)."""
+
+    def __init__(self, gguf: GGUFFile, name: str, norm_weight: torch.Tensor, eps: float, backend: Backend,
+                 full: Linear):
+        self._gguf, self._name = gguf, name
+        self.norm_weight = norm_weight  # [n_embd] float32, CPU
+        self.eps = eps
+        self.backend = backend
+        self.full = full  # the target's own head: norm_linear(x) -> logits [rows, vocab]
+
+    def linear(self, rows: Sequence[int] | None = None, backend: Backend | None = None) -> Linear:
+        """A linear with the output norm folded in (`norm_linear(x, eps)` -> logits) over the given
+        vocabulary rows (None = all), in the target's weight format unless `backend` says otherwise."""
+        backend = backend or self.backend
+        if rows is None and backend == self.backend:
+            return self.full
+        raw, qtype, shape = self._gguf.raw(self._name)
+        if rows is not None:
+            idx = np.asarray(list(rows), dtype=np.int64)
+            raw, shape = raw[idx], (len(idx), shape[1])
+        return backend.linear_from_blocks(raw, qtype, shape, norm_weight=self.norm_weight)
+
+    def weight(self, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """The projection's float32 weights [len(rows) or vocab, n_embd] (for training a head)."""
+        w = torch.from_numpy(self._gguf.tensor(self._name))
+        return w if rows is None else w[torch.as_tensor(list(rows), dtype=torch.long)]
 
 
 class Transformer:
@@ -127,39 +147,36 @@ class Transformer:
             problem = _gguf_problem(cfg, device, dtype)
             if problem:
                 raise ModelError(f"{gguf.path}: quant: gguf is not possible here: {problem} (use quant: none)")
-            self._k = native.kernels()
+            native.kernels()
         self.quant = quant
+        self.backend = backend = Backend(device, dtype, quant)
 
         def t(name: str) -> torch.Tensor:
             return torch.from_numpy(gguf.tensor(name))
 
-        def lin(w: torch.Tensor, b: torch.Tensor | None = None, norm: torch.Tensor | None = None):
-            if quant == "int8":
-                return Int8Linear(w, b, norm)
-            return DenseLinear(w.to(device, dtype), None if b is None else b.to(device, dtype),
-                               None if norm is None else norm.to(device, dtype))
-
-        def qlin(names: list[str], heads: list[int] | None = None, b: torch.Tensor | None = None,
-                 norm: torch.Tensor | None = None):
-            """The named tensors stacked by rows as GGUF blocks; heads[i]: neox-permute part i."""
-            parts = [gguf.raw(n) for n in names]
-            types = {qt for _, qt, _ in parts}
-            perm = [heads[i] if heads else None for i in range(len(names))]
-            if len(types) == 1 and types <= set(native.NATIVE_TYPES):
-                rows = [torch.from_numpy(np.array(r)) for r, _, _ in parts]
-                rows = [r if h is None else _neox_to_interleaved(r, h, cfg.head_dim) for r, h in zip(rows, perm)]
-                raw = torch.cat(rows).numpy()
-                return QuantLinear.from_blocks(raw, types.pop(), (raw.shape[0], parts[0][2][1]), bias=b,
-                                               norm_weight=norm)
-            ws = [t(n) for n in names]  # other types: re-quantized to Q8_0
-            ws = [w if h is None else _neox_to_interleaved(w, h, cfg.head_dim) for w, h in zip(ws, perm)]
-            return QuantLinear.from_float(torch.cat(ws), bias=b, norm_weight=norm)
+        def lin(names: list[str], heads: list[int | None] | None = None, b: torch.Tensor | None = None,
+                norm: torch.Tensor | None = None) -> Linear:
+            """The named tensors stacked by rows; heads[i]: neox-permute part i. On the native backend
+            Q4_0/Q4_1/Q8_0 stay as stored, other types are re-quantized to Q8_0."""
+            heads = heads or [None] * len(names)
+            if backend.native:
+                parts = [gguf.raw(n) for n in names]
+                types = {qt for _, qt, _ in parts}
+                if len(types) == 1 and types <= set(native.NATIVE_TYPES):
+                    rows = [torch.from_numpy(np.array(r)) for r, _, _ in parts]
+                    rows = [r if h is None else _neox_to_interleaved(r, h, cfg.head_dim) for r, h in zip(rows, heads)]
+                    raw = torch.cat(rows).numpy()
+                    return backend.linear_from_blocks(raw, types.pop(), (raw.shape[0], parts[0][2][1]), b, norm)
+            ws = [t(n) for n in names]
+            ws = [w if h is None else _neox_to_interleaved(w, h, cfg.head_dim) for w, h in zip(ws, heads)]
+            return backend.linear(torch.cat(ws), b, norm)
 
         def vec(w: torch.Tensor) -> torch.Tensor:
             return w.to(device, dtype)
 
         H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        self.layers: list[_Layer] = []
+        shape = LayerShape(H, Hkv, D, cfg.n_ff)
+        self.layers: list[DecoderLayer] = []
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
             q_shape, k_shape = gguf.shape(p + "attn_q.weight"), gguf.shape(p + "attn_k.weight")
@@ -171,32 +188,19 @@ class Transformer:
                 bias = [t(p + f"attn_{x}.bias") for x in "qkv"]
                 if cfg.rope_style == "neox":
                     bias[0], bias[1] = _neox_to_interleaved(bias[0], H, D), _neox_to_interleaved(bias[1], Hkv, D)
-            if quant == "gguf":
-                neox = [H, Hkv, None] if cfg.rope_style == "neox" else None
-                layer = _Layer(
-                    qkv=qlin([p + f"attn_{x}.weight" for x in "qkv"], neox, None if bias is None else torch.cat(bias),
-                             t(p + "attn_norm.weight")),
-                    o=qlin([p + "attn_output.weight"]),
-                    gate_up=qlin([p + "ffn_gate.weight", p + "ffn_up.weight"], None, None, t(p + "ffn_norm.weight")),
-                    down=qlin([p + "ffn_down.weight"]),
-                )
-            else:
-                wq, wk, wv = t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")
-                if cfg.rope_style == "neox":
-                    wq, wk = _neox_to_interleaved(wq, H, D), _neox_to_interleaved(wk, Hkv, D)
-                layer = _Layer(
-                    qkv=lin(torch.cat([wq, wk, wv]), None if bias is None else torch.cat(bias),
-                            t(p + "attn_norm.weight")),
-                    o=lin(t(p + "attn_output.weight")),
-                    gate_up=lin(torch.cat([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")]), None,
-                                t(p + "ffn_norm.weight")),
-                    down=lin(t(p + "ffn_down.weight")),
-                )
+                bias = torch.cat(bias)
+            neox = [H, Hkv, None] if cfg.rope_style == "neox" else None
+            q_norm = k_norm = None
             if cfg.qk_norm:
                 perm = _neox_to_interleaved(torch.arange(D).float().unsqueeze(1), 1, D).squeeze(1).long()
-                layer.q_norm = vec(t(p + "attn_q_norm.weight")[perm])
-                layer.k_norm = vec(t(p + "attn_k_norm.weight")[perm])
-            self.layers.append(layer)
+                q_norm = vec(t(p + "attn_q_norm.weight")[perm])
+                k_norm = vec(t(p + "attn_k_norm.weight")[perm])
+            self.layers.append(DecoderLayer(
+                qkv=lin([p + f"attn_{x}.weight" for x in "qkv"], neox, bias, t(p + "attn_norm.weight")),
+                o=lin([p + "attn_output.weight"]),
+                gate_up=lin([p + "ffn_gate.weight", p + "ffn_up.weight"], None, None, t(p + "ffn_norm.weight")),
+                down=lin([p + "ffn_down.weight"]),
+                shape=shape, eps=cfg.rms_eps, q_norm=q_norm, k_norm=k_norm))
         emb = t("token_embd.weight")
         if emb.shape != (cfg.vocab_size, cfg.n_embd):
             raise ModelError(f"{gguf.path}: token_embd.weight has shape {tuple(emb.shape)}, "
@@ -204,15 +208,10 @@ class Transformer:
         self.embed = emb.to(device, dtype)  # [vocab, n_embd]
         out_norm = t("output_norm.weight")
         self.norm = vec(out_norm)  # [n_embd]: the head applies it (norm_linear); kept for callers of taps
-        if quant == "gguf":
-            self.head = qlin(["token_embd.weight" if cfg.tied_embeddings else "output.weight"], None, None, out_norm)
-        else:
-            self.head = lin(emb if cfg.tied_embeddings else t("output.weight"), None, out_norm)
-        # RoPE as complex rotations of interleaved pairs, one row per position.
-        inv = cfg.rope_base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-        self._rope_inv_freq = inv.float()
-        self._rope = torch.empty(0, D // 2, dtype=torch.complex64, device=device)
-        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        self.head = lin([head_name], None, None, out_norm)
+        self.output_head = OutputHead(gguf, head_name, out_norm, cfg.rms_eps, backend, self.head)
+        self.rope = Rope(D, cfg.rope_base, device)
         self.metadata = gguf.metadata
 
     @classmethod
@@ -232,15 +231,7 @@ class Transformer:
     def new_cache(self, n_seq: int, max_ctx: int) -> KVCache:
         """A KV cache for `n_seq` sequences of up to `max_ctx` positions each."""
         cfg = self.config
-        cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        return KVCache(cfg.n_layer, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, cache_dtype, self.device)
-
-    def _rope_table(self, n: int) -> torch.Tensor:
-        if self._rope.shape[0] < n:
-            n = max(n, 2 * self._rope.shape[0], 256)
-            ang = torch.outer(torch.arange(n, dtype=torch.float32), self._rope_inv_freq)
-            self._rope = torch.polar(torch.ones_like(ang), ang).to(self.device)
-        return self._rope
+        return self.backend.new_cache(cfg.n_layer, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim)
 
     @torch.inference_mode()
     def forward(
@@ -257,217 +248,26 @@ class Transformer:
         logits_rows: indices of entries to compute logits for (None = every entry).
         taps: layer indices whose input hidden state to return for every entry;
         `config.n_layer` is the pre-norm final state (what MTP heads condition on).
+
+        On the GGUF kernels every entry is one row, with no padding and no mask: each row
+        attends to its own sequence's valid cells up to its position, so rows of different
+        sequences and lengths mix freely and every row's result is independent of the rest
+        of the batch.
         """
         cfg = self.config
         n = len(token_ids)
         assert n == len(positions) == len(seq_ids) and n > 0, (n, len(positions), len(seq_ids))
-        if self.quant == "gguf":
-            return self._forward_gguf(token_ids, positions, seq_ids, cache, logits_rows, taps)
-        plan = _Plan(positions, seq_ids, cache, self.device, cfg.n_head // cfg.n_head_kv, self.dtype)
-        dev = self.device
-        tok = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
-        if plan.gather is not None:
-            tok = tok[plan.gather]
-        x = self.embed[tok]  # [B*T, n_embd]
-        rope = self._rope_table(cache.max_ctx)[plan.q_pos]  # [B*T, D/2] complex
-        rope = rope.unsqueeze(1)
-        H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        B, T = plan.B, plan.T
+        step = Step(positions, seq_ids, cache, self.rope, self.backend, cfg.n_head // cfg.n_head_kv)
+        x = step.rows(self.embed[torch.as_tensor(token_ids, dtype=torch.long, device=self.device)])
         hidden: dict[int, torch.Tensor] = {}
-        for li, L in enumerate(self.layers):
+        for li, layer in enumerate(self.layers):
             if li in taps:
                 hidden[li] = x
-            qkv = L.qkv.norm_linear(x, cfg.rms_eps)  # [B*T, (H+2Hkv)*D]
-            qk = qkv[:, : (H + Hkv) * D].unflatten(1, (H + Hkv, D))
-            if L.q_norm is not None:
-                qk = torch.cat([rms_norm(qk[:, :H], L.q_norm, cfg.rms_eps),
-                                rms_norm(qk[:, H:], L.k_norm, cfg.rms_eps)], 1)
-            qk = torch.view_as_real(torch.view_as_complex(qk.float().unflatten(2, (D // 2, 2))) * rope).flatten(2)
-            qk = qk.to(x.dtype)
-            q = qk[:, :H]
-            k = qk[:, H:]
-            v = qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D))
-            kc, vc = plan.write(cache.k[li], k), plan.write(cache.v[li], v)
-            o = _attention(q, kc.to(q.dtype), vc.to(q.dtype), plan.mask, B, T, H, Hkv, D)
-            x = L.o(o, residual=x)
-            gu = L.gate_up.norm_linear(x, cfg.rms_eps)
-            x = L.down(F.silu(gu[:, : cfg.n_ff]) * gu[:, cfg.n_ff:], residual=x)
+            x = layer(x, step, li)
         if cfg.n_layer in taps:
             hidden[cfg.n_layer] = x
-        hidden = {k: plan.to_entries(v).float() for k, v in hidden.items()}
+        hidden = {k: step.entries(v).float() for k, v in hidden.items()}
         logits = None
         if logits_rows is None or len(logits_rows) > 0:
-            rows = plan.padded_rows(logits_rows)
-            xr = x if rows is None else x[rows]
-            logits = self.head.norm_linear(xr, cfg.rms_eps).float()
+            logits = self.head.norm_linear(step.select(x, logits_rows), cfg.rms_eps).float()
         return ForwardOutput(logits=logits, hidden=hidden)
-
-    def _forward_gguf(self, token_ids, positions, seq_ids, cache: KVCache, logits_rows, taps) -> ForwardOutput:
-        """forward() on the GGUF-block kernels: every entry is one row, no padding, no mask.
-
-        Each row attends to its own sequence's valid cells up to its position, so rows of
-        different sequences and lengths mix freely and every row's result is independent of
-        the rest of the batch.
-        """
-        cfg, k = self.config, self._k
-        positions = [int(p) for p in positions]
-        seq_ids = [int(s) for s in seq_ids]
-        _note_batch(positions, seq_ids, cache)
-        if cache.k.dtype != torch.float32 or cache.k.device.type != "cpu":
-            raise ModelError("quant: gguf needs a float32 CPU cache (make it with model.new_cache)")
-        seq_t = torch.tensor(seq_ids, dtype=torch.int32)
-        pos_t = torch.tensor(positions, dtype=torch.int32)
-        cache.valid[seq_t.long(), pos_t.long()] = True
-        cos, sin = self._cos_sin_table(cache.max_ctx)
-        x = self.embed[torch.as_tensor(token_ids, dtype=torch.long)]
-        H, Hkv, D, eps = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
-        scale = D ** -0.5
-        hidden: dict[int, torch.Tensor] = {}
-        for li, L in enumerate(self.layers):
-            if li in taps:
-                hidden[li] = x
-            qkv = L.qkv.norm_linear(x, eps)  # [n, (H + 2 Hkv) D]
-            kc, vc = cache.k[li], cache.v[li]
-            k.rope_store(qkv, seq_t, pos_t, cos, sin, H, Hkv, L.q_norm, L.k_norm, eps, kc, vc)
-            x = L.o(k.attention(qkv, kc, vc, seq_t, pos_t, cache.valid, H, scale), residual=x)
-            x = L.down.matmul(k.silu_mul_quantize(L.gate_up.norm_linear(x, eps)), residual=x)
-        if cfg.n_layer in taps:
-            hidden[cfg.n_layer] = x
-        logits = None
-        if logits_rows is None or len(logits_rows) > 0:
-            xr = x if logits_rows is None or list(logits_rows) == list(range(len(seq_ids))) else \
-                x[torch.as_tensor(list(logits_rows), dtype=torch.long)]
-            logits = self.head.norm_linear(xr, eps)
-        return ForwardOutput(logits=logits, hidden=hidden)
-
-    def _cos_sin_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos_sin is None or self._cos_sin[0].shape[0] < n:
-            rope = self._rope_table(n)
-            self._cos_sin = (rope.real.contiguous(), rope.imag.contiguous())
-        return self._cos_sin
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               B: int, T: int, H: int, Hkv: int, D: int) -> torch.Tensor:
-    """q [B*T, H, D], k/v [B, Hkv, L, D] -> [B*T, H*D].
-
-    With several query rows, the G = H/Hkv query heads sharing a kv head become rows of one
-    attention per kv head ([B, Hkv, G*T, D]): no K/V repetition and fewer, larger kernels.
-    """
-    if T == 1:
-        o = F.scaled_dot_product_attention(q.unflatten(0, (B, 1)).transpose(1, 2), k, v, attn_mask=mask,
-                                           enable_gqa=Hkv != H)  # [B, H, 1, D]
-        return o.reshape(B, H * D)
-    G = H // Hkv
-    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # [B, Hkv, G*T, D]
-    return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
-
-
-def _note_batch(positions: list[int], seq_ids: list[int], cache: KVCache) -> dict[int, list[int]]:
-    """Check a batch against the cache and record its writes; returns seq -> its entry indices."""
-    groups: dict[int, list[int]] = {}
-    for i, s in enumerate(seq_ids):
-        groups.setdefault(s, []).append(i)
-    for s, g in groups.items():
-        pos = [positions[i] for i in g]
-        if len(set(pos)) != len(pos):
-            raise ValueError(f"sequence {s} has the same position twice in one batch: {sorted(pos)}")
-        cache._check_seq(s)
-        cache.note_writes(s, pos)
-    return groups
-
-
-class _Plan:
-    """How a batch of entries maps onto a padded [B sequences, T tokens] layout and the cache.
-
-    Computed once per forward in Python (the batch is small), used by every layer.
-    """
-
-    def __init__(self, positions: Sequence[int], seq_ids: Sequence[int], cache: KVCache, dev: torch.device,
-                 group: int = 1, dtype: torch.dtype = torch.float32):
-        positions = [int(p) for p in positions]
-        seq_ids = [int(s) for s in seq_ids]
-        groups = _note_batch(positions, seq_ids, cache)
-        self.slots = list(groups)
-        self.B = B = len(groups)
-        self.T = T = max(len(g) for g in groups.values())
-        self.n = n = len(positions)
-        # padded row r = b*T + t holds entry groups[b][t]; pad rows repeat the group's last entry
-        if B == 1:
-            self.gather = None  # identity: entries are already the padded layout
-            row_of_entry = None
-            q_pos = positions
-            real = None
-        else:
-            order = []
-            row_of_entry = [0] * n
-            real = []
-            for b, g in enumerate(groups.values()):
-                for t in range(T):
-                    e = g[min(t, len(g) - 1)]
-                    order.append(e)
-                    if t < len(g):
-                        row_of_entry[e] = b * T + t
-                        real.append(b * T + t)
-            q_pos = [positions[e] for e in order]
-            self.gather = torch.tensor(order, dtype=torch.long, device=dev)
-        self._row_of_entry = row_of_entry
-        self.q_pos = torch.tensor(q_pos, dtype=torch.long, device=dev)  # [B*T]
-        # cache cells written by this batch (real rows only; pads would clobber cells)
-        w_seq = [s for s, g in groups.items() for _ in g]
-        w_pos = [positions[i] for g in groups.values() for i in g]
-        self._real_rows = None if real is None or len(real) == B * T else torch.tensor(real, device=dev)
-        s0, p = self.slots[0], positions
-        contiguous = B == 1 and p == list(range(p[0], p[0] + n))
-        self._span = (s0, p[0], p[0] + n) if contiguous else None
-        if contiguous:
-            cache.valid[s0, p[0]:p[0] + n] = True
-        else:
-            self._w_seq = torch.tensor(w_seq, dtype=torch.long, device=dev)
-            self._w_pos = torch.tensor(w_pos, dtype=torch.long, device=dev)
-            cache.valid[self._w_seq, self._w_pos] = True
-        # keys visible to the batch: each slot's cells [0, L)
-        self.L = L = max(cache.end[s] for s in self.slots)
-        self._slot_span = (self.slots[0], self.slots[0] + B) if self.slots == list(range(self.slots[0], self.slots[0] + B)) else None
-        self._slot_idx = None if self._slot_span else torch.tensor(self.slots, dtype=torch.long, device=dev)
-        need_mask = B > 1 or T > 1 or not all(cache.dense[s] for s in self.slots)
-        self.mask = None
-        if need_mask:
-            kpos = torch.arange(L, device=dev)
-            valid = cache.valid[self._slot_span[0]:self._slot_span[1], :L] if self._slot_span else cache.valid[self._slot_idx, :L]
-            keep = (kpos.view(1, 1, L) <= self.q_pos.view(B, T, 1)) & valid.view(B, 1, L)  # [B, T, L]
-            # additive float mask (SDPA converts a bool one on every call), rows laid out as
-            # _attention groups them: [B, 1, G*T, L] for T > 1, [B, 1, 1, L] for T == 1
-            mask = torch.zeros(keep.shape, dtype=dtype, device=dev).masked_fill_(~keep, float("-inf"))
-            self.mask = mask.unsqueeze(1) if T == 1 else mask.unsqueeze(1).repeat(1, 1, group, 1).view(B, 1, group * T, L)
-
-    def write(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Write new K or V rows [B*T, Hkv, D] into `store` [n_seq, Hkv, max_ctx, D]; return [B, Hkv, L, D]."""
-        if self._span is not None:
-            s, a, b = self._span
-            store[s, :, a:b] = new.transpose(0, 1)
-        else:
-            rows = new if self._real_rows is None else new[self._real_rows]
-            store[self._w_seq, :, self._w_pos] = rows.to(store.dtype)
-        if self._slot_span is not None:
-            return store[self._slot_span[0]:self._slot_span[1], :, : self.L]
-        return store[self._slot_idx, :, : self.L]
-
-    def to_entries(self, x: torch.Tensor) -> torch.Tensor:
-        """Padded rows [B*T, ...] -> entry order [n, ...]."""
-        if self._row_of_entry is None:
-            return x
-        return x[torch.tensor(self._row_of_entry, device=x.device)]
-
-    def padded_rows(self, entry_rows: Sequence[int] | None):
-        """Padded-row indices of the given entries (None = all entries)."""
-        if entry_rows is None:
-            if self._row_of_entry is None:
-                return None
-            entry_rows = range(self.n)
-        m = self._row_of_entry
-        idx = list(entry_rows) if m is None else [m[i] for i in entry_rows]
-        if m is None and idx == list(range(self.n)):
-            return None
-        return torch.tensor(idx, dtype=torch.long, device=self.q_pos.device)

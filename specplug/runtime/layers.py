@@ -1,0 +1,361 @@
+"""The building blocks of a decoder, public: the target is made of them, and so is every head.
+
+A head plugin (MTP, Eagle3, DFlash, ...) builds its layers from these instead of writing its
+own transformer block, and gets, for free, what the target has: the GGUF-block kernels on CPU
+(batch-invariant, ~4x fewer bytes than float32), plain torch on CUDA, RoPE, and attention over
+a multi-sequence KV cache with `seq_rm` rollback.
+
+    backend = Backend.for_target(target_info)            # native kernels when the target uses them
+    layer = DecoderLayer(qkv=backend.linear(w_qkv, norm_weight=attn_norm), o=backend.linear(w_o),
+                         gate_up=backend.linear(w_gu, norm_weight=ffn_norm), down=backend.linear(w_down),
+                         shape=LayerShape(n_head=9, n_head_kv=3, head_dim=64, n_ff=1536), eps=1e-5)
+    cache = backend.new_cache(n_layer=1, n_seq=4, max_ctx=2048, n_head_kv=3, head_dim=64)
+    rope = Rope(head_dim=64, base=10000.0, device=backend.device)
+    step = Step(positions, seq_ids, cache, rope, backend, group=3)   # once per forward
+    x = step.rows(x)                                     # entry order -> the layout layers use
+    x = layer(x, step, 0)                                # layer 0 of `cache`
+    y = step.entries(x)                                  # back to entry order
+
+Rows are (token, position, sequence) entries; each row attends to its own sequence's valid cache
+cells up to its position. `cache.seq_rm(seq, p0)` rolls a sequence back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specplug.runtime import native
+from specplug.runtime.kv_cache import KVCache
+from specplug.runtime.linear import DenseLinear, Int8Linear, rms_norm
+from specplug.runtime.native import QuantLinear
+
+__all__ = ["Backend", "Linear", "LayerShape", "DecoderLayer", "Rope", "Step", "rms_norm", "KVCache"]
+
+
+class Linear(Protocol):
+    """y = x @ W.T (+ bias) (+ residual); `norm_linear(x, eps)` = linear(rms_norm(x) * norm_weight)."""
+
+    out_features: int
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def norm_linear(self, x: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where and in which weight format layers compute.
+
+    quant "gguf": the GGUF-block AVX2 kernels (CPU, float32 activations; weights Q8_0/Q4_1 blocks);
+    "none": torch in `dtype` on `device`; "int8": fbgemm (CPU, the target's legacy option).
+    """
+
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+    quant: str = "none"
+
+    @property
+    def native(self) -> bool:
+        return self.quant == "gguf"
+
+    @classmethod
+    def for_target(cls, target) -> "Backend":
+        """The backend a head should use next to this target (a TargetInfo): the GGUF kernels
+        when the target runs on them, else torch on the target's device and dtype."""
+        return cls(torch.device(target.device), target.dtype, "gguf" if target.quant == "gguf" else "none")
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               norm_weight: torch.Tensor | None = None) -> Linear:
+        """A linear from float weights [out, in] (quantized to Q8_0 on the native backend)."""
+        if self.native:
+            return QuantLinear.from_float(weight.float().cpu(), bias=bias, norm_weight=norm_weight)
+        if self.quant == "int8":
+            return Int8Linear(weight, bias, norm_weight)
+        to = lambda t: None if t is None else t.to(self.device, self.dtype)  # noqa: E731
+        return DenseLinear(to(weight), to(bias), to(norm_weight))
+
+    def linear_from_blocks(self, raw: np.ndarray, qtype: str, shape: tuple[int, int],
+                           bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None) -> Linear:
+        """A linear from GGUF tensor bytes ([rows, bytes per row]) of type `qtype`: used as stored
+        on the native backend when the kernels know the type, else dequantized."""
+        if self.native and qtype in native.NATIVE_TYPES:
+            return QuantLinear.from_blocks(raw, qtype, shape, bias=bias, norm_weight=norm_weight)
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        w = dequantize(np.ascontiguousarray(raw), GGMLQuantizationType[qtype]).reshape(shape)
+        return self.linear(torch.from_numpy(np.array(w, dtype=np.float32)), bias, norm_weight)
+
+    def new_cache(self, n_layer: int, n_seq: int, max_ctx: int, n_head_kv: int, head_dim: int) -> KVCache:
+        """A KV cache these layers can use (float32 on CPU, the model dtype elsewhere)."""
+        dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        return KVCache(n_layer, n_seq, max_ctx, n_head_kv, head_dim, dtype, self.device)
+
+
+class Rope:
+    """Rotary position tables for interleaved pairs (2i, 2i+1), grown on demand."""
+
+    def __init__(self, head_dim: int, base: float, device: torch.device | str = "cpu"):
+        inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        self.inv_freq = inv.float()
+        self.device = torch.device(device)
+        self._table = torch.empty(0, head_dim // 2, dtype=torch.complex64, device=self.device)
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def table(self, n: int) -> torch.Tensor:
+        """Complex rotations [>= n, head_dim / 2], row p for position p."""
+        if self._table.shape[0] < n:
+            n = max(n, 2 * self._table.shape[0], 256)
+            ang = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
+            self._table = torch.polar(torch.ones_like(ang), ang).to(self.device)
+        return self._table
+
+    def cos_sin(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) tables [>= n, head_dim / 2] (float32) for the native kernels."""
+        if self._cos_sin is None or self._cos_sin[0].shape[0] < n:
+            t = self.table(n)
+            self._cos_sin = (t.real.contiguous(), t.imag.contiguous())
+        return self._cos_sin
+
+
+def _note_batch(positions: list[int], seq_ids: list[int], cache: KVCache) -> dict[int, list[int]]:
+    """Check a batch against the cache and record its writes; returns seq -> its entry indices."""
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(seq_ids):
+        groups.setdefault(s, []).append(i)
+    for s, g in groups.items():
+        pos = [positions[i] for i in g]
+        if len(set(pos)) != len(pos):
+            raise ValueError(f"sequence {s} has the same position twice in one batch: {sorted(pos)}")
+        cache._check_seq(s)
+        cache.note_writes(s, pos)
+    return groups
+
+
+class Step:
+    """One forward's rows (position, sequence) against one KV cache: checked, recorded in the
+    cache's bookkeeping, and laid out for attention. Build it once per forward; every layer
+    (of any model sharing `cache`) uses it.
+
+    Native backend: rows stay in entry order, one row each, no padding. Torch backend: the
+    rows of each sequence are padded to [B sequences x T tokens] for SDPA; `rows(x)` and
+    `entries(x)` convert between entry order and that layout.
+    """
+
+    def __init__(self, positions: Sequence[int], seq_ids: Sequence[int], cache: KVCache, rope: Rope,
+                 backend: Backend, group: int = 1):
+        positions = [int(p) for p in positions]
+        seq_ids = [int(s) for s in seq_ids]
+        n = len(positions)
+        assert n == len(seq_ids) and n > 0, (n, len(seq_ids))
+        self.n = n
+        self.cache = cache
+        self.native = backend.native
+        if self.native:
+            _note_batch(positions, seq_ids, cache)
+            if cache.k.dtype != torch.float32 or cache.k.device.type != "cpu":
+                raise ValueError("the native kernels need a float32 CPU cache (make it with Backend.new_cache)")
+            self.seq = torch.tensor(seq_ids, dtype=torch.int32)
+            self.pos = torch.tensor(positions, dtype=torch.int32)
+            cache.valid[self.seq.long(), self.pos.long()] = True
+            self.cos, self.sin = rope.cos_sin(cache.max_ctx)
+            self.plan = None
+        else:
+            self.plan = _Plan(positions, seq_ids, cache, cache.k.device, group, backend.dtype)
+            self.rope = rope.table(cache.max_ctx)[self.plan.q_pos].unsqueeze(1)  # [B*T, 1, D/2] complex
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Entry-order rows [n, ...] -> the layout the layers compute in."""
+        if self.plan is None or self.plan.gather is None:
+            return x
+        return x[self.plan.gather]
+
+    def entries(self, x: torch.Tensor) -> torch.Tensor:
+        """Layer-layout rows -> entry order [n, ...]."""
+        return x if self.plan is None else self.plan.to_entries(x)
+
+    def select(self, x: torch.Tensor, entry_rows: Sequence[int] | None) -> torch.Tensor:
+        """The layer-layout rows of the given entries (None = all entries, in entry order)."""
+        if self.plan is None:
+            if entry_rows is None or list(entry_rows) == list(range(self.n)):
+                return x
+            return x[torch.as_tensor(list(entry_rows), dtype=torch.long)]
+        rows = self.plan.padded_rows(entry_rows)
+        return x if rows is None else x[rows]
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+
+
+class DecoderLayer:
+    """A llama decoder layer: x + attn(norm(x)), then + SwiGLU(norm(x)).
+
+    `qkv` maps the attention input to [q | k | v] (rows of q and k in interleaved RoPE order);
+    with `norm_weight` folded in (`norm_linear`) it normalizes the residual stream itself. A
+    head whose attention input is something else (Eagle3: [norm(embed); norm(h)]) passes
+    `attn_in` and builds `qkv` without a norm weight. `gate_up` = [gate | up] with the FFN
+    norm folded in. q_norm/k_norm: per-head RMSNorm (qwen3).
+    """
+
+    def __init__(self, qkv: Linear, o: Linear, gate_up: Linear, down: Linear, shape: LayerShape, eps: float,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None):
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.shape, self.eps = shape, eps
+        self.q_norm, self.k_norm = q_norm, k_norm
+        if isinstance(qkv, QuantLinear):
+            self._k = native.kernels()
+
+    def __call__(self, x: torch.Tensor, step: Step, li: int, attn_in: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer on residual rows x [rows, n_embd], writing K/V into layer `li` of step.cache."""
+        return self.ffn(self.attention(x, step, li, attn_in))
+
+    def attention(self, x: torch.Tensor, step: Step, li: int, attn_in: torch.Tensor | None = None) -> torch.Tensor:
+        """x + o(attention): qkv of norm(x) (or of `attn_in` as given), K/V stored at the rows' cells."""
+        S = self.shape
+        H, Hkv, D = S.n_head, S.n_head_kv, S.head_dim
+        qkv = self.qkv.norm_linear(x, self.eps) if attn_in is None else self.qkv(attn_in)
+        cache = step.cache
+        if step.native:
+            k = self._k
+            kc, vc = cache.k[li], cache.v[li]
+            k.rope_store(qkv, step.seq, step.pos, step.cos, step.sin, H, Hkv, self.q_norm, self.k_norm, self.eps,
+                         kc, vc)
+            return self.o(k.attention(qkv, kc, vc, step.seq, step.pos, cache.valid, H, D ** -0.5), residual=x)
+        plan = step.plan
+        qk = qkv[:, : (H + Hkv) * D].unflatten(1, (H + Hkv, D))
+        if self.q_norm is not None:
+            qk = torch.cat([rms_norm(qk[:, :H], self.q_norm, self.eps), rms_norm(qk[:, H:], self.k_norm, self.eps)], 1)
+        qk = torch.view_as_real(torch.view_as_complex(qk.float().unflatten(2, (D // 2, 2))) * step.rope).flatten(2)
+        qk = qk.to(x.dtype)
+        v = qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D))
+        kc, vc = plan.write(cache.k[li], qk[:, H:]), plan.write(cache.v[li], v)
+        q = qk[:, :H]
+        o = _attention(q, kc.to(q.dtype), vc.to(q.dtype), plan.mask, plan.B, plan.T, H, Hkv, D)
+        return self.o(o, residual=x)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """x + down(silu(gate(norm(x))) * up(norm(x)))."""
+        gu = self.gate_up.norm_linear(x, self.eps)
+        if isinstance(self.down, QuantLinear):
+            return self.down.matmul(self._k.silu_mul_quantize(gu), residual=x)
+        n_ff = self.shape.n_ff
+        return self.down(F.silu(gu[:, :n_ff]) * gu[:, n_ff:], residual=x)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               B: int, T: int, H: int, Hkv: int, D: int) -> torch.Tensor:
+    """q [B*T, H, D], k/v [B, Hkv, L, D] -> [B*T, H*D].
+
+    With several query rows, the G = H/Hkv query heads sharing a kv head become rows of one
+    attention per kv head ([B, Hkv, G*T, D]): no K/V repetition and fewer, larger kernels.
+    """
+    if T == 1:
+        o = F.scaled_dot_product_attention(q.unflatten(0, (B, 1)).transpose(1, 2), k, v, attn_mask=mask,
+                                           enable_gqa=Hkv != H)  # [B, H, 1, D]
+        return o.reshape(B, H * D)
+    G = H // Hkv
+    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # [B, Hkv, G*T, D]
+    return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
+
+
+class _Plan:
+    """How a batch of entries maps onto a padded [B sequences, T tokens] layout and the cache.
+
+    Computed once per forward in Python (the batch is small), used by every layer.
+    """
+
+    def __init__(self, positions: list[int], seq_ids: list[int], cache: KVCache, dev: torch.device,
+                 group: int = 1, dtype: torch.dtype = torch.float32):
+        groups = _note_batch(positions, seq_ids, cache)
+        self.slots = list(groups)
+        self.B = B = len(groups)
+        self.T = T = max(len(g) for g in groups.values())
+        self.n = n = len(positions)
+        # padded row r = b*T + t holds entry groups[b][t]; pad rows repeat the group's last entry
+        if B == 1:
+            self.gather = None  # identity: entries are already the padded layout
+            row_of_entry = None
+            q_pos = positions
+            real = None
+        else:
+            order = []
+            row_of_entry = [0] * n
+            real = []
+            for b, g in enumerate(groups.values()):
+                for t in range(T):
+                    e = g[min(t, len(g) - 1)]
+                    order.append(e)
+                    if t < len(g):
+                        row_of_entry[e] = b * T + t
+                        real.append(b * T + t)
+            q_pos = [positions[e] for e in order]
+            self.gather = torch.tensor(order, dtype=torch.long, device=dev)
+        self._row_of_entry = row_of_entry
+        self.q_pos = torch.tensor(q_pos, dtype=torch.long, device=dev)  # [B*T]
+        # cache cells written by this batch (real rows only; pads would clobber cells)
+        w_seq = [s for s, g in groups.items() for _ in g]
+        w_pos = [positions[i] for g in groups.values() for i in g]
+        self._real_rows = None if real is None or len(real) == B * T else torch.tensor(real, device=dev)
+        s0, p = self.slots[0], positions
+        contiguous = B == 1 and p == list(range(p[0], p[0] + n))
+        self._span = (s0, p[0], p[0] + n) if contiguous else None
+        if contiguous:
+            cache.valid[s0, p[0]:p[0] + n] = True
+        else:
+            self._w_seq = torch.tensor(w_seq, dtype=torch.long, device=dev)
+            self._w_pos = torch.tensor(w_pos, dtype=torch.long, device=dev)
+            cache.valid[self._w_seq, self._w_pos] = True
+        # keys visible to the batch: each slot's cells [0, L)
+        self.L = L = max(cache.end[s] for s in self.slots)
+        self._slot_span = (self.slots[0], self.slots[0] + B) if self.slots == list(range(self.slots[0], self.slots[0] + B)) else None
+        self._slot_idx = None if self._slot_span else torch.tensor(self.slots, dtype=torch.long, device=dev)
+        need_mask = B > 1 or T > 1 or not all(cache.dense[s] for s in self.slots)
+        self.mask = None
+        if need_mask:
+            kpos = torch.arange(L, device=dev)
+            valid = cache.valid[self._slot_span[0]:self._slot_span[1], :L] if self._slot_span else cache.valid[self._slot_idx, :L]
+            keep = (kpos.view(1, 1, L) <= self.q_pos.view(B, T, 1)) & valid.view(B, 1, L)  # [B, T, L]
+            # additive float mask (SDPA converts a bool one on every call), rows laid out as
+            # _attention groups them: [B, 1, G*T, L] for T > 1, [B, 1, 1, L] for T == 1
+            mask = torch.zeros(keep.shape, dtype=dtype, device=dev).masked_fill_(~keep, float("-inf"))
+            self.mask = mask.unsqueeze(1) if T == 1 else mask.unsqueeze(1).repeat(1, 1, group, 1).view(B, 1, group * T, L)
+
+    def write(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Write new K or V rows [B*T, Hkv, D] into `store` [n_seq, Hkv, max_ctx, D]; return [B, Hkv, L, D]."""
+        if self._span is not None:
+            s, a, b = self._span
+            store[s, :, a:b] = new.transpose(0, 1)
+        else:
+            rows = new if self._real_rows is None else new[self._real_rows]
+            store[self._w_seq, :, self._w_pos] = rows.to(store.dtype)
+        if self._slot_span is not None:
+            return store[self._slot_span[0]:self._slot_span[1], :, : self.L]
+        return store[self._slot_idx, :, : self.L]
+
+    def to_entries(self, x: torch.Tensor) -> torch.Tensor:
+        """Padded rows [B*T, ...] -> entry order [n, ...]."""
+        if self._row_of_entry is None:
+            return x
+        return x[torch.tensor(self._row_of_entry, device=x.device)]
+
+    def padded_rows(self, entry_rows: Sequence[int] | None):
+        """Padded-row indices of the given entries (None = all entries)."""
+        if entry_rows is None:
+            if self._row_of_entry is None:
+                return None
+            entry_rows = range(self.n)
+        m = self._row_of_entry
+        idx = list(entry_rows) if m is None else [m[i] for i in entry_rows]
+        if m is None and idx == list(range(self.n)):
+            return None
+        return torch.tensor(idx, dtype=torch.long, device=self.q_pos.device)
