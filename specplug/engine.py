@@ -475,4 +475,5 @@ def target_info(target: Target, n_seq: int, max_ctx: int) -> TargetInfo:
     return TargetInfo(model_path=str(m.path), arch=cfg.arch, n_layer=cfg.n_layer, n_embd=cfg.n_embd,
                       vocab_size=cfg.vocab_size, token_texts=tok.token_texts, token_types=tok.token_type,
                       bos_id=tok.bos_id, eos_id=tok.eos_id, eot_ids=frozenset(tok.eot_ids), device=m.device,
-                      dtype=m.dtype, n_seq=n_seq, max_ctx=max_ctx, token_embeddings=m.embed)
+                      dtype=m.dtype, n_seq=n_seq, max_ctx=max_ctx, token_embeddings=m.embed,
+                      output_head=m.output_head, quant=m.quant, rms_eps=cfg.rms_eps)

@@ -31,6 +31,11 @@ class TargetInfo:
     n_seq: int  # parallel sequences the run may have in flight (sequence ids are 0..n_seq-1)
     max_ctx: int  # positions per sequence
     token_embeddings: torch.Tensor | None = field(default=None, repr=False)  # [vocab, n_embd] the target's input embedding table (shared, read-only)
+    # the target's output norm + vocabulary projection (specplug.runtime.OutputHead): heads that share
+    # them (MTP, DFlash) take `output_head.linear(rows)` for logits over all or some vocabulary rows
+    output_head: Any = field(default=None, repr=False)
+    quant: str = "none"  # the target's weight path: gguf (GGUF-block kernels, CPU) | none | int8
+    rms_eps: float = 1e-5  # the target's RMSNorm epsilon
 
 
 @dataclass(frozen=True)

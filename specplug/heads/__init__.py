@@ -1,0 +1,24 @@
+"""Trained speculator heads as GGUF files: one format for every method (MTP, Eagle3, DFlash, ...).
+
+A head file is a GGUF whose `general.architecture` is `specplug-head`. Its metadata says what
+the head is and what it was trained for, so a loader can refuse a wrong file with a message
+instead of drafting garbage:
+
+    specplug.head.method               "mtp" | "eagle3" | "dflash" | ...
+    specplug.head.version              format version of that method's tensors
+    specplug.head.target.arch          the target architecture (llama, qwen2, ...)
+    specplug.head.target.name          the target model's name (for messages)
+    specplug.head.target.n_embd        the target's hidden size
+    specplug.head.target.vocab_size    the target's vocabulary size
+    specplug.head.target.token_table_sha256   sha256 of the target's token table (token_table_sha256)
+    specplug.head.taps                 target hidden states the head reads ("final", "3", "15", ...)
+    specplug.head.config               JSON: the method's hyper-parameters (layer sizes, rope base, ...)
+    specplug.head.recipe               JSON: how it was trained (data manifest hash, steps, validation figures)
+
+Tensors are named by the method; linear weights are stored Q8_0 (or F16/F32), vectors F32, and a
+draft-vocabulary map (e.g. `d2t`, draft row -> target token id) as I32.
+"""
+from specplug.heads.file import (HEAD_ARCH, HeadError, HeadFile, HeadMeta, layer_from_head, token_table_sha256,
+                                 write_head)
+
+__all__ = ["HEAD_ARCH", "HeadError", "HeadFile", "HeadMeta", "layer_from_head", "token_table_sha256", "write_head"]
