@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         register_bench(sub)
     except ImportError:
         pass
+    from specplug.train.cli import register as register_train
+
+    register_train(sub)
     for ep in entry_points(group=COMMANDS_GROUP):
         try:
             ep.load()(sub)

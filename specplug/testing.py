@@ -7,6 +7,10 @@ Fixtures:
 Helpers:
   write_tiny_gguf(path, ...)               write your own tiny model (arch, sizes, tensor types)
   assert_greedy_equal(target, specs, ...)  speculative greedy output == plain greedy output
+  repetitive_prompts(n), make_train_data(model, dir, prompts, taps=...)
+                                           a training data set from a tiny target, for head tests
+                                           (write the target with scale=1.5: its greedy answers
+                                           repeat tokens in runs, which a head can learn quickly)
 Test speculators used by the core's own tests: RandomDrafts, Oracle, Scripted, Faulty.
 """
 from __future__ import annotations
@@ -300,3 +304,31 @@ def tiny_target(tiny_gguf):
 @pytest.fixture(name="make_engine")
 def _make_engine_fixture():
     return make_engine
+
+
+# ---------------------------------------------------------------------------------------------
+# training data for head tests
+
+
+def repetitive_prompts(n: int, seed: int = 0) -> list[str]:
+    """Short prompts drawn from a tiny word list: a repetitive synthetic corpus."""
+    rng = random.Random(seed)
+    words = "the cat sat on a mat and then the dog ran to the red ball near our old house".split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 8))) for _ in range(n)]
+
+
+def make_train_data(model: str | Path, out_dir: str | Path, prompts: Sequence[str], taps: str = "final",
+                    max_tokens: int = 48, parallel: int = 4, shard_prompts: int = 16) -> Path:
+    """Run `specplug train data` in-process on `prompts` (no overlap filter); returns the data set folder."""
+    import json
+
+    from specplug.cli import main
+
+    out_dir = Path(out_dir)
+    src = out_dir.with_name(out_dir.name + "-prompts.jsonl")
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    rc = main(["train", "data", "--model", str(model), "--prompts", str(src), "-o", str(out_dir), "--taps", taps,
+               "--max-tokens", str(max_tokens), "--parallel", str(parallel), "--shard-prompts", str(shard_prompts),
+               "--keep-overlap"])
+    assert rc == 0, f"specplug train data failed with exit code {rc}"
+    return out_dir

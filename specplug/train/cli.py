@@ -1,0 +1,114 @@
+"""`specplug train data ...` and `specplug train <type> ...` (a method's trainer, from an entry point)."""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+from specplug.errors import SpecplugError
+
+
+def cmd_data(args) -> int:
+    from specplug.api import prompt_ids
+    from specplug.runtime import load_target
+    from specplug.train.datagen import generate_dataset, parse_taps
+    from specplug.train.prompts import OverlapFilter, eval_texts, read_prompt_file, stdlib_code_prompts
+
+    for key in ("max_tokens", "parallel", "topk", "shard_prompts", "max_prompt_tokens", "context"):
+        if getattr(args, key) < 1:
+            raise SpecplugError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.limit is not None and args.limit < 1:
+        raise SpecplugError(f"--limit must be >= 1, got {args.limit}")
+    if args.code < 0:
+        raise SpecplugError(f"--code must be >= 0, got {args.code}")
+    if not args.prompts and not args.code:
+        raise SpecplugError("give prompt files (--prompts FILE ...) and/or --code N")
+    files = [read_prompt_file(p) for p in args.prompts]  # every file checked before the model loads
+    target = load_target(args.model, "cpu" if args.device == "auto" else args.device, "float32", args.quant,
+                         args.threads)
+    taps = parse_taps(args.taps, target.model.config.n_layer)
+    tok = target.tokenizer
+    ids_of = lambda text: prompt_ids(tok, text, True, args.system)  # noqa: E731
+    flt = OverlapFilter(tok.encode, eval_texts()) if not args.keep_overlap else None
+    rng = random.Random(args.seed)
+    chosen, sources = [], {}
+    for path, prompts in zip(args.prompts, files):
+        chosen += _select(prompts, str(path), args, flt, ids_of, rng, sources)
+    if args.code:
+        chosen += _select(stdlib_code_prompts(10 ** 6, args.seed), "stdlib-docstrings", args, flt, ids_of, rng,
+                          sources, limit=args.code)
+    rng.shuffle(chosen)  # shards mix all sources, so a partial data set is a fair sample
+    dropped = sum(s["dropped_overlap"] for s in sources.values())
+    print(f"specplug: {len(chosen)} prompts; dropped {dropped} sharing a 13-token n-gram with an evaluation prompt "
+          f"(Spec-Bench, MT-bench, HumanEval): " + ", ".join(f"{k}: {v['dropped_overlap']}" for k, v in sources.items()),
+          file=sys.stderr)
+    settings = {"command": " ".join(sys.argv), "seed": args.seed, "chat": True, "system": args.system,
+                "max_prompt_tokens": args.max_prompt_tokens, "parallel": args.parallel, "limit": args.limit,
+                "code": args.code, "threads": args.threads}
+    man = generate_dataset(target, chosen, Path(args.output), taps, args.max_tokens, args.parallel, args.topk,
+                           args.context, args.shard_prompts, settings, sources, ids_of)
+    t = man["totals"]
+    g = man.get("generation", {})
+    print(f"specplug: {args.output}: {t['sequences']} sequences, {t['tokens']} tokens ({t['answer_tokens']} generated) "
+          f"in {t['shards']} shards; generation took {g.get('seconds', 0) / 60:.1f} min", file=sys.stderr)
+    return 0
+
+
+def _select(prompts, source: str, args, flt, ids_of, rng: random.Random, sources: dict, limit: int | None = None):
+    """Drop a source's prompts that overlap an evaluation prompt or are too long, then keep `limit`
+    of the rest at random (every prompt is checked, so the counts describe the whole source)."""
+    limit = limit if limit is not None else args.limit
+    hit = [flt is not None and flt.overlaps(p.text) for p in prompts]
+    overlap = [p for p, h in zip(prompts, hit) if h]
+    rest = [p for p, h in zip(prompts, hit) if not h]
+    ok = [p for p in rest if len(ids_of(p.text)) <= args.max_prompt_tokens]
+    rng.shuffle(ok)
+    kept = ok if limit is None else ok[:limit]
+    sources[Path(source).name] = {"available": len(prompts), "used": len(kept), "dropped_overlap": len(overlap),
+                                  "dropped_too_long": len(rest) - len(ok),
+                                  "dropped_overlap_ids": [p.id for p in overlap]}
+    return kept
+
+
+def cmd_train(args) -> int:
+    from specplug.train.loop import run_trainer
+
+    return run_trainer(args)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="make training data from the target, or train a speculator head")
+    tsub = p.add_subparsers(dest="train_command", required=True, metavar="{data," + ",".join(_trainer_names()) + "}")
+
+    d = tsub.add_parser("data", help="the target answers prompts; tokens, hidden states and top-k into shards")
+    d.add_argument("--model", default="smollm2-135m", help="known model name or path to a .gguf (the target)")
+    d.add_argument("--prompts", nargs="*", default=[], metavar="FILE", help="JSONL prompt files (plain or .gz)")
+    d.add_argument("-o", "--output", required=True, metavar="DIR", help="data set folder (resumed if it exists)")
+    d.add_argument("--taps", default="final", help="hidden states to record: 'final' and/or layer indices, "
+                   "e.g. final,3,15,27 (layer i = the input of layer i)")
+    d.add_argument("--max-tokens", type=int, default=384, help="answer tokens per prompt at most")
+    d.add_argument("--limit", type=int, default=None, help="prompts per file at most (chosen at random)")
+    d.add_argument("--code", type=int, default=0, help="add N code prompts made from standard-library docstrings")
+    d.add_argument("--parallel", type=int, default=8, help="sequences generated at once")
+    d.add_argument("--topk", type=int, default=32, help="next-token log-probabilities kept per row")
+    d.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are skipped")
+    d.add_argument("--context", type=int, default=2048)
+    d.add_argument("--shard-prompts", type=int, default=200, help="prompts per shard")
+    d.add_argument("--system", default=None, help="system message for the chat template")
+    d.add_argument("--keep-overlap", action="store_true", help="do not drop prompts overlapping evaluation sets")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default="auto")
+    d.add_argument("--quant", default="auto")
+    d.add_argument("--threads", type=int, default=None)
+    d.set_defaults(func=cmd_data)
+
+    from specplug.train.loop import add_trainer_parsers
+
+    add_trainer_parsers(tsub)
+
+
+def _trainer_names() -> list[str]:
+    from specplug.train.loop import trainer_entry_points
+
+    return sorted(trainer_entry_points())

@@ -1,0 +1,290 @@
+"""`specplug train data`: the target answers prompts; its tokens, hidden states and next-token
+distributions become a training set for speculator heads (self-distillation).
+
+Generation is greedy (what the bench verifies against), batched over `parallel` sequences on
+the fast runtime: each forward carries one row per decoding sequence plus a chunk of a prompt
+being read, so prompt processing and decoding share forwards. Every token of a sequence,
+the final one included, is fed through the target, so every row has its taps and its
+next-token distribution.
+
+Output DIR:
+  shard-00000.safetensors ...  one per `shard_prompts` prompts, written atomically when complete
+  manifest.json                target (file sha256, sizes, token table hash), settings, prompt
+                               sources and the overlap filter's counts, shards done, totals
+Tensors of a shard (N rows = the shard's sequences concatenated):
+  tokens         [N] int32          prompt + answer tokens
+  offsets        [S+1] int64        sequence s is rows offsets[s]:offsets[s+1]
+  prompt_lens    [S] int32          the first prompt_lens[s] tokens of s are the prompt
+  answer_mask    [N] uint8          1 for tokens the target generated (the loss mask)
+  tap.<t>        [N, n_embd] f16    hidden state t at each row ("final" = pre-norm final state,
+                                    "<i>" = input of layer i), as the host delivers it to heads
+  topk_ids       [N, k] int32       the target's k likeliest next tokens after each row
+  topk_logprobs  [N, k] f16         their log-probabilities (rows before the last prompt token: 0)
+  prompt_index   [S] int64          index of the sequence's prompt in manifest["prompts"]
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from specplug.errors import SpecplugError
+from specplug.heads import token_table_sha256
+from specplug.train.prompts import TrainPrompt
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def parse_taps(spec: str, n_layer: int) -> list[str]:
+    """'final,3,15,27' -> ['final', '3', '15', '27'], checked against the model depth."""
+    taps = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if part != "final":
+            if not part.isdigit() or not 0 <= int(part) < n_layer:
+                raise SpecplugError(f"--taps: {part!r} is neither 'final' nor a layer index in [0, {n_layer})")
+            part = str(int(part))
+        if part not in taps:
+            taps.append(part)
+    if not taps:
+        raise SpecplugError("--taps is empty (e.g. final,3,15,27)")
+    return taps
+
+
+def tap_layer(tap: str, n_layer: int) -> int:
+    """The runtime's tap index: layer i's input, n_layer for the pre-norm final state."""
+    return n_layer if tap == "final" else int(tap)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+@dataclass
+class _Seq:
+    index: int  # prompt index
+    tokens: list[int]
+    prompt_len: int
+    fed: int = 0  # tokens already in the target's cache
+    final: bool = False  # the last token ends the sequence: retire once it is fed
+    taps: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    topk_ids: list[torch.Tensor] = field(default_factory=list)
+    topk_lp: list[torch.Tensor] = field(default_factory=list)
+
+
+class DataGenerator:
+    """Greedy generation for many prompts with continuous batching, recording taps and top-k."""
+
+    def __init__(self, target, taps: Sequence[str], max_tokens: int, parallel: int, topk: int, context: int,
+                 prefill_chunk: int = 256):
+        self.target, self.model = target, target.model
+        cfg = self.model.config
+        self.taps = list(taps)
+        self.tap_ids = {t: tap_layer(t, cfg.n_layer) for t in self.taps}
+        self.max_tokens, self.parallel, self.topk = max_tokens, parallel, topk
+        self.context, self.chunk = context, prefill_chunk
+        self.stop = frozenset(target.tokenizer.eot_ids)
+        self.cache = self.model.new_cache(parallel, context)
+        self.generated = 0  # answer tokens so far (for the progress bar)
+
+    def run(self, prompts: list[tuple[int, list[int]]], on_done) -> None:
+        """Generate for (prompt index, prompt ids) in order; on_done(index, arrays) as each finishes."""
+        pending = list(reversed(prompts))
+        slots: dict[int, _Seq] = {}
+        free = list(range(self.parallel))[::-1]
+        while pending or slots:
+            while pending and free:
+                index, ids = pending.pop()
+                slot = free.pop()
+                self.cache.clear(slot)
+                slots[slot] = _Seq(index, list(ids), len(ids), taps={t: [] for t in self.taps})
+            self._step(slots)
+            for slot in [s for s, q in slots.items() if q.final and q.fed == len(q.tokens)]:
+                q = slots.pop(slot)
+                free.append(slot)
+                on_done(q.index, self._arrays(q))
+
+    def _step(self, slots: dict[int, _Seq]) -> None:
+        toks, pos, sids, logit_rows, spans = [], [], [], [], []
+        budget = self.chunk  # prompt rows read per forward, on top of one row per decoding sequence
+        for slot, q in slots.items():
+            n = 1 if q.fed >= q.prompt_len else min(q.prompt_len - q.fed, max(1, budget))
+            if q.fed < q.prompt_len:
+                budget -= n
+            a = len(toks)
+            toks += q.tokens[q.fed:q.fed + n]
+            pos += range(q.fed, q.fed + n)
+            sids += [slot] * n
+            first_dist = max(q.fed, q.prompt_len - 1)  # rows from the last prompt token on carry a distribution
+            logit_rows += [a + i for i in range(first_dist - q.fed, n)]
+            spans.append((slot, q, a, n, first_dist - q.fed))
+        out = self.model.forward(toks, pos, sids, self.cache, logits_rows=logit_rows,
+                                 taps=frozenset(self.tap_ids.values()))
+        if out.logits is not None:
+            lp = torch.log_softmax(out.logits.float(), -1)
+            top_lp, top_ids = lp.topk(self.topk, -1)
+            best = top_ids[:, 0].tolist()
+        j = 0  # index into the logit rows
+        for slot, q, a, n, d0 in spans:
+            for t, li in self.tap_ids.items():
+                q.taps[t].append(out.hidden[li][a:a + n].to(torch.float16))
+            k = max(0, n - d0)  # rows of this sequence with a distribution
+            if d0 > 0:  # prompt rows before the last one: no distribution recorded
+                q.topk_ids.append(torch.zeros(min(d0, n), self.topk, dtype=torch.int32))
+                q.topk_lp.append(torch.zeros(min(d0, n), self.topk, dtype=torch.float16))
+            if k:
+                q.topk_ids.append(top_ids[j:j + k].to(torch.int32))
+                q.topk_lp.append(top_lp[j:j + k].to(torch.float16))
+            q.fed += n
+            if k and q.fed == len(q.tokens) and not q.final:
+                nxt = best[j + k - 1]
+                q.tokens.append(nxt)
+                self.generated += 1
+                if (nxt in self.stop or len(q.tokens) - q.prompt_len >= self.max_tokens
+                        or len(q.tokens) >= self.context):
+                    q.final = True
+            j += k
+
+    def _arrays(self, q: _Seq) -> dict[str, torch.Tensor]:
+        n = len(q.tokens)
+        out = {"tokens": torch.tensor(q.tokens, dtype=torch.int32),
+               "topk_ids": torch.cat(q.topk_ids)[:n], "topk_logprobs": torch.cat(q.topk_lp)[:n]}
+        for t in self.taps:
+            out["tap." + t] = torch.cat(q.taps[t])
+        for name, a in out.items():
+            assert a.shape[0] == n, (name, tuple(a.shape), n)
+        out["prompt_len"] = torch.tensor(q.prompt_len)
+        return out
+
+
+def _concat(seqs: list[tuple[int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Sequences (prompt index, arrays) -> one shard's tensors."""
+    lens = [a["tokens"].shape[0] for _, a in seqs]
+    offsets = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lens).cumsum(0)
+    prompt_lens = torch.tensor([int(a["prompt_len"]) for _, a in seqs], dtype=torch.int32)
+    mask = torch.zeros(int(offsets[-1]), dtype=torch.uint8)
+    for s, (o, pl) in enumerate(zip(offsets[:-1].tolist(), prompt_lens.tolist())):
+        mask[o + pl:int(offsets[s + 1])] = 1
+    out = {"offsets": offsets, "prompt_lens": prompt_lens, "answer_mask": mask,
+           "prompt_index": torch.tensor([i for i, _ in seqs], dtype=torch.int64)}
+    for name in seqs[0][1]:
+        if name != "prompt_len":
+            out[name] = torch.cat([a[name] for _, a in seqs]).contiguous()
+    return out
+
+
+def generate_dataset(target, prompts: list[TrainPrompt], out_dir: Path, taps: list[str], max_tokens: int,
+                     parallel: int, topk: int, context: int, shard_prompts: int, settings: dict,
+                     sources: dict, prompt_ids) -> dict:
+    """Generate (or resume) a data set in out_dir; returns the manifest."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    model, tok = target.model, target.tokenizer
+    cfg = model.config
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mpath = out_dir / MANIFEST
+    target_desc = {"path": str(model.path), "file": Path(model.path).name, "sha256": file_sha256(model.path),
+                   "arch": cfg.arch, "name": cfg.name, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
+                   "vocab_size": cfg.vocab_size, "token_table_sha256": token_table_sha256(tok.token_texts),
+                   "quant": model.quant}
+    prompt_list = [{"id": p.id, "source": p.source} for p in prompts]
+    plan = {"format": FORMAT_VERSION, "taps": taps, "topk": topk, "max_tokens": max_tokens, "context": context,
+            "shard_prompts": shard_prompts, "chat": settings.get("chat", True), "system": settings.get("system"),
+            "prompts_sha256": hashlib.sha256(json.dumps(prompt_list).encode()).hexdigest()}
+    manifest = {**plan, "target": target_desc, "settings": settings, "sources": sources, "prompts": prompt_list,
+                "shards": [], "totals": {}}
+    if mpath.is_file():
+        old = json.loads(mpath.read_text())
+        diff = [k for k in plan if old.get(k) != plan[k]] + \
+               (["target"] if old.get("target", {}).get("sha256") != target_desc["sha256"] else [])
+        if diff:
+            raise SpecplugError(f"{out_dir} holds a data set made with other settings ({', '.join(diff)} differ); "
+                                f"use another -o DIR, or delete {out_dir} to start over")
+        manifest["shards"] = [s for s in old.get("shards", []) if (out_dir / s["file"]).is_file()]
+        manifest["generation"] = old.get("generation", {})
+    done = {s["index"] for s in manifest["shards"]}
+    n_shards = (len(prompts) + shard_prompts - 1) // shard_prompts
+    todo_shards = [k for k in range(n_shards) if k not in done]
+    if not todo_shards:
+        print(f"specplug: {out_dir}: all {n_shards} shards are already complete", file=sys.stderr)
+        return _finish(manifest, mpath)
+    if done:
+        print(f"specplug: resuming {out_dir}: {len(done)} of {n_shards} shards already complete", file=sys.stderr)
+    for stale in out_dir.glob("*.tmp"):
+        stale.unlink()
+    write_json_atomic(mpath, manifest)  # settings and sources are on disk before the first shard
+    todo = [(i, prompt_ids(prompts[i].text)) for k in todo_shards
+            for i in range(k * shard_prompts, min(len(prompts), (k + 1) * shard_prompts))]
+    gen = DataGenerator(target, taps, max_tokens, parallel, topk, context)
+    results: dict[int, dict] = {}
+    bar = tqdm(total=len(todo), unit="prompt", file=sys.stderr, desc=f"train data -> {out_dir.name}", smoothing=0.05)
+    t0 = time.perf_counter()
+    answered = {"tokens": 0}
+    next_shard = iter(todo_shards)
+    state = {"shard": next(next_shard)}
+
+    def on_done(index: int, arrays: dict) -> None:
+        results[index] = arrays
+        answered["tokens"] += int(arrays["tokens"].shape[0])
+        bar.update(1)
+        dt = time.perf_counter() - t0
+        bar.set_postfix_str(f"{gen.generated / dt:.0f} gen tok/s, {answered['tokens'] / dt:.0f} tok/s total")
+        while state["shard"] is not None:
+            k = state["shard"]
+            idx = range(k * shard_prompts, min(len(prompts), (k + 1) * shard_prompts))
+            if not all(i in results for i in idx):
+                break
+            tensors = _concat([(i, results.pop(i)) for i in idx])
+            name = f"shard-{k:05d}.safetensors"
+            tmp = out_dir / (name + ".tmp")
+            save_file(tensors, str(tmp), metadata={"format": str(FORMAT_VERSION)})
+            os.replace(tmp, out_dir / name)
+            n_ans = int(tensors["answer_mask"].sum())
+            manifest["shards"].append({"index": k, "file": name, "sequences": len(idx),
+                                       "tokens": int(tensors["tokens"].shape[0]), "answer_tokens": n_ans})
+            manifest["shards"].sort(key=lambda s: s["index"])
+            write_json_atomic(mpath, manifest)
+            state["shard"] = next(next_shard, None)
+
+    try:
+        gen.run(todo, on_done)
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"\nspecplug: interrupted; {len(manifest['shards'])} of {n_shards} shards are complete in {out_dir} "
+              f"(the shard in progress is dropped). Run the same command again to resume.", file=sys.stderr)
+        raise
+    bar.close()
+    dt = time.perf_counter() - t0
+    g = manifest.setdefault("generation", {})
+    g["seconds"] = round(g.get("seconds", 0.0) + dt, 1)
+    g["generated_tokens"] = g.get("generated_tokens", 0) + gen.generated
+    return _finish(manifest, mpath)
+
+
+def _finish(manifest: dict, mpath: Path) -> dict:
+    sh = manifest["shards"]
+    manifest["totals"] = {"shards": len(sh), "sequences": sum(s["sequences"] for s in sh),
+                          "tokens": sum(s["tokens"] for s in sh), "answer_tokens": sum(s["answer_tokens"] for s in sh)}
+    write_json_atomic(mpath, manifest)
+    return manifest

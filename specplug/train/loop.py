@@ -1,0 +1,326 @@
+"""The training loop every head method shares, and `specplug train <type>`.
+
+A method plugs its training in through the entry-point group `specplug.trainers` (name = its
+YAML `type`, value = a class following `Trainer`); the core never imports it. The loop owns
+everything else: AdamW with warm-up and cosine decay, gradient clipping, a validation split
+with top-1 agreement per draft depth, checkpoints (`--resume`), seeding, a progress bar, and
+`metrics.json` + `training.png` (loss and validation acceptance per depth over training)
+beside the head file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+import typing
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, Sequence
+
+import torch
+
+from specplug.errors import SpecplugError
+from specplug.train.dataset import SeqBatch, TrainData
+
+GROUP = "specplug.trainers"
+
+
+class Trainer(Protocol):
+    """What an entry point of group `specplug.trainers` loads: a class like this.
+
+    The loop builds it as `cls(options, data, device)`; `options` is an instance of the class
+    attribute `Options` (a dataclass whose fields become `--flags` of `specplug train <type>`).
+    """
+
+    Options: ClassVar[type]
+    depths: int  # draft depths reported by `evaluate`
+    module: torch.nn.Module  # its trainable parameters are optimized
+
+    @classmethod
+    def taps(cls, options: Any) -> Sequence[str]:
+        """The hidden states the data set must hold ('final', layer indices as strings)."""
+
+    def __init__(self, options: Any, data: TrainData, device: torch.device) -> None: ...
+
+    def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The training loss of a batch (scalar) and figures to log."""
+
+    def evaluate(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per draft depth: (tokens where the head's top-1 equals the target's, tokens counted) [depths]."""
+
+    def export(self, path: Path, recipe: dict) -> None:
+        """Write the head file (see `specplug.heads`) with `recipe` in its metadata."""
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """Options of the loop (every method has them)."""
+
+    steps: int = 3000  # optimizer steps
+    lr: float = 1e-3  # peak learning rate
+    warmup: int = 100  # linear warm-up steps
+    min_lr: float = 0.05  # final learning rate, as a fraction of lr (cosine decay)
+    weight_decay: float = 0.0
+    clip: float = 1.0  # gradient norm clipping
+    batch_tokens: int = 8192  # tokens per batch (sequences x padded length)
+    max_len: int = 1280  # longer sequences keep their last max_len rows
+    val_fraction: float = 0.03  # prompts held out for validation
+    val_every: int = 250  # validate every N steps (and at the end)
+    val_tokens: int = 60000  # validation tokens per check (the first of the split)
+    save_every: int = 250  # checkpoint every N steps
+    seed: int = 0
+    limit_tokens: int = 0  # train on the first N tokens only (0 = all; for data-scaling runs)
+    threads: int = 0  # CPU threads (0 = torch's choice)
+    device: str = "cpu"
+
+
+def trainer_entry_points() -> dict:
+    return {ep.name: ep for ep in entry_points(group=GROUP)}
+
+
+def load_trainer(name: str) -> type:
+    eps = trainer_entry_points()
+    if name not in eps:
+        raise SpecplugError(f"no trainer for {name!r}; installed: {', '.join(sorted(eps)) or '(none)'}")
+    try:
+        cls = eps[name].load()
+    except Exception as exc:
+        raise SpecplugError(f"trainer {name!r} failed to load: {type(exc).__name__}: {exc}") from None
+    if not dataclasses.is_dataclass(getattr(cls, "Options", None)):
+        raise SpecplugError(f"trainer {name!r} ({cls.__qualname__}) needs a dataclass attribute `Options`")
+    return cls
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_fields(p, cls: type, group: str) -> None:
+    g = p.add_argument_group(group)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if base is bool:
+            g.add_argument(_flag(f.name), dest=f.name, type=lambda v: v.lower() in ("1", "true", "yes", "on"),
+                           default=f.default, metavar="BOOL", help=f"(default {f.default})")
+        else:
+            g.add_argument(_flag(f.name), dest=f.name, type=base if base in (int, float, str) else str,
+                           default=f.default, help=f"(default {f.default})")
+
+
+def add_trainer_parsers(tsub) -> None:
+    """One `specplug train <type>` sub-command per installed trainer."""
+    for name, ep in sorted(trainer_entry_points().items()):
+        p = tsub.add_parser(name, help=f"train a {name} head from a data set (trainer {ep.value})")
+        p.add_argument("--data", required=True, metavar="DIR", help="a data set made by `specplug train data`")
+        p.add_argument("-o", "--output", required=True, metavar="FILE.gguf", help="the head file to write")
+        p.add_argument("--resume", action="store_true", help="continue from the checkpoint next to the output")
+        p.add_argument("--restart", action="store_true", help="discard an existing checkpoint and start over")
+        p.add_argument("--model", default=None, help="the target .gguf if it moved since the data was made")
+        _add_fields(p, LoopOptions, "training loop")
+        try:
+            _add_fields(p, load_trainer(name).Options, f"{name} options")
+        except SpecplugError as exc:  # a broken trainer must not take the CLI down
+            print(f"specplug: {exc}", file=sys.stderr)
+        p.set_defaults(func=run_trainer, trainer=name)
+
+
+def _options(cls: type, args) -> Any:
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    try:
+        return cls(**kw)
+    except SpecplugError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise SpecplugError(f"{cls.__qualname__}: {exc}") from None
+
+
+def run_trainer(args) -> int:
+    cls = load_trainer(args.trainer)
+    loop, opts = _options(LoopOptions, args), _options(cls.Options, args)
+    out = Path(args.output)
+    if out.suffix != ".gguf":
+        raise SpecplugError(f"-o {out}: the head file must end in .gguf")
+    if not out.parent.is_dir():
+        raise SpecplugError(f"-o {out}: folder {out.parent} does not exist")
+    train(cls, opts, loop, Path(args.data), out, resume=args.resume, restart=args.restart,
+          command=" ".join(sys.argv), model=args.model)
+    return 0
+
+
+def lr_at(step: int, o: LoopOptions) -> float:
+    """Linear warm-up to lr, then cosine decay to lr * min_lr at the last step."""
+    if step < o.warmup:
+        return o.lr * (step + 1) / o.warmup
+    t = (step - o.warmup) / max(1, o.steps - o.warmup)
+    return o.lr * (o.min_lr + (1 - o.min_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def work_dir(out: Path) -> Path:
+    """Checkpoints, metrics and plots of a head go to <output minus .gguf>.train/."""
+    return out.with_name(out.stem + ".train")
+
+
+def train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, resume: bool = False,
+          restart: bool = False, command: str = "", model: str | None = None, quiet: bool = False) -> dict:
+    """Train `cls` on `data_dir` and write the head to `out`; returns the final metrics."""
+    from tqdm import tqdm
+
+    for key in ("steps", "batch_tokens", "max_len", "val_every", "save_every", "val_tokens"):
+        if getattr(loop, key) < 1:
+            raise SpecplugError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(loop, key)}")
+    if loop.threads:
+        torch.set_num_threads(loop.threads)
+    device = torch.device(loop.device)
+    wd = work_dir(out)
+    ckpt = wd / "checkpoint.pt"
+    if ckpt.is_file() and not (resume or restart):
+        raise SpecplugError(f"{ckpt} exists from an earlier run: add --resume to continue it, or --restart to start over")
+    random.seed(loop.seed)
+    torch.manual_seed(loop.seed)
+    data = TrainData(data_dir, cls.taps(opts), loop.val_fraction, loop.limit_tokens or None, loop.max_len)
+    if model:
+        data.target = dict(data.target, path=model)
+    trainer = cls(opts, data, device)
+    params = [p for p in trainer.module.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=loop.lr, betas=(0.9, 0.95), weight_decay=loop.weight_decay)
+    history: list[dict] = []
+    step, pos = 0, (0, 0)
+    t_spent = 0.0
+    if ckpt.is_file() and resume:
+        state = torch.load(ckpt, weights_only=False)
+        if state["options"] != dataclasses.asdict(opts) or state["data"] != data.manifest_sha256:
+            raise SpecplugError(f"{ckpt} was made with other method options or another data set; use --restart")
+        trainer.module.load_state_dict(state["module"])
+        optim.load_state_dict(state["optim"])
+        step, pos, history, t_spent = state["step"], tuple(state["pos"]), state["history"], state["seconds"]
+        torch.set_rng_state(state["rng"])
+        if not quiet:
+            print(f"specplug: resuming {ckpt} at step {step}", file=sys.stderr)
+    wd.mkdir(parents=True, exist_ok=True)
+    val_groups = data.batches("val", loop.batch_tokens, shuffle=False)
+    n, kept = 0, []
+    for g in val_groups:
+        if n >= loop.val_tokens:
+            break
+        kept.append(g)
+        n += sum(s[1] for s in g)
+    val_groups = kept
+
+    def validate() -> list[float]:
+        trainer.module.eval()
+        hit = tot = None
+        with torch.no_grad():
+            for g in val_groups:
+                h, t = trainer.evaluate(data.collate(g, device))
+                hit, tot = (h, t) if hit is None else (hit + h, tot + t)
+        trainer.module.train()
+        return [round(float(a) / max(1.0, float(b)), 4) for a, b in zip(hit, tot)]
+
+    def save() -> None:
+        tmp = ckpt.with_name(ckpt.name + ".tmp")
+        torch.save({"module": trainer.module.state_dict(), "optim": optim.state_dict(), "step": step, "pos": list(pos),
+                    "history": history, "rng": torch.get_rng_state(), "options": dataclasses.asdict(opts),
+                    "data": data.manifest_sha256, "seconds": t_spent}, tmp)
+        os.replace(tmp, ckpt)
+
+    it = data.epochs(loop.batch_tokens, loop.seed, pos)
+    bar = tqdm(total=loop.steps, initial=step, unit="step", file=sys.stderr, disable=quiet,
+               desc=f"train {cls.__name__} ({data.count('train') / 1e6:.2f}M tokens)")
+    t0 = time.perf_counter() - t_spent
+    last_val = history[-1]["val_top1"] if history and "val_top1" in history[-1] else None
+    running = None
+    try:
+        while step < loop.steps:
+            epoch, index, group = next(it)
+            for g in optim.param_groups:
+                g["lr"] = lr_at(step, loop)
+            loss, figs = trainer.loss(data.collate(group, device))
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = float(torch.nn.utils.clip_grad_norm_(params, loop.clip))
+            optim.step()
+            step += 1
+            pos = (epoch, index + 1)
+            lv = float(loss.detach())
+            running = lv if running is None else 0.95 * running + 0.05 * lv
+            rec = {"step": step, "loss": round(lv, 5), "lr": optim.param_groups[0]["lr"],
+                   "grad_norm": round(gnorm, 4), "epoch": epoch, **figs}
+            if step % loop.val_every == 0 or step == loop.steps:
+                last_val = validate()
+                rec["val_top1"] = last_val
+            t_spent = time.perf_counter() - t0
+            rec["seconds"] = round(t_spent, 1)
+            history.append(rec)
+            post = f"loss {running:.3f}"
+            if last_val:
+                post += " val top-1 " + "/".join(f"{v:.2f}" for v in last_val)
+            bar.set_postfix_str(post)
+            bar.update(1)
+            if step % loop.save_every == 0 and step < loop.steps:
+                save()
+    except KeyboardInterrupt:
+        save()
+        bar.close()
+        print(f"\nspecplug: interrupted at step {step}; checkpoint saved in {ckpt}. "
+              f"Run the same command with --resume to continue.", file=sys.stderr)
+        raise
+    bar.close()
+    save()
+    final = {"val_top1_per_depth": last_val, "val_tokens": sum(sum(s[1] for s in g) for g in val_groups)}
+    recipe = {"command": command, "data": {"path": str(data_dir), "manifest_sha256": data.manifest_sha256,
+              "train_tokens": data.count("train"), "val_tokens": data.count("val"),
+              "target_sha256": data.target.get("sha256")},
+              "loop": dataclasses.asdict(loop), "options": dataclasses.asdict(opts), "steps": step,
+              "train_seconds": round(t_spent, 1), "final": final}
+    trainer.export(out, recipe)
+    metrics = {"recipe": recipe, "history": history}
+    (wd / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    plot_history(history, wd / "training.png", title=f"{cls.__name__}: {out.name}")
+    if not quiet:
+        print(f"specplug: wrote {out} ({out.stat().st_size / 1e6:.1f} MB); validation top-1 per depth "
+              f"{last_val}; metrics and plot in {wd}", file=sys.stderr)
+    return metrics
+
+
+def plot_history(history: list[dict], path: Path, title: str = "") -> Path | None:
+    """Loss (smoothed) and validation top-1 agreement per draft depth over training steps."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [h["step"] for h in history]
+    loss = [h["loss"] for h in history]
+    smooth, acc = [], None
+    for v in loss:
+        acc = v if acc is None else 0.97 * acc + 0.03 * v
+        smooth.append(acc)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot(steps, loss, alpha=0.25, color="tab:blue")
+    a1.plot(steps, smooth, color="tab:blue")
+    a1.set_xlabel("step")
+    a1.set_ylabel("training loss")
+    a1.set_title("loss")
+    vals = [(h["step"], h["val_top1"]) for h in history if h.get("val_top1")]
+    if vals:
+        for d in range(len(vals[0][1])):
+            a2.plot([s for s, _ in vals], [v[d] for _, v in vals], marker="o", label=f"depth {d + 1}")
+        a2.legend()
+    a2.set_xlabel("step")
+    a2.set_ylabel("validation top-1 agreement with the target")
+    a2.set_ylim(0, 1)
+    a2.set_title("acceptance per draft depth (validation)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

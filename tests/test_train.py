@@ -1,0 +1,216 @@
+"""The shared training pipeline: `specplug train data`, the data set reader, the head file format,
+the training-time-test attention and the training loop (checkpoints, resume)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from specplug.cli import main
+from specplug.engine import Engine, Request
+from specplug.errors import SpecplugError
+from specplug.heads import HeadError, HeadFile, HeadMeta, token_table_sha256, write_head
+from specplug.runtime import load_target
+from specplug.runtime.layers import Backend
+from specplug.testing import make_train_data, repetitive_prompts, write_tiny_gguf
+from specplug.train.dataset import TrainData
+from specplug.train.modules import _shift, ttt_attention
+from specplug.train.prompts import OverlapFilter, read_prompt_file, stdlib_code_prompts
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("train") / "tiny-q8.gguf", tensor_type="Q8_0", scale=1.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_q8, tmp_path_factory) -> Path:
+    return make_train_data(tiny_q8, tmp_path_factory.mktemp("train") / "data", repetitive_prompts(40),
+                           taps="final,0,1", max_tokens=24, shard_prompts=16)
+
+
+def test_data_rows_are_the_targets_own_greedy_answers_taps_and_distributions(tiny_q8, tiny_data):
+    target = load_target(str(tiny_q8), "cpu", "float32", "gguf")
+    m = target.model
+    man = json.loads((tiny_data / "manifest.json").read_text())
+    assert man["totals"]["sequences"] == 40 and len(man["shards"]) == 3  # 16 + 16 + 8 prompts
+    assert man["taps"] == ["final", "0", "1"] and man["target"]["sha256"]
+    sh = load_file(str(tiny_data / man["shards"][0]["file"]))
+    off, plens = sh["offsets"].tolist(), sh["prompt_lens"].tolist()
+    eng = Engine(target, [], max_ctx=512)
+    for s in range(4):
+        toks = sh["tokens"][off[s]:off[s + 1]].tolist()
+        p = plens[s]
+        res = eng.run([Request(toks[:p], 24)])[0]
+        stop = [target.tokenizer.eos_id] if res.finish_reason == "stop" else []
+        assert toks[p:] == res.token_ids + [t for t in stop if t in target.tokenizer.eot_ids]
+        assert sh["answer_mask"][off[s]:off[s + 1]].tolist() == [0] * p + [1] * (len(toks) - p)
+        out = m.forward(toks, list(range(len(toks))), [0] * len(toks), m.new_cache(1, 512), taps={0, 1, 2})
+        assert torch.equal(out.hidden[2].half(), sh["tap.final"][off[s]:off[s + 1]])
+        assert torch.equal(out.hidden[1].half(), sh["tap.1"][off[s]:off[s + 1]])
+        top = torch.log_softmax(out.logits, -1).topk(32, -1)
+        assert torch.equal(top.indices[p - 1:].int(), sh["topk_ids"][off[s] + p - 1:off[s + 1]])
+        assert not sh["topk_ids"][off[s]:off[s] + p - 1].any()  # no distribution before the last prompt token
+
+
+def test_data_generation_resumes_after_an_interrupt_to_the_same_data(tiny_q8, tmp_path, monkeypatch):
+    from specplug.train import datagen
+
+    prompts = repetitive_prompts(20, seed=3)
+    full = make_train_data(tiny_q8, tmp_path / "full", prompts, max_tokens=12, shard_prompts=8)
+    real = datagen.DataGenerator._arrays
+    calls = {"n": 0}
+
+    def interrupting(self, q):
+        calls["n"] += 1
+        if calls["n"] == 12:  # after the first shard (8 prompts) was written
+            raise KeyboardInterrupt
+        return real(self, q)
+
+    monkeypatch.setattr(datagen.DataGenerator, "_arrays", interrupting)
+    part = tmp_path / "part"
+    with pytest.raises(AssertionError, match="exit code 130"):
+        make_train_data(tiny_q8, part, prompts, max_tokens=12, shard_prompts=8)
+    man = json.loads((part / "manifest.json").read_text())
+    assert [s["index"] for s in man["shards"]] == [0]
+    assert sorted(p.name for p in part.iterdir()) == ["manifest.json", "shard-00000.safetensors"]
+    monkeypatch.setattr(datagen.DataGenerator, "_arrays", real)
+    make_train_data(tiny_q8, part, prompts, max_tokens=12, shard_prompts=8)
+    for k in range(3):
+        a, b = load_file(str(full / f"shard-{k:05d}.safetensors")), load_file(str(part / f"shard-{k:05d}.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_resuming_with_other_settings_is_refused(tiny_q8, tiny_data, tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "hello there"}) + "\n")
+    rc = main(["train", "data", "--model", str(tiny_q8), "--prompts", str(src), "-o", str(tiny_data), "--taps", "final",
+               "--keep-overlap"])
+    assert rc == 2
+
+
+def test_a_prompt_sharing_13_tokens_with_an_evaluation_prompt_is_dropped_and_counted(smollm2_path, tmp_path):
+    from specplug.runtime import Tokenizer
+    from specplug.runtime.gguf_file import GGUFFile
+    from specplug.train.prompts import eval_texts
+
+    tok = Tokenizer.from_metadata(GGUFFile(smollm2_path).metadata)
+    flt = OverlapFilter(tok.encode, eval_texts())
+    mt = json.loads(Path(str(__import__("specplug").__file__)).parent.joinpath("data/mt_bench/question.jsonl")
+                    .read_text().splitlines()[0])["turns"][0]
+    words = mt.split()
+    assert flt.overlaps("Please help: " + " ".join(words[:20]) + " thanks")
+    assert not flt.overlaps("Natalia sold clips to 48 of her friends in April, and then she sold half as many.")
+    assert not flt.overlaps(" ".join(words[:6]))  # shorter than 13 tokens of overlap
+
+
+def test_prompt_files_of_every_training_layout(tmp_path):
+    f = tmp_path / "mixed.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [
+        {"question": "What is 2+2?"}, {"instruction": "Translate.", "instances": [{"input": "bonjour"}]},
+        {"instruction": "Tell a joke.", "instances": [{"input": ""}]}, {"prompt": "Summarize: x"},
+        {"turns": ["first", "second"]}]) + "\n")
+    got = [p.text for p in read_prompt_file(f)]
+    assert got == ["What is 2+2?", "Translate.\n\nbonjour", "Tell a joke.", "Summarize: x", "first"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"answer": 3}\n')
+    with pytest.raises(SpecplugError, match="bad.jsonl:1: no prompt found"):
+        read_prompt_file(bad)
+
+
+def test_code_prompts_come_from_standard_library_docstrings():
+    a, b = stdlib_code_prompts(30, seed=1), stdlib_code_prompts(30, seed=1)
+    assert [p.id for p in a] == [p.id for p in b] and len({p.id for p in a}) == 30
+    assert all(p.id.startswith("stdlib:") and p.text.startswith("Write a Python function `") for p in a)
+
+
+def test_a_data_set_without_the_needed_tap_is_an_error_before_training(tiny_data):
+    with pytest.raises(SpecplugError, match=r"has taps final, 0, 1 but this method needs 7.*--taps final,0,1,7"):
+        TrainData(tiny_data, ["7"])
+
+
+def test_batches_cover_every_training_sequence_once_and_pad_at_the_end(tiny_data):
+    data = TrainData(tiny_data, ["final"], val_fraction=0.2)
+    groups = data.batches("train", 256, seed=1)
+    seen = sorted(s for g in groups for s in g)
+    assert seen == sorted(data.split["train"]) and not set(data.split["train"]) & set(data.split["val"])
+    b = data.collate(groups[0])
+    for i, (a, n, p, _) in enumerate(groups[0]):
+        assert b.valid[i].sum() == n and torch.equal(b.tokens[i, :n], data.tokens[a:a + n])
+        assert b.has_dist[i].nonzero().flatten().tolist() == list(range(p - 1, n - 1))
+
+
+# ---- head files ------------------------------------------------------------------------------------
+
+@dataclass
+class _Info:
+    arch: str = "llama"
+    model_path: str = "/m/tiny.gguf"
+    n_embd: int = 64
+    vocab_size: int = 5
+    token_texts: tuple = ("a", "b", "c", "d", "e")
+
+
+def test_head_file_round_trip(tmp_path):
+    meta = HeadMeta.for_target(_Info(), "mtp", 1, ["final", 3], {"n_head": 4}, {"steps": 7})
+    w = torch.randn(64, 64)
+    path = write_head(tmp_path / "h.gguf", meta, {"w": w, "v": torch.arange(64.0), "d2t": torch.tensor([4, 0, 2])},
+                      quantize={"w"})
+    h = HeadFile(path, "mtp", {1})
+    assert h.meta == meta and h.meta.taps == ("final", "3")
+    assert h.raw("w")[1] == "Q8_0" and torch.equal(h.tensor("d2t"), torch.tensor([4, 0, 2]))
+    assert torch.equal(h.tensor("v"), torch.arange(64.0))
+    assert (h.tensor("w") - w).abs().max() < w.abs().max() / 100
+    lin = h.linear("w", Backend(torch.device("cpu")))
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(lin(x), x @ h.tensor("w").T, rtol=1e-5, atol=1e-5)
+    assert h.check_target(_Info()) is None
+    assert not (tmp_path / "h.gguf.tmp").exists()
+
+
+def test_bad_head_files_are_clear_errors(tmp_path, tiny_q8):
+    path = write_head(tmp_path / "h.gguf", HeadMeta.for_target(_Info(), "mtp", 1, ["final"], {}),
+                      {"w": torch.randn(64, 64)}, quantize={"w"})
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 500])
+    with pytest.raises(HeadError, match="cut.gguf.*(truncated|complete specplug head)"):
+        HeadFile(tmp_path / "cut.gguf", "mtp")
+    with pytest.raises(HeadError, match="this is a 'mtp' head, not a 'eagle3' head"):
+        HeadFile(path, "eagle3")
+    with pytest.raises(HeadError, match="format version 1 is not supported"):
+        HeadFile(path, "mtp", {2})
+    with pytest.raises(HeadError, match="not a specplug head .*architecture is 'llama'"):
+        HeadFile(tiny_q8)
+    with pytest.raises(HeadError, match="head file not found"):
+        HeadFile(tmp_path / "nope.gguf")
+    other = _Info(token_texts=("a", "b", "c", "d", "x"), model_path="/m/other.gguf")
+    msg = HeadFile(path).check_target(other)
+    assert "trained for tiny (llama, n_embd 64, vocab 5, token table" in msg and "not for the target other.gguf" in msg
+    assert token_table_sha256(other.token_texts)[:12] in msg
+
+
+# ---- training-time-test attention ------------------------------------------------------------------
+
+def test_ttt_attention_is_the_cache_a_head_holds_while_drafting():
+    """Step r at position t must attend to step-0 keys at positions <= t - r and step-i keys at
+    t - r + i: compare with attention computed key by key from that definition."""
+    torch.manual_seed(0)
+    B, H, Hkv, T, D, S = 2, 4, 2, 7, 8, 3
+    q = [torch.randn(B, H, T, D) for _ in range(S)]
+    ks = [torch.randn(B, Hkv, T, D) for _ in range(S)]
+    vs = [torch.randn(B, Hkv, T, D) for _ in range(S)]
+    for r in range(S):
+        got = ttt_attention(q[r], ks[:r + 1], vs[:r + 1])
+        for t in range(r, T):
+            keys = [(0, j) for j in range(t - r + 1)] + [(i, t - r + i) for i in range(1, r + 1)]
+            K = torch.stack([ks[i][:, :, j] for i, j in keys], 2)  # [B, Hkv, n, D]
+            V = torch.stack([vs[i][:, :, j] for i, j in keys], 2)
+            K, V = K.repeat_interleave(H // Hkv, 1), V.repeat_interleave(H // Hkv, 1)
+            ref = F.scaled_dot_product_attention(q[r][:, :, t:t + 1], K, V)[:, :, 0]
+            torch.testing.assert_close(got[:, :, t], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(_shift(torch.arange(6.0).view(1, 3, 2), 1), torch.tensor([[[0.0, 0], [0, 1], [2, 3]]]))
