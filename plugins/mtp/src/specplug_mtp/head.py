@@ -1,0 +1,143 @@
+"""The MTP head, in its two forms that share one set of weights (and one head file):
+
+    h'   = proj([RMSNorm(h(t-1)); RMSNorm(embed(x_t))])      (DeepSeek-V3's MTP module)
+    out  = DecoderLayer(h')                                    (pre-norm state: the next step's h)
+    logits = target_head(target_output_norm(out))              (over the draft vocabulary rows)
+
+`MTPTrain` (nn.Module, float32) unrolls it `steps` times over whole sequences with the
+training-time-test attention; `MTPRuntime` runs it on the runtime's building blocks (the GGUF
+kernels on CPU, torch elsewhere) with its own multi-sequence KV cache.
+
+Head file (method "mtp", version 1): vectors `hnorm`, `enorm`; matrix `proj` [n_embd, 2 n_embd];
+the layer under `blk.` (see `specplug.heads.layer_from_head`); `d2t` [draft vocab] int32 (draft
+row -> target token id). config: n_embd, n_head, n_head_kv, head_dim, n_ff, eps, rope_base.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specplug.heads import HeadFile, HeadMeta, layer_from_head, write_head
+from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
+from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
+
+METHOD, VERSION = "mtp", 1
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    eps: float
+    rope_base: float
+
+    @property
+    def shape(self) -> LayerShape:
+        return LayerShape(self.n_head, self.n_head_kv, self.head_dim, self.n_ff)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MTPConfig":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+def _shift(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, d]: row t gets row t-1 (zeros at t = 0): the pairing [h(t-1), x_t]."""
+    return F.pad(x, (0, 0, 1, 0))[:, :-1]
+
+
+class MTPTrain(nn.Module):
+    """Training form. Frozen buffers: the target's embeddings, output norm and the draft
+    vocabulary's rows of its output projection."""
+
+    def __init__(self, cfg: MTPConfig, embed: torch.Tensor, out_norm: torch.Tensor, head_rows: torch.Tensor):
+        super().__init__()
+        d = cfg.n_embd
+        self.cfg = cfg
+        self.hnorm = RMSNorm(d, cfg.eps)
+        self.enorm = RMSNorm(d, cfg.eps)
+        self.proj = nn.Parameter(torch.randn(d, 2 * d) / math.sqrt(2 * d))
+        self.layer = TrainLayer(d, cfg.shape, cfg.eps, cfg.rope_base)
+        self.register_buffer("embed", embed.float(), persistent=False)
+        self.register_buffer("out_norm", out_norm.float(), persistent=False)
+        self.register_buffer("head_rows", head_rows.float(), persistent=False)
+
+    def step(self, h_prev: torch.Tensor, emb: torch.Tensor, cos, sin, ks: list, vs: list) -> torch.Tensor:
+        """One unroll step over all positions: returns the pre-norm output state [B, T, d]."""
+        z = F.linear(torch.cat([self.hnorm(h_prev), self.enorm(emb)], -1), self.proj)
+        q, k, v = self.layer.qkv(z, cos, sin)
+        ks.append(k)
+        vs.append(v)
+        return self.layer.finish(ttt_attention(q, ks, vs), z)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, T, d] pre-norm states -> [B, T, draft vocab] logits through the target's norm and head."""
+        x = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.cfg.eps) * self.out_norm
+        return F.linear(x, self.head_rows)
+
+    def unroll(self, tokens: torch.Tensor, positions: torch.Tensor, h_final: torch.Tensor, steps: int):
+        """Yield (r, logits [B, T, draft vocab]) for r = 0..steps-1.
+
+        Step 0 at position t reads [h(t-1), x_t] (the target's states); step r reads the head's
+        own step r-1 output at t-1 with x_t: the state it would have drafting r tokens past the
+        anchor t - r. Logits at (r, t) predict token t + 1.
+        """
+        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
+        emb = self.embed[tokens]
+        ks, vs = [], []
+        h_in = _shift(h_final)
+        for r in range(steps):
+            out = self.step(h_in, emb, cos, sin, ks, vs)
+            yield r, self.logits(out)
+            h_in = _shift(out)
+
+    def export(self, path, target_info, d2t: torch.Tensor, recipe: dict, weights: str = "q8_0") -> None:
+        """Write the head file; `weights`: q8_0 | f16 | f32 for the matrices (vectors stay f32)."""
+        meta = HeadMeta.for_target(target_info, METHOD, VERSION, ["final"], asdict(self.cfg), recipe)
+        tensors = {"hnorm": self.hnorm.weight, "enorm": self.enorm.weight, "proj": self.proj,
+                   **self.layer.head_tensors("blk."), "d2t": d2t.to(torch.int32)}
+        mats = {"proj"} | TrainLayer.quantized_names("blk.")
+        write_head(path, meta, {k: v.detach().float().cpu() if v.is_floating_point() else v for k, v in tensors.items()},
+                   quantize=mats if weights == "q8_0" else (), f16=mats if weights == "f16" else ())
+
+
+class MTPRuntime:
+    """Inference form on the runtime's building blocks, with its own KV cache of n_seq sequences."""
+
+    def __init__(self, head: HeadFile, target, backend: Backend, n_seq: int, max_ctx: int):
+        cfg = self.cfg = MTPConfig.from_dict(head.meta.config)
+        d = cfg.n_embd
+        dev = backend.device
+        self.backend = backend
+        self.hnorm = head.tensor("hnorm", (d,)).to(dev, backend.dtype)
+        self.enorm = head.tensor("enorm", (d,)).to(dev, backend.dtype)
+        self.proj = head.linear("proj", backend, (d, 2 * d))
+        self.layer = layer_from_head(head, "blk.", cfg.shape, cfg.eps, backend, d)
+        self.d2t = head.tensor("d2t")
+        self.draft_vocab = int(self.d2t.shape[0])
+        self.lm = target.output_head.linear(self.d2t.tolist(), backend)
+        self.embed = target.token_embeddings
+        self.rope = Rope(cfg.head_dim, cfg.rope_base, dev)
+        self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim)
+        self.target_eps = target.rms_eps
+
+    @torch.inference_mode()
+    def forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
+                seq_ids: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows (h(t-1) [n, d], x_t, t, seq) -> (output states [n, d], logits over the draft vocabulary
+        for `logits_rows` [len, draft vocab], or None); K/V of every row go into the cache."""
+        cfg = self.cfg
+        dev, dt = self.backend.device, self.backend.dtype
+        emb = self.embed[torch.as_tensor(list(token_ids), dtype=torch.long, device=self.embed.device)].to(dev, dt)
+        x_in = torch.cat([rms_norm(h_prev.to(dev, dt), self.hnorm, cfg.eps), rms_norm(emb, self.enorm, cfg.eps)], -1)
+        step = Step(positions, seq_ids, self.cache, self.rope, self.backend, cfg.n_head // cfg.n_head_kv)
+        out = self.layer(step.rows(self.proj(x_in.contiguous())), step, 0)
+        logits = self.lm.norm_linear(step.select(out, logits_rows), self.target_eps).float() if logits_rows else None
+        return step.entries(out), logits

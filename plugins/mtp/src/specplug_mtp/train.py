@@ -1,0 +1,106 @@
+"""`specplug train mtp`: the MTP head's loss and unrolling, plugged into the core training loop.
+
+Loss: at every unroll step r (weight decay^r), cross-entropy of the head's distribution over the
+draft vocabulary against the target's own next-token distribution (its recorded top-k log-probs,
+restricted to the draft vocabulary and renormalized): self-distillation. A position counts at
+step r when its anchor t - r is at or after the last prompt token (drafts start there).
+Validation: per step, how often the head's top-1 is the target's greedy token = the acceptance
+rate at that draft depth given that the earlier tokens were accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specplug.errors import SpecplugError
+from specplug.train.dataset import SeqBatch, TrainData
+from specplug.train.target import TargetWeights, draft_vocab
+from specplug_mtp.head import MTPConfig, MTPTrain
+
+
+def soft_targets(batch: SeqBatch, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(draft-vocabulary indices [B, T, k], probabilities [B, T, k]) of the target's top-k next tokens,
+    renormalized over those inside the draft vocabulary (zero weight for the others)."""
+    idx = t2d[batch.topk_ids]
+    p = batch.topk_logprobs.exp() * (idx >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    return idx.clamp_min(0), p
+
+
+def step_mask(batch: SeqBatch, r: int) -> torch.Tensor:
+    """[B, T] rows counted at unroll step r: a recorded distribution and an anchor t - r >= dist_start."""
+    t = torch.arange(batch.tokens.shape[1], device=batch.tokens.device).view(1, -1)
+    return batch.has_dist & (t - r >= batch.dist_start.view(-1, 1))
+
+
+class MTPTrainer:
+    """The `mtp` trainer (entry point group `specplug.trainers`)."""
+
+    @dataclass(frozen=True)
+    class Options:
+        unroll: int = 3  # recursive draft steps trained at once (training-time test)
+        draft_vocab: int = 8192  # frequency-ranked draft vocabulary (0 = the whole vocabulary)
+        init_layer: int = -1  # start the block from this target layer (-1 = the last one, -2 = random)
+        depth_decay: float = 0.8  # loss weight of unroll step r is depth_decay ** r
+        weights: str = "q8_0"  # matrices in the head file: q8_0 | f16 | f32
+
+        def __post_init__(self):
+            if self.unroll < 1 or self.draft_vocab < 0 or not 0 < self.depth_decay <= 1 or self.init_layer < -2:
+                raise SpecplugError(f"mtp options: need unroll >= 1, draft_vocab >= 0, 0 < depth_decay <= 1, "
+                                    f"init_layer >= -2; got {self}")
+            if self.weights not in ("q8_0", "f16", "f32"):
+                raise SpecplugError(f"mtp options: weights must be q8_0, f16 or f32, got {self.weights!r}")
+
+    @classmethod
+    def taps(cls, options) -> tuple[str, ...]:
+        return ("final",)
+
+    def __init__(self, options: "MTPTrainer.Options", data: TrainData, device: torch.device):
+        self.opts, self.data = options, data
+        self.depths = options.unroll
+        tw = self.target = TargetWeights(data.target)
+        cfg = tw.config
+        vocab = cfg.vocab_size
+        n = options.draft_vocab or vocab
+        self.d2t = draft_vocab(data.answer_tokens("train"), n, vocab)
+        self.t2d = torch.full((vocab,), -1, dtype=torch.long)
+        self.t2d[self.d2t] = torch.arange(len(self.d2t))
+        self.t2d = self.t2d.to(device)
+        hc = MTPConfig(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rms_eps, cfg.rope_base)
+        self.module = MTPTrain(hc, tw.embeddings(), tw.output_norm(), tw.output_weight(self.d2t.tolist())).to(device)
+        if options.init_layer != -2:
+            li = cfg.n_layer - 1 if options.init_layer == -1 else options.init_layer
+            self.module.layer.load_target_layer(tw.layer(li))
+        answers = data.answer_tokens("val")
+        self.coverage = float((self.t2d.cpu()[answers] >= 0).float().mean())
+
+    def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        idx, p = soft_targets(batch, self.t2d)
+        total, figs = 0.0, {}
+        m = self.module
+        for r, logits in m.unroll(batch.tokens, batch.positions, batch.taps["final"], self.opts.unroll):
+            mask = step_mask(batch, r)
+            logq = torch.log_softmax(logits, -1)
+            ce = -(p * logq.gather(-1, idx)).sum(-1)
+            total = total + self.opts.depth_decay ** r * (ce * mask).sum() / mask.sum().clamp_min(1)
+            with torch.no_grad():
+                hit = (self.d2t.to(logits.device)[logits.argmax(-1)] == batch.topk_ids[..., 0]) & mask
+                figs[f"top1_d{r + 1}"] = round(float(hit.sum()) / max(1, int(mask.sum())), 4)
+        return total, figs
+
+    @torch.no_grad()
+    def evaluate(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        hit = torch.zeros(self.depths)
+        tot = torch.zeros(self.depths)
+        d2t = self.d2t.to(batch.tokens.device)
+        for r, logits in self.module.unroll(batch.tokens, batch.positions, batch.taps["final"], self.opts.unroll):
+            mask = step_mask(batch, r)
+            hit[r] = float(((d2t[logits.argmax(-1)] == batch.topk_ids[..., 0]) & mask).sum())
+            tot[r] = float(mask.sum())
+        return hit, tot
+
+    def export(self, path: Path, recipe: dict) -> None:
+        recipe = dict(recipe, draft_vocab_coverage=round(self.coverage, 4))
+        self.module.export(path, self.target.info(), self.d2t, recipe, self.opts.weights)

@@ -1,0 +1,248 @@
+"""The MTP speculator and its trainer on a tiny random target."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specplug.api import build_speculators
+from specplug.config import parse_config
+from specplug.engine import Request, target_info
+from specplug.errors import ConfigError, PluginError
+from specplug.runtime import load_target
+from specplug.testing import assert_greedy_equal, greedy_outputs, make_train_data, repetitive_prompts, speculator, \
+    write_tiny_gguf
+from specplug.train.loop import LoopOptions, train
+from specplug_mtp.head import MTPRuntime
+from specplug_mtp.speculator import MTP
+from specplug_mtp.train import MTPTrainer
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("mtp")
+
+
+@pytest.fixture(scope="module")
+def tiny(work) -> Path:
+    return write_tiny_gguf(work / "tiny.gguf", tensor_type="Q8_0", scale=1.5)
+
+
+@pytest.fixture(scope="module")
+def data(tiny, work) -> Path:
+    return make_train_data(tiny, work / "data", repetitive_prompts(300), max_tokens=40, shard_prompts=100)
+
+
+def _train(data: Path, out: Path, steps: int, **opts) -> dict:
+    loop = LoopOptions(steps=steps, lr=3e-3, warmup=10, batch_tokens=2048, val_every=max(1, steps), save_every=10 ** 6,
+                       val_fraction=0.1)
+    return train(MTPTrainer, MTPTrainer.Options(draft_vocab=0, **opts), loop, data, out, quiet=True, restart=True)
+
+
+@pytest.fixture(scope="module")
+def trained(data, work) -> Path:
+    _train(data, work / "trained.gguf", 150)
+    return work / "trained.gguf"
+
+
+@pytest.fixture(scope="module")
+def untrained(data, work) -> Path:
+    _train(data, work / "untrained.gguf", 1, init_layer=-2)
+    return work / "untrained.gguf"
+
+
+def _target(path: Path, quant: str):
+    return load_target(str(path), "cpu", "float32", quant)
+
+
+def _mtp(target, head: Path, n_seq: int = 4, max_ctx: int = 512, **params) -> MTP:
+    return MTP(MTP.Params(head=str(head), **params), target_info(target, n_seq, max_ctx))
+
+
+PROMPTS = repetitive_prompts(6, seed=11)
+
+
+def _ids(target, texts=PROMPTS):
+    from specplug.api import prompt_ids
+
+    return [prompt_ids(target.tokenizer, t, True) for t in texts]
+
+
+@pytest.mark.parametrize("quant", ["gguf", "none"])
+def test_greedy_output_equals_plain_with_parallel_sequences(tiny, trained, quant):
+    target = _target(tiny, quant)
+    spec = _mtp(target, trained, stop_below=0.0)
+    eng = assert_greedy_equal(target, [spec], _ids(target), max_tokens=40, n_parallel=3)
+    st = eng.stats.speculators["MTP"]
+    assert st.drafted_tokens > 50 and 0 < st.accepted_tokens < st.drafted_tokens  # rejections happened
+    assert not eng.stats.disabled
+
+
+def test_trained_head_beats_untrained_head(tiny, trained, untrained):
+    target = _target(tiny, "gguf")
+    acc = {}
+    for name, head in (("trained", trained), ("untrained", untrained)):
+        _, eng = greedy_outputs(target, [_mtp(target, head, calibrate=False, stop_below=0.0)], _ids(target),
+                                max_tokens=40, n_parallel=2, max_ctx=512)
+        st = eng.stats.speculators["MTP"]
+        acc[name] = st.accepted_tokens / st.drafted_tokens
+    assert acc["trained"] > 0.5 and acc["trained"] > acc["untrained"] + 0.3, acc
+
+
+def test_head_cache_after_rejections_equals_a_fresh_replay(tiny, trained):
+    target = _target(tiny, "gguf")
+    spec = _mtp(target, trained, stop_below=0.0)
+    prompts = _ids(target)[:3]
+    _, eng = greedy_outputs(target, [spec], prompts, max_tokens=30, n_parallel=3)
+    # run again, stopping mid-generation: inspect the state of live sequences
+    from specplug.testing import make_engine
+
+    spec = _mtp(target, trained, stop_below=0.0)
+    eng = make_engine(target, [spec], n_parallel=3, max_ctx=512)
+    seqs = {}
+    orig_step = eng._step
+    steps = {"n": 0}
+
+    def step(active, on_tokens):
+        orig_step(active, on_tokens)
+        steps["n"] += 1
+        if steps["n"] == 9:
+            for q in active:
+                seqs[q.slot] = list(q.tokens)
+            raise StopIteration
+
+    eng._step = step
+    with pytest.raises(StopIteration):
+        eng.run([Request(p, 30) for p in prompts])
+    assert spec.calib[..., 1].sum() > 0 and (spec.calib[..., 1] > spec.calib[..., 0]).any()  # rejections seen
+    m = target.model
+    for slot, toks in seqs.items():
+        st = spec.state[slot]
+        done = st.done
+        assert 0 < done <= len(toks) - 1
+        # replay: the target's final states for the committed history, then the head over all pairs
+        committed = toks[:-1]
+        out = m.forward(committed, list(range(len(committed))), [0] * len(committed), m.new_cache(1, 512),
+                        taps={m.config.n_layer})
+        h = out.hidden[m.config.n_layer]
+        h_prev = torch.cat([torch.zeros(1, h.shape[1]), h[:-1]])
+        fresh = MTPRuntime(spec.head, target_info(target, 1, 512), spec.backend, 1, 512)
+        fresh.forward(h_prev[:done], committed[:done], list(range(done)), [0] * done, [])
+        for kv in ("k", "v"):
+            got = getattr(spec.rt.cache, kv)[0, slot, :, :done]
+            ref = getattr(fresh.cache, kv)[0, 0, :, :done]
+            assert torch.equal(got, ref), f"slot {slot}: head {kv} cache differs from a fresh replay"
+        assert spec.rt.cache.valid[slot, :done].all()
+
+
+def test_runtime_matches_the_training_module_at_every_unroll_step(tiny, data, work):
+    """Export with float32 weights, run the runtime (torch backend) as it drafts, and compare with the
+    training form's unrolled logits: the training-time-test mask is the cache the head has."""
+    from specplug.train.dataset import TrainData
+
+    out = work / "f32.gguf"
+    _train(data, out, 20, weights="f32")
+    target = _target(tiny, "none")
+    d = TrainData(data, ["final"], 0.1)
+    tr = MTPTrainer(MTPTrainer.Options(draft_vocab=0), d, torch.device("cpu"))
+    rt_spec = _mtp(target, out)
+    tr.module.load_state_dict({k: v for k, v in torch.load(out.with_name("f32.train") / "checkpoint.pt",
+                                                           weights_only=False)["module"].items()}, strict=False)
+    b = d.collate(d.split["val"][:1])
+    n = int(b.valid[0].sum())
+    steps = {r: lg[0] for r, lg in tr.module.unroll(b.tokens, b.positions, b.taps["final"], 3)}
+    toks = b.tokens[0, :n].tolist()
+    h = b.taps["final"][0, :n]
+    a = int(b.dist_start[0]) + 2  # an anchor inside the answer
+    rt = MTPRuntime(rt_spec.head, target_info(target, 1, 512), rt_spec.backend, 1, 512)
+    h_prev = torch.cat([torch.zeros(1, h.shape[1]), h[:-1]])
+    states, logits = rt.forward(h_prev[:a + 1], toks[:a + 1], list(range(a + 1)), [0] * (a + 1), [a])
+    d2t_rows = rt.d2t
+    assert torch.equal(d2t_rows, tr.d2t)
+    torch.testing.assert_close(logits[0], steps[0][a], rtol=1e-3, atol=1e-3)
+    prev = states[a:a + 1]
+    for r in (1, 2):
+        prev, logits = rt.forward(prev, [toks[a + r]], [a + r], [0], [0])
+        torch.testing.assert_close(logits[0], steps[r][a + r], rtol=1e-3, atol=1e-3)
+
+
+def test_sampled_drafts_carry_full_vocabulary_probs(tiny, trained):
+    from specplug.sampling import SamplingParams
+
+    target = _target(tiny, "gguf")
+    spec = _mtp(target, trained, temperature=1.0, stop_below=0.0)
+    seen = []
+    orig = spec.draft
+
+    def draft(requests):
+        out = orig(requests)
+        seen.extend(d for d in out if d is not None)
+        return out
+
+    s = speculator(spec, "MTP")
+    s.caller._impls["draft"][0].function = draft
+    from specplug.testing import make_engine
+
+    eng = make_engine(target, [s], sampling=SamplingParams(temperature=0.8, seed=1), n_parallel=2)
+    eng.run([Request(p, 20) for p in _ids(target)[:2]])
+    assert seen and not eng.stats.disabled
+    for d in seen:
+        assert d.probs.shape == (len(d), target.model.config.vocab_size)
+        torch.testing.assert_close(d.probs.sum(-1), torch.ones(len(d)), rtol=1e-5, atol=1e-5)
+        assert all(d.probs[i, t] > 0 for i, t in enumerate(d.token_ids))
+
+
+def test_bad_heads_are_clear_errors(tiny, trained, work):
+    target = _target(tiny, "gguf")
+    other = write_tiny_gguf(work / "other.gguf", n_embd=96, n_head=4, n_head_kv=2, tensor_type="Q8_0", scale=1.5)
+    other_target = _target(other, "gguf")
+    cfg = parse_config({"model": str(other), "speculators": [{"type": "mtp", "head": str(trained)}]})
+    with pytest.raises(PluginError, match=r"not compatible.*trained for tiny \(llama, n_embd 64.*not for the target "
+                                          r"other.gguf \(llama, n_embd 96"):
+        build_speculators(cfg, target_info(other_target, 1, 256))
+    cut = work / "cut.gguf"
+    data = trained.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="mtp: head: .*cut.gguf"):
+        _mtp(target, cut)
+    from specplug.heads import HeadMeta, write_head
+
+    eagle = write_head(work / "eagle.gguf", HeadMeta.for_target(target_info(target, 1, 64), "eagle3", 1, ["1"], {}),
+                       {"x": torch.zeros(2)})
+    with pytest.raises(ConfigError, match="this is a 'eagle3' head, not a 'mtp' head"):
+        _mtp(target, eagle)
+    with pytest.raises(ConfigError, match="head file not found"):
+        _mtp(target, work / "missing.gguf")
+    with pytest.raises(ConfigError, match="no MTP head ships for this target"):
+        MTP(MTP.Params(), target_info(target, 1, 64))
+
+
+def test_interrupted_training_resumes_to_the_same_head(data, work, monkeypatch):
+    from specplug.heads import HeadFile
+
+    loop = LoopOptions(steps=20, lr=3e-3, warmup=5, batch_tokens=2048, val_every=10, save_every=5, val_fraction=0.1)
+    opts = MTPTrainer.Options(draft_vocab=0)
+    train(MTPTrainer, opts, loop, data, work / "straight.gguf", quiet=True, restart=True)
+    real = MTPTrainer.loss
+    calls = {"n": 0}
+
+    def interrupting(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 13:
+            raise KeyboardInterrupt
+        return real(self, batch)
+
+    monkeypatch.setattr(MTPTrainer, "loss", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        train(MTPTrainer, opts, loop, data, work / "resumed.gguf", quiet=True, restart=True)
+    assert not (work / "resumed.gguf").exists()
+    monkeypatch.setattr(MTPTrainer, "loss", real)
+    with pytest.raises(Exception, match="add --resume to continue it, or --restart"):
+        train(MTPTrainer, opts, loop, data, work / "resumed.gguf", quiet=True)
+    m = train(MTPTrainer, opts, loop, data, work / "resumed.gguf", quiet=True, resume=True)
+    assert m["recipe"]["steps"] == 20 and len(m["history"]) == 20
+    a, b = HeadFile(work / "straight.gguf"), HeadFile(work / "resumed.gguf")
+    for name in a.gguf.tensors:
+        assert torch.equal(a.tensor(name), b.tensor(name)), name
+    assert (work / "resumed.train" / "training.png").is_file()
