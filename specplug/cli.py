@@ -119,6 +119,37 @@ def cmd_bench_runtime(args) -> int:
     return 0
 
 
+CONVERTERS_GROUP = "specplug.converters"
+
+
+def _register_convert(sub) -> None:
+    """`specplug convert <type> SOURCE --target T -o OUT`: one per entry point of `specplug.converters`
+    (name = the speculator type; value = convert(source, target, output, weights) -> Path)."""
+    eps = {ep.name: ep for ep in entry_points(group=CONVERTERS_GROUP)}
+    p = sub.add_parser("convert", help="import a published head (e.g. an EAGLE-3 checkpoint) as a specplug head file")
+    csub = p.add_subparsers(dest="convert_type", required=True, metavar="{" + ",".join(sorted(eps)) + "}")
+    for name, ep in sorted(eps.items()):
+        c = csub.add_parser(name, help=f"convert a {name} checkpoint ({ep.value})")
+        c.add_argument("source", help="the checkpoint's folder or weights file")
+        c.add_argument("--target", required=True, help="the target model (.gguf or known name) the head drafts for")
+        c.add_argument("-o", "--output", required=True, help="the head file to write (.gguf)")
+        c.add_argument("--weights", default="f16", choices=["q8_0", "f16", "f32"], help="storage of the matrices")
+        c.set_defaults(func=_cmd_convert, entry_point=ep)
+
+
+def _cmd_convert(args) -> int:
+    out = Path(args.output)
+    if out.suffix != ".gguf" or not out.parent.is_dir():
+        raise SpecplugError(f"-o {out}: need a .gguf path in an existing folder")
+    try:
+        fn = args.entry_point.load()
+    except Exception as exc:
+        raise SpecplugError(f"converter {args.convert_type!r} failed to load: {type(exc).__name__}: {exc}") from None
+    path = fn(Path(args.source), args.target, out, args.weights)
+    print(f"specplug: wrote {path} ({Path(path).stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specplug", description="Speculative decoding where every method is a plugin.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log speculator warnings in detail")
@@ -165,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specplug.train.cli import register as register_train
 
     register_train(sub)
+    _register_convert(sub)
     for ep in entry_points(group=COMMANDS_GROUP):
         try:
             ep.load()(sub)

@@ -17,6 +17,8 @@ results.json (schema version 1):
              "mean_accepted_length" (tokens per target forward), "acceptance_rate",
              "acceptance_per_position", "accepted_length_hist" (drafts by tokens accepted),
              "time_split" {"target", "speculators", "host"} (fractions of speculative time),
+             "draft_ms_per_token", "draft_ms_per_forward" (speculator time per drafted token / per
+                                 target forward),
              "mismatches"}
 """
 from __future__ import annotations
@@ -78,6 +80,9 @@ def figures(results: list[PromptResult], variant: str) -> dict:
         "time_split": {"target": round(t_target / spec_t, 4) if spec_t else 0.0,
                        "speculators": round(t_spec / spec_t, 4) if spec_t else 0.0,
                        "host": round(max(0.0, spec_t - t_target - t_spec) / spec_t, 4) if spec_t else 0.0},
+        # the speculator's own time (drafting and keeping its context in step) per token it drafted
+        "draft_ms_per_token": round(1e3 * t_spec / drafted, 4) if drafted else 0.0,
+        "draft_ms_per_forward": round(1e3 * t_spec / forwards, 4) if forwards else 0.0,
         "mismatches": sum(1 for r in rs if r.mismatch and r.mismatch["variant"] == variant),
     }
 
@@ -104,8 +109,9 @@ def build_report(results: list[PromptResult], variant_names: list[str], settings
 
 def markdown_table(report: dict) -> str:
     head = ("| category | speculator | prompts | plain tok/s | spec tok/s | speedup | median speedup | "
-            "decode plain tok/s | decode spec tok/s | decode speedup | accepted length | acceptance | mismatches |")
-    lines = [head, "|" + "---|" * 13]
+            "decode plain tok/s | decode spec tok/s | decode speedup | accepted length | acceptance | "
+            "1st-token acceptance | draft ms/token | mismatches |")
+    lines = [head, "|" + "---|" * 15]
     rows = [(c, v) for c in report["categories"] for v in report["categories"][c]]
     rows += [("**overall**", v) for v in report["overall"]]
     for c, v in rows:
@@ -113,7 +119,8 @@ def markdown_table(report: dict) -> str:
         lines.append(f"| {c} | {v} | {f['n_prompts']} | {f['plain_tok_s']:.1f} | {f['spec_tok_s']:.1f} | "
                      f"{f['speedup']:.2f}x | {f['speedup_median']:.2f}x | {f['decode_plain_tok_s']:.1f} | "
                      f"{f['decode_spec_tok_s']:.1f} | {f['decode_speedup']:.2f}x | {f['mean_accepted_length']:.2f} | "
-                     f"{100 * f['acceptance_rate']:.1f}% | {f['mismatches']} |")
+                     f"{100 * f['acceptance_rate']:.1f}% | {100 * (f['acceptance_per_position'] or [0])[0]:.1f}% | "
+                     f"{f['draft_ms_per_token']:.3f} | {f['mismatches']} |")
     return "\n".join(lines)
 
 

@@ -1,7 +1,6 @@
 """`specplug train data ...` and `specplug train <type> ...` (a method's trainer, from an entry point)."""
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path

@@ -34,6 +34,21 @@ class SeqBatch:
         return int(self.valid.sum())
 
 
+def read_manifest(path: str | Path) -> dict:
+    """A data set's manifest (clear errors for a folder that is not one)."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise SpecplugError(f"{path}: no {MANIFEST} here; make a data set with `specplug train data -o DIR`")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as exc:
+        raise SpecplugError(f"{mpath}: not valid JSON ({exc})") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise SpecplugError(f"{mpath}: data format {manifest.get('format')!r} is not {FORMAT_VERSION}")
+    return manifest
+
+
 class TrainData:
     """A data set in memory: the requested taps of every sequence, split into train/val by prompt.
 
@@ -48,14 +63,7 @@ class TrainData:
 
         self.path = Path(path)
         mpath = self.path / MANIFEST
-        if not mpath.is_file():
-            raise SpecplugError(f"{self.path}: no {MANIFEST} here; make a data set with `specplug train data -o DIR`")
-        try:
-            self.manifest = json.loads(mpath.read_text())
-        except json.JSONDecodeError as exc:
-            raise SpecplugError(f"{mpath}: not valid JSON ({exc})") from None
-        if self.manifest.get("format") != FORMAT_VERSION:
-            raise SpecplugError(f"{mpath}: data format {self.manifest.get('format')!r} is not {FORMAT_VERSION}")
+        self.manifest = read_manifest(self.path)
         have = list(self.manifest.get("taps", []))
         missing = [t for t in taps if t not in have]
         if missing:

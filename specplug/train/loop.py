@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Protocol, Sequence
 import torch
 
 from specplug.errors import SpecplugError
-from specplug.train.dataset import SeqBatch, TrainData
+from specplug.train.dataset import SeqBatch, TrainData, read_manifest
 
 GROUP = "specplug.trainers"
 
@@ -42,8 +42,9 @@ class Trainer(Protocol):
     module: torch.nn.Module  # its trainable parameters are optimized
 
     @classmethod
-    def taps(cls, options: Any) -> Sequence[str]:
-        """The hidden states the data set must hold ('final', layer indices as strings)."""
+    def taps(cls, options: Any, target: dict) -> Sequence[str]:
+        """The hidden states the data set must hold ('final', layer indices as strings), given the
+        data set's target (its manifest entry: arch, n_layer, n_embd, vocab_size, ...)."""
 
     def __init__(self, options: Any, data: TrainData, device: torch.device) -> None: ...
 
@@ -184,7 +185,8 @@ def train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, re
         raise SpecplugError(f"{ckpt} exists from an earlier run: add --resume to continue it, or --restart to start over")
     random.seed(loop.seed)
     torch.manual_seed(loop.seed)
-    data = TrainData(data_dir, cls.taps(opts), loop.val_fraction, loop.limit_tokens or None, loop.max_len)
+    taps = cls.taps(opts, read_manifest(data_dir)["target"])
+    data = TrainData(data_dir, taps, loop.val_fraction, loop.limit_tokens or None, loop.max_len)
     if model:
         data.target = dict(data.target, path=model)
     trainer = cls(opts, data, device)

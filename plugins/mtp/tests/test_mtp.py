@@ -151,7 +151,7 @@ def test_runtime_matches_the_training_module_at_every_unroll_step(tiny, data, wo
                                                            weights_only=False)["module"].items()}, strict=False)
     b = d.collate(d.split["val"][:1])
     n = int(b.valid[0].sum())
-    steps = {r: lg[0] for r, lg in tr.module.unroll(b.tokens, b.positions, b.taps["final"], 3)}
+    steps = {r: tr.module.logits(out)[0] for r, out in tr.module.unroll(b.tokens, b.positions, b.taps["final"], 3)}
     toks = b.tokens[0, :n].tolist()
     h = b.taps["final"][0, :n]
     a = int(b.dist_start[0]) + 2  # an anchor inside the answer

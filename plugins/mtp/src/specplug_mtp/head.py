@@ -83,11 +83,12 @@ class MTPTrain(nn.Module):
         return F.linear(x, self.head_rows)
 
     def unroll(self, tokens: torch.Tensor, positions: torch.Tensor, h_final: torch.Tensor, steps: int):
-        """Yield (r, logits [B, T, draft vocab]) for r = 0..steps-1.
+        """Yield (r, out [B, T, d]) for r = 0..steps-1: the output states (`logits(out)` predicts
+        token t + 1; a trainer takes logits of the rows it scores only).
 
         Step 0 at position t reads [h(t-1), x_t] (the target's states); step r reads the head's
         own step r-1 output at t-1 with x_t: the state it would have drafting r tokens past the
-        anchor t - r. Logits at (r, t) predict token t + 1.
+        anchor t - r.
         """
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
         emb = self.embed[tokens]
@@ -95,7 +96,7 @@ class MTPTrain(nn.Module):
         h_in = _shift(h_final)
         for r in range(steps):
             out = self.step(h_in, emb, cos, sin, ks, vs)
-            yield r, self.logits(out)
+            yield r, out
             h_in = _shift(out)
 
     def export(self, path, target_info, d2t: torch.Tensor, recipe: dict, weights: str = "q8_0") -> None:
@@ -111,7 +112,7 @@ class MTPTrain(nn.Module):
 class MTPRuntime:
     """Inference form on the runtime's building blocks, with its own KV cache of n_seq sequences."""
 
-    def __init__(self, head: HeadFile, target, backend: Backend, n_seq: int, max_ctx: int):
+    def __init__(self, head: HeadFile, target, backend: Backend, n_seq: int, max_ctx: int, full_vocab: bool = False):
         cfg = self.cfg = MTPConfig.from_dict(head.meta.config)
         d = cfg.n_embd
         dev = backend.device
@@ -120,9 +121,10 @@ class MTPRuntime:
         self.enorm = head.tensor("enorm", (d,)).to(dev, backend.dtype)
         self.proj = head.linear("proj", backend, (d, 2 * d))
         self.layer = layer_from_head(head, "blk.", cfg.shape, cfg.eps, backend, d)
-        self.d2t = head.tensor("d2t")
-        self.draft_vocab = int(self.d2t.shape[0])
-        self.lm = target.output_head.linear(self.d2t.tolist(), backend)
+        self.d2t = head.tensor("d2t")  # draft row -> target token id
+        if full_vocab:  # the whole vocabulary: every draft token pays for all of the target's head
+            self.d2t = torch.arange(target.vocab_size)
+        self.lm = target.output_head.linear(None if full_vocab else self.d2t.tolist(), backend)
         self.embed = target.token_embeddings
         self.rope = Rope(cfg.head_dim, cfg.rope_base, dev)
         self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim)

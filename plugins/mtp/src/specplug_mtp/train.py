@@ -16,23 +16,9 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.train.dataset import SeqBatch, TrainData
+from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
 from specplug.train.target import TargetWeights, draft_vocab
 from specplug_mtp.head import MTPConfig, MTPTrain
-
-
-def soft_targets(batch: SeqBatch, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(draft-vocabulary indices [B, T, k], probabilities [B, T, k]) of the target's top-k next tokens,
-    renormalized over those inside the draft vocabulary (zero weight for the others)."""
-    idx = t2d[batch.topk_ids]
-    p = batch.topk_logprobs.exp() * (idx >= 0)
-    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
-    return idx.clamp_min(0), p
-
-
-def step_mask(batch: SeqBatch, r: int) -> torch.Tensor:
-    """[B, T] rows counted at unroll step r: a recorded distribution and an anchor t - r >= dist_start."""
-    t = torch.arange(batch.tokens.shape[1], device=batch.tokens.device).view(1, -1)
-    return batch.has_dist & (t - r >= batch.dist_start.view(-1, 1))
 
 
 class MTPTrainer:
@@ -54,7 +40,7 @@ class MTPTrainer:
                 raise SpecplugError(f"mtp options: weights must be q8_0, f16 or f32, got {self.weights!r}")
 
     @classmethod
-    def taps(cls, options) -> tuple[str, ...]:
+    def taps(cls, options, target: dict) -> tuple[str, ...]:
         return ("final",)
 
     def __init__(self, options: "MTPTrainer.Options", data: TrainData, device: torch.device):
@@ -65,9 +51,7 @@ class MTPTrainer:
         vocab = cfg.vocab_size
         n = options.draft_vocab or vocab
         self.d2t = draft_vocab(data.answer_tokens("train"), n, vocab)
-        self.t2d = torch.full((vocab,), -1, dtype=torch.long)
-        self.t2d[self.d2t] = torch.arange(len(self.d2t))
-        self.t2d = self.t2d.to(device)
+        self.t2d = invert(self.d2t, vocab).to(device)
         hc = MTPConfig(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rms_eps, cfg.rope_base)
         self.module = MTPTrain(hc, tw.embeddings(), tw.output_norm(), tw.output_weight(self.d2t.tolist())).to(device)
         if options.init_layer != -2:
@@ -80,14 +64,14 @@ class MTPTrainer:
         idx, p = soft_targets(batch, self.t2d)
         total, figs = 0.0, {}
         m = self.module
-        for r, logits in m.unroll(batch.tokens, batch.positions, batch.taps["final"], self.opts.unroll):
-            mask = step_mask(batch, r)
-            logq = torch.log_softmax(logits, -1)
-            ce = -(p * logq.gather(-1, idx)).sum(-1)
-            total = total + self.opts.depth_decay ** r * (ce * mask).sum() / mask.sum().clamp_min(1)
+        for r, out in m.unroll(batch.tokens, batch.positions, batch.taps["final"], self.opts.unroll):
+            mask = step_mask(batch, r)  # logits only for the scored rows: the head is most of the cost
+            logits = m.logits(out[mask])
+            ce = draft_ce(logits, idx[mask], p[mask])
+            total = total + self.opts.depth_decay ** r * ce.sum() / max(1, ce.shape[0])
             with torch.no_grad():
-                hit = (self.d2t.to(logits.device)[logits.argmax(-1)] == batch.topk_ids[..., 0]) & mask
-                figs[f"top1_d{r + 1}"] = round(float(hit.sum()) / max(1, int(mask.sum())), 4)
+                hit = self.d2t.to(logits.device)[logits.argmax(-1)] == batch.topk_ids[..., 0][mask]
+                figs[f"top1_d{r + 1}"] = round(float(hit.sum()) / max(1, hit.shape[0]), 4)
         return total, figs
 
     @torch.no_grad()
@@ -95,9 +79,9 @@ class MTPTrainer:
         hit = torch.zeros(self.depths)
         tot = torch.zeros(self.depths)
         d2t = self.d2t.to(batch.tokens.device)
-        for r, logits in self.module.unroll(batch.tokens, batch.positions, batch.taps["final"], self.opts.unroll):
+        for r, out in self.module.unroll(batch.tokens, batch.positions, batch.taps["final"], self.opts.unroll):
             mask = step_mask(batch, r)
-            hit[r] = float(((d2t[logits.argmax(-1)] == batch.topk_ids[..., 0]) & mask).sum())
+            hit[r] = float((d2t[self.module.logits(out[mask]).argmax(-1)] == batch.topk_ids[..., 0][mask]).sum())
             tot[r] = float(mask.sum())
         return hit, tot
 

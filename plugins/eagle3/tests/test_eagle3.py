@@ -1,0 +1,304 @@
+"""The Eagle3 speculator, its trainer and the EAGLE-3 checkpoint importer on a tiny random target."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specplug.api import build_speculators, prompt_ids
+from specplug.config import parse_config
+from specplug.engine import Request, target_info
+from specplug.errors import ConfigError, PluginError
+from specplug.runtime import load_target
+from specplug.testing import (assert_greedy_equal, greedy_outputs, make_engine, make_train_data, repetitive_prompts,
+                              write_tiny_gguf)
+from specplug.train.loop import LoopOptions, train
+from specplug.types import Batch, DraftRequest
+from specplug_eagle3.head import Eagle3Runtime
+from specplug_eagle3.speculator import Eagle3
+from specplug_eagle3.train import Eagle3Trainer
+
+LAYERS = "1,2,3"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("eagle3")
+
+
+@pytest.fixture(scope="module")
+def tiny(work) -> Path:
+    return write_tiny_gguf(work / "tiny.gguf", n_layer=4, tensor_type="Q8_0", scale=1.5)
+
+
+@pytest.fixture(scope="module")
+def data(tiny, work) -> Path:
+    return make_train_data(tiny, work / "data", repetitive_prompts(300), taps="final,1,2,3", max_tokens=40,
+                           shard_prompts=100)
+
+
+def _train(data: Path, out: Path, steps: int, **opts) -> dict:
+    loop = LoopOptions(steps=steps, lr=3e-3, warmup=10, batch_tokens=2048, val_every=max(1, steps), save_every=10 ** 6,
+                       val_fraction=0.1)
+    return train(Eagle3Trainer, Eagle3Trainer.Options(layers=LAYERS, draft_vocab=200, **opts), loop, data, out,
+                 quiet=True, restart=True)
+
+
+@pytest.fixture(scope="module")
+def trained(data, work) -> Path:
+    _train(data, work / "trained.gguf", 150)
+    return work / "trained.gguf"
+
+
+def _target(path: Path, quant: str):
+    return load_target(str(path), "cpu", "float32", quant)
+
+
+def _eagle(target, head: Path, n_seq: int = 4, max_ctx: int = 512, **params) -> Eagle3:
+    return Eagle3(Eagle3.Params(head=str(head), **params), target_info(target, n_seq, max_ctx))
+
+
+def _ids(target, n=6, seed=11):
+    return [prompt_ids(target.tokenizer, t, True) for t in repetitive_prompts(n, seed=seed)]
+
+
+@pytest.mark.parametrize("quant", ["gguf", "none"])
+def test_greedy_output_equals_plain_with_parallel_sequences(tiny, trained, quant):
+    target = _target(tiny, quant)
+    eng = assert_greedy_equal(target, [_eagle(target, trained, stop_below=0.0)], _ids(target), max_tokens=40,
+                              n_parallel=3)
+    st = eng.stats.speculators["Eagle3"]
+    assert st.drafted_tokens > 50 and 0 < st.accepted_tokens < st.drafted_tokens and not eng.stats.disabled
+
+
+def test_trained_head_beats_untrained_head(tiny, data, trained, work):
+    _train(data, work / "untrained.gguf", 1)
+    target = _target(tiny, "gguf")
+    acc = {}
+    for name in ("trained", "untrained"):
+        spec = _eagle(target, work / f"{name}.gguf", calibrate=False, stop_below=0.0)
+        _, eng = greedy_outputs(target, [spec], _ids(target), max_tokens=40, n_parallel=2)
+        st = eng.stats.speculators["Eagle3"]
+        acc[name] = st.accepted_tokens / st.drafted_tokens
+    assert acc["trained"] > 0.5 and acc["trained"] > acc["untrained"] + 0.3, acc
+
+
+def test_fused_state_pairing_after_rejections_equals_a_fresh_replay(tiny, trained):
+    target = _target(tiny, "gguf")
+    spec = _eagle(target, trained, stop_below=0.0)
+    eng = make_engine(target, [spec], n_parallel=3, max_ctx=512)
+    seqs, steps, orig = {}, {"n": 0}, eng._step
+
+    def step(active, on_tokens):
+        orig(active, on_tokens)
+        steps["n"] += 1
+        if steps["n"] == 9:
+            seqs.update({q.slot: list(q.tokens) for q in active})
+            raise StopIteration
+
+    eng._step = step
+    with pytest.raises(StopIteration):
+        eng.run([Request(p, 30) for p in _ids(target, 3)])
+    assert (spec.calib[..., 1] > spec.calib[..., 0]).any()  # some drafts were rejected
+    m, layers = target.model, spec.layers
+    for slot, toks in seqs.items():
+        done = spec.state[slot].done
+        committed = toks[:-1]
+        out = m.forward(committed, list(range(len(committed))), [0] * len(committed), m.new_cache(1, 512),
+                        taps=set(layers))
+        fresh = Eagle3Runtime(spec.head, target_info(target, 1, 512), spec.rt.backend, 1, 512)
+        g = fresh.fuse([out.hidden[li] for li in layers])
+        g_prev = torch.cat([torch.zeros(1, g.shape[1]), g[:-1]])
+        fresh.forward(g_prev[:done], committed[:done], list(range(done)), [0] * done, [])
+        for kv in ("k", "v"):
+            assert torch.equal(getattr(spec.rt.cache, kv)[0, slot, :, :done], getattr(fresh.cache, kv)[0, 0, :, :done])
+
+
+def test_runtime_matches_the_training_module_at_every_unroll_step(tiny, data, work):
+    from specplug.train.dataset import TrainData
+
+    out = work / "f32.gguf"
+    _train(data, out, 20, weights="f32")
+    target = _target(tiny, "none")
+    d = TrainData(data, LAYERS.split(","), 0.1)
+    tr = Eagle3Trainer(Eagle3Trainer.Options(layers=LAYERS, draft_vocab=200), d, torch.device("cpu"))
+    tr.module.load_state_dict(torch.load(work / "f32.train" / "checkpoint.pt", weights_only=False)["module"],
+                              strict=False)
+    b = d.collate(d.split["val"][:1])
+    n = int(b.valid[0].sum())
+    taps = [b.taps[x] for x in LAYERS.split(",")]
+    steps = {r: tr.module.logits(o)[0] for r, o in tr.module.unroll(b.tokens, b.positions, taps, 3)}
+    rt = _eagle(target, out).rt
+    rt = Eagle3Runtime(_eagle(target, out).head, target_info(target, 1, 512), rt.backend, 1, 512)
+    toks = b.tokens[0, :n].tolist()
+    g = rt.fuse([t[0, :n] for t in taps])
+    g_prev = torch.cat([torch.zeros(1, g.shape[1]), g[:-1]])
+    a = int(b.dist_start[0]) + 2
+    states, logits = rt.forward(g_prev[:a + 1], toks[:a + 1], list(range(a + 1)), [0] * (a + 1), [a])
+    torch.testing.assert_close(logits[0], steps[0][a], rtol=1e-3, atol=1e-3)
+    prev = states[a:a + 1]
+    for r in (1, 2):
+        prev, logits = rt.forward(prev, [toks[a + r]], [a + r], [0], [0])
+        torch.testing.assert_close(logits[0], steps[r][a + r], rtol=1e-3, atol=1e-3)
+
+
+def test_bad_heads_are_clear_errors(tiny, trained, work):
+    from specplug.heads import HeadFile, HeadMeta, write_head
+
+    target = _target(tiny, "gguf")
+    with pytest.raises(ConfigError, match=r"layers \[0, 1, 2\] differ from the layers the head .* \[1, 2, 3\]"):
+        _eagle(target, trained, layers=[0, 1, 2])
+    h = HeadFile(trained)
+    tensors = {n: h.tensor(n) for n in h.gguf.tensors}
+    bad = dict(tensors, d2t=tensors["d2t"].clone())
+    bad["d2t"][5] = 100000
+    write_head(work / "bad-d2t.gguf", h.meta, bad)
+    with pytest.raises(ConfigError, match=r"d2t maps draft rows to token ids \[100000\] outside the target's vocabulary"):
+        _eagle(target, work / "bad-d2t.gguf")
+    meta = HeadMeta(**{**h.meta.__dict__, "taps": ("0", "2", "3")})
+    write_head(work / "bad-taps.gguf", meta, tensors)
+    with pytest.raises(ConfigError, match=r"config says layers \[1, 2, 3\] but its taps are \['0', '2', '3'\]"):
+        _eagle(target, work / "bad-taps.gguf")
+    other = write_tiny_gguf(work / "other.gguf", n_layer=4, n_embd=96, tensor_type="Q8_0", scale=1.5)
+    cfg = parse_config({"model": str(other), "speculators": [{"type": "eagle3", "head": str(trained)}]})
+    with pytest.raises(PluginError, match=r"trained for tiny \(llama, n_embd 64.*not for the target other.gguf"):
+        build_speculators(cfg, target_info(_target(other, "gguf"), 1, 256))
+
+
+def test_sampled_drafts_are_drawn_from_the_probs_they_return(tiny, trained):
+    """The full-vocabulary probs of a sampled draft are exactly what its tokens were drawn from
+    (chi-square over many draws), which is what keeps stochastic verification lossless."""
+    target = _target(tiny, "gguf")
+    spec = _eagle(target, trained, temperature=1.0, stop_below=0.0, calibrate=False)
+    ids = _ids(target, 1)[0]
+    m = target.model
+    out = m.forward(ids, list(range(len(ids))), [0] * len(ids), m.new_cache(1, 512), taps=set(spec.layers))
+    batch = Batch(torch.tensor(ids), torch.arange(len(ids)), torch.zeros(len(ids), dtype=torch.long),
+                  {li: out.hidden[li] for li in spec.layers}, True)
+    spec.process_batch(batch, spec.encode(batch))
+    first = spec.draft([DraftRequest(0, ids + [5], 1)])[0]
+    probs = first.probs[0]
+    assert probs.shape == (target.model.config.vocab_size,) and abs(float(probs.sum()) - 1) < 1e-5
+    assert set(probs.nonzero().flatten().tolist()) <= set(spec.rt.d2t.tolist())
+    counts = torch.zeros_like(probs)
+    n = 3000
+    for _ in range(n):
+        d = spec.draft([DraftRequest(0, ids + [5], 1)])[0]
+        torch.testing.assert_close(d.probs[0], probs)
+        counts[d.token_ids[0]] += 1
+    big = probs * n >= 5  # chi-square over the tokens expected at least 5 times, the rest pooled
+    exp = torch.cat([probs[big] * n, (probs[~big] * n).sum().view(1)])
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    keep = exp > 0
+    chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 4 * math.sqrt(2 * dof) + 10, (chi2, dof)
+
+
+# ---- importing a public EAGLE-3 checkpoint --------------------------------------------------------
+
+def _rotate_half(x):
+    a, b = x.chunk(2, -1)
+    return torch.cat([-b, a], -1)
+
+
+class _RefEagle3:
+    """EAGLE-3's draft step written as the published checkpoints define it (Hugging Face layout:
+    half-split RoPE, separate q/k/v/o and gate/up/down), with an explicit per-sequence KV list."""
+
+    def __init__(self, sd: dict, conf: dict):
+        self.sd, self.c = sd, conf
+        self.k, self.v = [], []
+
+    def _norm(self, x, w):
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.c["rms_norm_eps"]) * w
+
+    def step(self, h, tok_emb, pos):
+        sd, c = self.sd, self.c
+        H, Hkv, D = c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"]
+        x = torch.cat([self._norm(tok_emb, sd["midlayer.input_layernorm.weight"]),
+                       self._norm(h, sd["midlayer.hidden_norm.weight"])], -1)
+        q = (sd["midlayer.self_attn.q_proj.weight"] @ x).view(H, D)
+        k = (sd["midlayer.self_attn.k_proj.weight"] @ x).view(Hkv, D)
+        v = (sd["midlayer.self_attn.v_proj.weight"] @ x).view(Hkv, D)
+        inv = c["rope_theta"] ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+        ang = (pos * inv).float()
+        cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        self.k.append(k)
+        self.v.append(v)
+        K, V = torch.stack(self.k, 1), torch.stack(self.v, 1)  # [Hkv, n, D]
+        K, V = K.repeat_interleave(H // Hkv, 0), V.repeat_interleave(H // Hkv, 0)
+        att = torch.softmax((K @ q.unsqueeze(-1)).squeeze(-1) / math.sqrt(D), -1)  # [H, n]
+        o = (att.unsqueeze(-1) * V).sum(1).flatten()
+        h2 = h + sd["midlayer.self_attn.o_proj.weight"] @ o
+        y = self._norm(h2, sd["midlayer.post_attention_layernorm.weight"])
+        y = sd["midlayer.mlp.down_proj.weight"] @ (F.silu(sd["midlayer.mlp.gate_proj.weight"] @ y)
+                                                   * (sd["midlayer.mlp.up_proj.weight"] @ y))
+        out = h2 + y
+        logits = sd["lm_head.weight"] @ self._norm(out, sd["norm.weight"])
+        return out, logits
+
+
+def test_a_public_eagle3_checkpoint_drafts_the_same_tokens_after_conversion(tiny, work):
+    from safetensors.torch import save_file
+
+    from specplug.cli import main
+
+    target = _target(tiny, "none")
+    mc = target.model.config
+    d, H, Hkv, D, n_ff, N = mc.n_embd, 4, 2, 16, 80, 150
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale / math.sqrt(s[-1])  # noqa: E731
+    d2t_abs = torch.randperm(mc.vocab_size, generator=g)[:N].sort().values
+    sd = {"fc.weight": r(d, 3 * d), "midlayer.input_layernorm.weight": 1 + 0.1 * torch.randn(d, generator=g),
+          "midlayer.hidden_norm.weight": 1 + 0.1 * torch.randn(d, generator=g),
+          "midlayer.self_attn.q_proj.weight": r(H * D, 2 * d, scale=3), "midlayer.self_attn.k_proj.weight": r(Hkv * D, 2 * d, scale=3),
+          "midlayer.self_attn.v_proj.weight": r(Hkv * D, 2 * d), "midlayer.self_attn.o_proj.weight": r(d, H * D),
+          "midlayer.post_attention_layernorm.weight": torch.ones(d), "midlayer.mlp.gate_proj.weight": r(n_ff, d),
+          "midlayer.mlp.up_proj.weight": r(n_ff, d), "midlayer.mlp.down_proj.weight": r(d, n_ff),
+          "norm.weight": torch.ones(d), "lm_head.weight": r(N, d, scale=8),
+          "d2t": d2t_abs - torch.arange(N), "t2d": torch.zeros(mc.vocab_size, dtype=torch.bool)}
+    conf = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": d, "num_attention_heads": H,
+            "num_key_value_heads": Hkv, "intermediate_size": n_ff, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "vocab_size": mc.vocab_size, "draft_vocab_size": N, "num_hidden_layers": 1,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}}
+    ck = work / "public-eagle3"
+    ck.mkdir(exist_ok=True)
+    save_file(sd, str(ck / "model.safetensors"))
+    (ck / "config.json").write_text(json.dumps(conf))
+    assert main(["convert", "eagle3", str(ck), "--target", str(tiny), "-o", str(work / "conv.gguf"),
+                 "--weights", "f32"]) == 0
+    spec = _eagle(target, work / "conv.gguf", stop_below=0.0, calibrate=False)
+    ref = _RefEagle3(sd, conf)
+    m = target.model
+    for ids in _ids(target, 3, seed=5):
+        out = m.forward(ids, list(range(len(ids))), [0] * len(ids), m.new_cache(1, 64), taps={1, 2, 3})
+        fused = sd["fc.weight"] @ torch.cat([out.hidden[li] for li in (1, 2, 3)], -1).T  # [d, n]
+        ref.k, ref.v = [], []
+        h = torch.zeros(d)
+        emb = target.model.embed
+        for t, tok in enumerate(ids):
+            state, logits = ref.step(h, emb[tok], t)
+            h = fused[:, t]
+        want = []
+        for i in range(4):
+            want.append(int(d2t_abs[logits.argmax()]))
+            if want[-1] in target.tokenizer.eot_ids:  # drafting stops at the end of a turn
+                break
+            state, logits = ref.step(state, emb[want[-1]], len(ids) + i)
+        spec._reset(0)
+        body = Batch(torch.tensor(ids[:-1]), torch.arange(len(ids) - 1), torch.zeros(len(ids) - 1, dtype=torch.long),
+                     {li: out.hidden[li][:-1] for li in (1, 2, 3)}, True)
+        spec.process_batch(body, spec.encode(body))
+        got = spec.draft([DraftRequest(0, ids, 4)])[0]
+        assert list(got.token_ids) == want
+    with pytest.raises(Exception, match="hidden_size 32 != the target's n_embd 64"):
+        (ck / "config.json").write_text(json.dumps({**conf, "hidden_size": 32}))
+        from specplug_eagle3.convert import convert
+
+        convert(ck, tiny, work / "x.gguf")
