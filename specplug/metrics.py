@@ -13,12 +13,14 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: drafts whose token i was accepted
     drafted_at: list[int] = field(default_factory=list)  # drafted_at[i]: drafts that had a token i
+    reached_at: list[int] = field(default_factory=list)  # reached_at[i]: drafts with a token i whose tokens < i were accepted
 
     def add(self, n_drafted: int, n_accepted: int) -> None:
         self.drafts += 1
         self.drafted_tokens += n_drafted
         self.accepted_tokens += n_accepted
-        for arr, n in ((self.drafted_at, n_drafted), (self.accepted_at, n_accepted)):
+        reached = min(n_accepted + 1, n_drafted)
+        for arr, n in ((self.drafted_at, n_drafted), (self.accepted_at, n_accepted), (self.reached_at, reached)):
             if len(arr) < n_drafted:
                 arr.extend([0] * (n_drafted - len(arr)))
             for i in range(n):
@@ -32,6 +34,8 @@ class SpecStats:
         d = asdict(self)
         d["acceptance_rate"] = round(self.acceptance_rate, 4)
         d["acceptance_per_position"] = [round(a / n, 4) if n else 0.0 for a, n in zip(self.accepted_at, self.drafted_at)]
+        d["acceptance_per_position_conditional"] = [round(a / n, 4) if n else 0.0
+                                                    for a, n in zip(self.accepted_at, self.reached_at)]
         return d
 
 

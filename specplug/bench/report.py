@@ -15,7 +15,9 @@ results.json (schema version 1):
                                 (the decoding phase only: tokens after the first, over the time after
                                  the first token, as llama.cpp reports generation speed),
              "mean_accepted_length" (tokens per target forward), "acceptance_rate",
-             "acceptance_per_position", "accepted_length_hist" (drafts by tokens accepted),
+             "acceptance_per_position" (drafts with token i accepted / drafts with a token i),
+             "acceptance_per_position_conditional" (token i accepted given tokens < i were),
+             "accepted_length_hist" (drafts by tokens accepted),
              "time_split" {"target", "speculators", "host"} (fractions of speculative time),
              "draft_ms_per_token", "draft_ms_per_forward" (speculator time per drafted token / per
                                  target forward),
@@ -58,6 +60,7 @@ def figures(results: list[PromptResult], variant: str) -> dict:
     width = max([len(x.drafted_at) for x in runs] + [0])
     acc_at = [sum(x.accepted_at[i] if i < len(x.accepted_at) else 0 for x in runs) for i in range(width)]
     dr_at = [sum(x.drafted_at[i] if i < len(x.drafted_at) else 0 for x in runs) for i in range(width)]
+    re_at = [sum(x.reached_at[i] if i < len(x.reached_at) else 0 for x in runs) for i in range(width)]
     # drafts with exactly k accepted tokens: accepted_at[k-1] - accepted_at[k]
     hist = [drafts - (acc_at[0] if acc_at else 0)] + [acc_at[k] - (acc_at[k + 1] if k + 1 < width else 0)
                                                       for k in range(width)]
@@ -76,6 +79,8 @@ def figures(results: list[PromptResult], variant: str) -> dict:
         "mean_accepted_length": round(spec_n / forwards, 4) if forwards else 0.0,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(acc_at, dr_at)],
+        # token i accepted given that tokens < i were (EAGLE's per-position acceptance)
+        "acceptance_per_position_conditional": [round(a / d, 4) if d else 0.0 for a, d in zip(acc_at, re_at)],
         "accepted_length_hist": hist,
         "time_split": {"target": round(t_target / spec_t, 4) if spec_t else 0.0,
                        "speculators": round(t_spec / spec_t, 4) if spec_t else 0.0,

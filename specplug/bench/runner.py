@@ -34,6 +34,7 @@ class Run:
     drafts: int = 0
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
+    reached_at: list[int] = field(default_factory=list)
     time_target_s: float = 0.0
     time_speculators_s: float = 0.0
     prefill_s: float = 0.0  # prompt processing and the first token; the rest of time_s is decoding
@@ -99,7 +100,7 @@ class Bench:
                   prefill_s=st.time_prefill_s)
         for s in st.by_speculator.values():
             run.drafts += s.drafts
-            for arr_name in ("accepted_at", "drafted_at"):
+            for arr_name in ("accepted_at", "drafted_at", "reached_at"):
                 arr, src = getattr(run, arr_name), getattr(s, arr_name)
                 arr.extend([0] * (len(src) - len(arr)))
                 for i, v in enumerate(src):

@@ -32,9 +32,44 @@ from specplug.hooks import hookimpl
 from specplug.runtime.kv_cache import KVCache
 from specplug.types import Batch, Draft, DraftRequest, TargetInfo, Verified
 
-_BUCKETS = 10
-_DEPTHS = 4
-_PRIOR = 4.0
+
+
+class Calibrator:
+    """Per-token confidences from a drafter's own probabilities, calibrated by outcomes.
+
+    P(token accepted | earlier ones accepted) is estimated per (draft depth, probability bucket)
+    as (accepted + prior * p) / (tried + prior): the raw probability until outcomes arrive, then
+    what verification actually showed. `record` the keys of each draft, pass `verified` results on.
+    """
+
+    def __init__(self, enabled: bool = True, depths: int = 4, buckets: int = 10, prior: float = 4.0):
+        self.enabled, self.depths, self.buckets, self.prior = enabled, depths, buckets, prior
+        self.table = torch.zeros(depths, buckets, 2)  # [depth, bucket] -> (accepted, tried)
+        self.last: dict[int, list[tuple[int, int]]] = {}  # seq -> keys of its last draft's tokens
+
+    def key(self, depth: int, p: float) -> tuple[int, int]:
+        return min(depth, self.depths - 1), min(max(int(p * self.buckets), 0), self.buckets - 1)
+
+    def confidence(self, depth: int, p: float) -> float:
+        if not self.enabled:
+            return min(1.0, max(0.0, p))
+        acc, tried = self.table[self.key(depth, p)].tolist()
+        return min(1.0, max(0.0, (acc + self.prior * p) / (tried + self.prior)))
+
+    def record(self, seq: int, keys: list[tuple[int, int]]) -> None:
+        self.last[seq] = keys
+
+    def verified(self, results: Sequence[Verified]) -> None:
+        for v in results:
+            keys = self.last.pop(v.seq_id, [])
+            if not v.chosen:
+                continue
+            for i, k in enumerate(keys[:v.n_drafted]):
+                self.table[k][1] += 1
+                if i < v.n_accepted:
+                    self.table[k][0] += 1
+                else:
+                    break
 
 
 class ChainHead(Protocol):
@@ -56,7 +91,6 @@ class _SeqState:
     last_h: torch.Tensor | None = None  # the state of position received - 1
     pending: list = field(default_factory=list)  # (x_t, t, h(t-1)) for t in [done, received)
     broken: bool = False  # rows were missed: no drafts until the sequence restarts
-    drafted: list = field(default_factory=list)  # calibration keys of the last draft's tokens
 
 
 class ChainDrafter:
@@ -72,12 +106,12 @@ class ChainDrafter:
         """head: the inference form; state_dim: width of the states h (zeros before position 0)."""
         self.rt = head
         self.zeros = torch.zeros(state_dim, device=target.device)
-        self.temperature, self.stop_below, self.calibrate = temperature, stop_below, calibrate
+        self.temperature, self.stop_below = temperature, stop_below
         self.eot = frozenset(target.eot_ids)
         self.vocab = target.vocab_size
         self.out_device = target.device
         self.state = [_SeqState() for _ in range(target.n_seq)]
-        self.calib = torch.zeros(_DEPTHS, _BUCKETS, 2)  # [depth, bucket] -> (accepted, tried)
+        self.calib = Calibrator(calibrate)
         self.gen = torch.Generator().manual_seed(0)  # sampled drafts never touch the host's streams
 
     def row_states(self, batch: Batch, encoded: torch.Tensor | None) -> torch.Tensor:
@@ -151,10 +185,10 @@ class ChainDrafter:
             nxt_h, nxt_live, nxt_tok, nxt_pos, nxt_seq = [], [], [], [], []
             for j, i in enumerate(live):
                 r = requests[i]
-                c = self._confidence(depth, p_tok[j])
+                c = self.calib.confidence(depth, p_tok[j])
                 ids[i].append(toks[j])
                 conf[i].append(c)
-                keys[i].append((min(depth, _DEPTHS - 1), min(int(p_tok[j] * _BUCKETS), _BUCKETS - 1)))
+                keys[i].append(self.calib.key(depth, p_tok[j]))
                 if q is not None:
                     probs[i].append(q[j])
                 cum[i] *= c
@@ -171,7 +205,7 @@ class ChainDrafter:
             if live:
                 states, logits = rt.forward(torch.stack(nxt_h), nxt_tok, nxt_pos, nxt_seq, list(range(len(live))))
         for i in ids:
-            self.state[requests[i].seq_id].drafted = keys[i]
+            self.calib.record(requests[i].seq_id, keys[i])
             pr = torch.stack(probs[i]).to(self.out_device) if probs[i] else None
             out[i] = Draft(tuple(ids[i]), pr, tuple(conf[i]))
         return out
@@ -190,22 +224,6 @@ class ChainDrafter:
         full[:, d2t] = qd
         return d2t[pick].tolist(), qd.gather(-1, pick.unsqueeze(-1)).squeeze(-1).tolist(), full
 
-    def _confidence(self, depth: int, p: float) -> float:
-        if not self.calibrate:
-            return min(1.0, max(0.0, p))
-        acc, tried = self.calib[min(depth, _DEPTHS - 1), min(int(p * _BUCKETS), _BUCKETS - 1)].tolist()
-        return min(1.0, max(0.0, (acc + _PRIOR * p) / (tried + _PRIOR)))
-
     @hookimpl
     def verified(self, results: Sequence[Verified]) -> None:
-        for v in results:
-            keys = self.state[v.seq_id].drafted
-            self.state[v.seq_id].drafted = []
-            if not v.chosen:
-                continue
-            for i, (d, b) in enumerate(keys[:v.n_drafted]):
-                self.calib[d, b, 1] += 1
-                if i < v.n_accepted:
-                    self.calib[d, b, 0] += 1
-                else:
-                    break
+        self.calib.verified(results)

@@ -11,7 +11,7 @@ a multi-sequence KV cache with `seq_rm` rollback.
                          shape=LayerShape(n_head=9, n_head_kv=3, head_dim=64, n_ff=1536), eps=1e-5)
     cache = backend.new_cache(n_layer=1, n_seq=4, max_ctx=2048, n_head_kv=3, head_dim=64)
     rope = Rope(head_dim=64, base=10000.0, device=backend.device)
-    step = Step(positions, seq_ids, cache, rope, backend, group=3)   # once per forward
+    step = Step(positions, seq_ids, cache, rope, backend)   # once per forward
     x = step.rows(x)                                     # entry order -> the layout layers use
     x = layer(x, step, 0)                                # layer 0 of `cache`
     y = step.entries(x)                                  # back to entry order
@@ -147,11 +147,14 @@ class Step:
     """
 
     def __init__(self, positions: Sequence[int], seq_ids: Sequence[int], cache: KVCache, rope: Rope,
-                 backend: Backend, group: int = 1):
+                 backend: Backend, limits: Sequence[int] | None = None):
+        """limits: per row, the last position it attends to (default: its own position, causal);
+        a block drafter passes its block's last position so attention is bidirectional inside it."""
         positions = [int(p) for p in positions]
         seq_ids = [int(s) for s in seq_ids]
         n = len(positions)
         assert n == len(seq_ids) and n > 0, (n, len(seq_ids))
+        assert limits is None or (len(limits) == n and all(int(a) >= p for a, p in zip(limits, positions))), limits
         self.n = n
         self.cache = cache
         self.native = backend.native
@@ -163,9 +166,10 @@ class Step:
             self.pos = torch.tensor(positions, dtype=torch.int32)
             cache.valid[self.seq.long(), self.pos.long()] = True
             self.cos, self.sin = rope.cos_sin(cache.max_ctx)
+            self.limit = None if limits is None else torch.tensor([int(x) for x in limits], dtype=torch.int32)
             self.plan = None
         else:
-            self.plan = _Plan(positions, seq_ids, cache, cache.k.device, group, backend.dtype)
+            self.plan = _Plan(positions, seq_ids, cache, cache.k.device, backend.dtype, limits)
             self.rope = rope.table(cache.max_ctx)[self.plan.q_pos].unsqueeze(1)  # [B*T, 1, D/2] complex
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +233,8 @@ class DecoderLayer:
             kc, vc = cache.k[li], cache.v[li]
             k.rope_store(qkv, step.seq, step.pos, step.cos, step.sin, H, Hkv, self.q_norm, self.k_norm, self.eps,
                          kc, vc)
-            return self.o(k.attention(qkv, kc, vc, step.seq, step.pos, cache.valid, H, D ** -0.5), residual=x)
+            return self.o(k.attention(qkv, kc, vc, step.seq, step.pos, cache.valid, H, D ** -0.5, step.limit),
+                          residual=x)
         plan = step.plan
         qk = qkv[:, : (H + Hkv) * D].unflatten(1, (H + Hkv, D))
         if self.q_norm is not None:
@@ -239,8 +244,28 @@ class DecoderLayer:
         v = qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D))
         kc, vc = plan.write(cache.k[li], qk[:, H:]), plan.write(cache.v[li], v)
         q = qk[:, :H]
-        o = _attention(q, kc.to(q.dtype), vc.to(q.dtype), plan.mask, plan.B, plan.T, H, Hkv, D)
+        o = _attention(q, kc.to(q.dtype), vc.to(q.dtype), plan.mask_for(H // Hkv), plan.B, plan.T, H, Hkv, D)
         return self.o(o, residual=x)
+
+    def store_kv(self, x: torch.Tensor, step: Step, li: int) -> None:
+        """Write the keys and values of rows x (normalized by the layer's attention norm) into layer
+        `li` of step.cache at the rows' cells, without attending: how a drafter injects context
+        (DFlash's target features) that later rows attend to."""
+        S = self.shape
+        H, Hkv, D = S.n_head, S.n_head_kv, S.head_dim
+        qkv = self.qkv.norm_linear(x, self.eps)
+        cache = step.cache
+        if step.native:
+            self._k.rope_store(qkv, step.seq, step.pos, step.cos, step.sin, H, Hkv, self.q_norm, self.k_norm,
+                               self.eps, cache.k[li], cache.v[li])
+            return
+        plan = step.plan
+        k = qkv[:, H * D:(H + Hkv) * D].unflatten(1, (Hkv, D))
+        if self.k_norm is not None:
+            k = rms_norm(k, self.k_norm, self.eps)
+        k = torch.view_as_real(torch.view_as_complex(k.float().unflatten(2, (D // 2, 2))) * step.rope).flatten(2)
+        plan.write(cache.k[li], k.to(x.dtype))
+        plan.write(cache.v[li], qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D)))
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         """x + down(silu(gate(norm(x))) * up(norm(x)))."""
@@ -275,7 +300,7 @@ class _Plan:
     """
 
     def __init__(self, positions: list[int], seq_ids: list[int], cache: KVCache, dev: torch.device,
-                 group: int = 1, dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, limits: Sequence[int] | None = None):
         groups = _note_batch(positions, seq_ids, cache)
         self.slots = list(groups)
         self.B = B = len(groups)
@@ -299,6 +324,8 @@ class _Plan:
                         row_of_entry[e] = b * T + t
                         real.append(b * T + t)
             q_pos = [positions[e] for e in order]
+            if limits is not None:
+                limits = [limits[e] for e in order]
             self.gather = torch.tensor(order, dtype=torch.long, device=dev)
         self._row_of_entry = row_of_entry
         self.q_pos = torch.tensor(q_pos, dtype=torch.long, device=dev)  # [B*T]
@@ -319,16 +346,30 @@ class _Plan:
         self.L = L = max(cache.end[s] for s in self.slots)
         self._slot_span = (self.slots[0], self.slots[0] + B) if self.slots == list(range(self.slots[0], self.slots[0] + B)) else None
         self._slot_idx = None if self._slot_span else torch.tensor(self.slots, dtype=torch.long, device=dev)
-        need_mask = B > 1 or T > 1 or not all(cache.dense[s] for s in self.slots)
-        self.mask = None
+        need_mask = B > 1 or T > 1 or not all(cache.dense[s] for s in self.slots) or limits is not None
+        self.mask = True if need_mask else None
         if need_mask:
             kpos = torch.arange(L, device=dev)
             valid = cache.valid[self._slot_span[0]:self._slot_span[1], :L] if self._slot_span else cache.valid[self._slot_idx, :L]
-            keep = (kpos.view(1, 1, L) <= self.q_pos.view(B, T, 1)) & valid.view(B, 1, L)  # [B, T, L]
+            lim = self.q_pos if limits is None else torch.tensor([int(x) for x in limits], dtype=torch.long, device=dev)
+            keep = (kpos.view(1, 1, L) <= lim.view(B, T, 1)) & valid.view(B, 1, L)  # [B, T, L]
             # additive float mask (SDPA converts a bool one on every call), rows laid out as
             # _attention groups them: [B, 1, G*T, L] for T > 1, [B, 1, 1, L] for T == 1
-            mask = torch.zeros(keep.shape, dtype=dtype, device=dev).masked_fill_(~keep, float("-inf"))
-            self.mask = mask.unsqueeze(1) if T == 1 else mask.unsqueeze(1).repeat(1, 1, group, 1).view(B, 1, group * T, L)
+            self._mask = torch.zeros(keep.shape, dtype=dtype, device=dev).masked_fill_(~keep, float("-inf"))
+            self._grouped: dict[int, torch.Tensor] = {}
+
+    def mask_for(self, group: int) -> torch.Tensor | None:
+        """The additive mask laid out as _attention groups rows: [B, 1, G*T, L] (T > 1), [B, 1, 1, L]
+        (T == 1); made once per forward and group size, shared by every layer."""
+        if self.mask is None:
+            return None
+        m = self._grouped.get(group)
+        if m is None:
+            B, T, L = self._mask.shape
+            m = self._mask.unsqueeze(1) if T == 1 else \
+                self._mask.unsqueeze(1).repeat(1, 1, group, 1).view(B, 1, group * T, L)
+            self._grouped[group] = m
+        return m
 
     def write(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new K or V rows [B*T, Hkv, D] into `store` [n_seq, Hkv, max_ctx, D]; return [B, Hkv, L, D]."""

@@ -114,17 +114,20 @@ class OutputHead:
         self.backend = backend
         self.full = full  # the target's own head: norm_linear(x) -> logits [rows, vocab]
 
-    def linear(self, rows: Sequence[int] | None = None, backend: Backend | None = None) -> Linear:
+    def linear(self, rows: Sequence[int] | None = None, backend: Backend | None = None,
+               norm_weight: torch.Tensor | None = None) -> Linear:
         """A linear with the output norm folded in (`norm_linear(x, eps)` -> logits) over the given
-        vocabulary rows (None = all), in the target's weight format unless `backend` says otherwise."""
+        vocabulary rows (None = all), in the target's weight format unless `backend` says otherwise.
+        `norm_weight`: a head's own final norm in place of the target's."""
         backend = backend or self.backend
-        if rows is None and backend == self.backend:
+        if rows is None and backend == self.backend and norm_weight is None:
             return self.full
         raw, qtype, shape = self._gguf.raw(self._name)
         if rows is not None:
             idx = np.asarray(list(rows), dtype=np.int64)
             raw, shape = raw[idx], (len(idx), shape[1])
-        return backend.linear_from_blocks(raw, qtype, shape, norm_weight=self.norm_weight)
+        nw = self.norm_weight if norm_weight is None else norm_weight.float().cpu()
+        return backend.linear_from_blocks(raw, qtype, shape, norm_weight=nw)
 
     def weight(self, rows: Sequence[int] | None = None) -> torch.Tensor:
         """The projection's float32 weights [len(rows) or vocab, n_embd] (for training a head)."""
@@ -257,7 +260,7 @@ class Transformer:
         cfg = self.config
         n = len(token_ids)
         assert n == len(positions) == len(seq_ids) and n > 0, (n, len(positions), len(seq_ids))
-        step = Step(positions, seq_ids, cache, self.rope, self.backend, cfg.n_head // cfg.n_head_kv)
+        step = Step(positions, seq_ids, cache, self.rope, self.backend)
         x = step.rows(self.embed[torch.as_tensor(token_ids, dtype=torch.long, device=self.device)])
         hidden: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):

@@ -430,11 +430,12 @@ void attend_head(const float* qh, const float* K, const float* V, const int32_t*
   for (int64_t i = 0; i < nd; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], inv));
 }
 
-// Causal attention of each query row over its own sequence's valid cells [0, pos].
+// Attention of each query row over its own sequence's valid cells [0, limit] (causal: limit = pos;
+// a block drafter attends bidirectionally inside its block: limit = the block's last position).
 // q: rows of [M, >= H*D] (row stride any); caches [n_seq, Hkv, ctx, D]; valid [n_seq, ctx].
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
                         const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
-                        double scale) {
+                        double scale, const c10::optional<torch::Tensor>& limit) {
   const int64_t M = q.size(0), Hkv = kc.size(1), ctx = kc.size(2), D = kc.size(3), G = H / Hkv;
   TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
   TORCH_CHECK(q.stride(1) == 1 && q.scalar_type() == torch::kFloat32);
@@ -445,6 +446,10 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const t
   const float* vcp = vc.data_ptr<float>();
   const int32_t* sp = seq.data_ptr<int32_t>();
   const int32_t* pp = pos.data_ptr<int32_t>();
+  const int32_t* lp = limit.has_value() ? limit->data_ptr<int32_t>() : pp;
+  TORCH_CHECK(!limit.has_value() || (limit->numel() == M && limit->scalar_type() == torch::kInt32),
+              "limit must hold one int32 per row");
+  for (int64_t r = 0; r < M; ++r) TORCH_CHECK(lp[r] >= 0 && lp[r] < ctx, "attention limit out of range");
   const bool* vp = valid.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   const float fscale = (float)scale;
@@ -454,7 +459,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const t
     int64_t last_r = -1, n = 0;
     for (int64_t t = t0; t < t1; ++t) {
       // head-major: consecutive tasks reuse one head's keys and values from L2
-      const int64_t head = t / M, r = t % M, h = head / G, s = sp[r], ps = pp[r];
+      const int64_t head = t / M, r = t % M, h = head / G, s = sp[r], ps = lp[r];
       if (r != last_r) {  // the cells this row sees
         const bool* vm = vp + s * ctx;
         n = 0;

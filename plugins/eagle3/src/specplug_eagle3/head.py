@@ -151,7 +151,7 @@ class Eagle3Runtime:
         h = h_prev.to(dev, dt).contiguous()
         emb = self.embed[torch.as_tensor(list(token_ids), dtype=torch.long, device=self.embed.device)].to(dev, dt)
         x_in = torch.cat([rms_norm(emb, self.input_norm, cfg.eps), rms_norm(h, self.hidden_norm, cfg.eps)], -1)
-        step = Step(positions, seq_ids, self.cache, self.rope, self.backend, cfg.n_head // cfg.n_head_kv)
+        step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
         out = self.layer(step.rows(h), step, 0, attn_in=step.rows(x_in.contiguous()))
         logits = self.lm.norm_linear(step.select(out, logits_rows), cfg.eps).float() if logits_rows else None
         return step.entries(out), logits

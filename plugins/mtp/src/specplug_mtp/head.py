@@ -139,7 +139,7 @@ class MTPRuntime:
         dev, dt = self.backend.device, self.backend.dtype
         emb = self.embed[torch.as_tensor(list(token_ids), dtype=torch.long, device=self.embed.device)].to(dev, dt)
         x_in = torch.cat([rms_norm(h_prev.to(dev, dt), self.hnorm, cfg.eps), rms_norm(emb, self.enorm, cfg.eps)], -1)
-        step = Step(positions, seq_ids, self.cache, self.rope, self.backend, cfg.n_head // cfg.n_head_kv)
+        step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
         out = self.layer(step.rows(self.proj(x_in.contiguous())), step, 0)
         logits = self.lm.norm_linear(step.select(out, logits_rows), self.target_eps).float() if logits_rows else None
         return step.entries(out), logits

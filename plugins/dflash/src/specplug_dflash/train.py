@@ -1,0 +1,129 @@
+"""`specplug train dflash`: blocks anchored at random positions of the target's own answers, every
+masked position predicted at once, loss weighted towards early positions (they decide acceptance),
+validation acceptance per block position (the core loop does the rest).
+
+A block anchored at c (the last committed token, whose target state is not known yet) sees the
+context features of positions < c and predicts positions c+1 .. c+block-1 against the target's
+recorded distributions p(c), ..., p(c+block-2). Validation reports, per block position i, the
+acceptance rate given that positions 1..i-1 were accepted: how greedy verification would fare.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specplug.errors import SpecplugError
+from specplug.train.dataset import SeqBatch, TrainData
+from specplug.train.distill import draft_ce, invert, soft_targets
+from specplug.train.target import TargetWeights, draft_vocab
+from specplug_dflash.head import DFlashConfig, DFlashTrain, write_dflash
+
+
+def _taps(spec: str, n_layer: int) -> tuple[str, ...]:
+    if spec == "auto":
+        return (str(max(1, n_layer // 10)), str(n_layer // 2), str(n_layer - 3), "final")
+    taps = tuple(t.strip() for t in spec.split(",") if t.strip())
+    if not taps or any(t != "final" and (not t.isdigit() or int(t) >= n_layer) for t in taps):
+        raise SpecplugError(f"dflash options: taps must be 'auto' or layer indices < {n_layer} and/or 'final', "
+                            f"got {spec!r}")
+    return taps
+
+
+class DFlashTrainer:
+    """The `dflash` trainer (entry point group `specplug.trainers`)."""
+
+    @dataclass(frozen=True)
+    class Options:
+        taps: str = "auto"  # target states fused into context features (auto: n/10, n/2, n-3, final)
+        n_layers: int = 2  # drafter layers (the target's layer shape)
+        block: int = 8  # block size: the anchor token + block - 1 drafted positions
+        anchors: int = 16  # blocks per sequence per batch
+        draft_vocab: int = 8192  # the N most frequent answer tokens form the draft vocabulary
+        position_decay: float = 0.8  # loss weight of block position i is position_decay ** (i - 1)
+        init_layers: str = "first"  # start the layers from the target's first layers | random
+        weights: str = "q8_0"  # matrices in the head file: q8_0 | f16 | f32
+
+        def __post_init__(self):
+            if self.n_layers < 1 or self.block < 2 or self.anchors < 1 or self.draft_vocab < 1 \
+                    or not 0 < self.position_decay <= 1:
+                raise SpecplugError(f"dflash options: need n_layers >= 1, block >= 2, anchors >= 1, draft_vocab >= 1, "
+                                    f"0 < position_decay <= 1; got {self}")
+            if self.init_layers not in ("first", "random") or self.weights not in ("q8_0", "f16", "f32"):
+                raise SpecplugError(f"dflash options: init_layers is first|random and weights q8_0|f16|f32; got {self}")
+
+    @classmethod
+    def taps(cls, options, target: dict) -> tuple[str, ...]:
+        return _taps(options.taps, int(target["n_layer"]))
+
+    def __init__(self, options: "DFlashTrainer.Options", data: TrainData, device: torch.device):
+        self.opts, self.data = options, data
+        self.depths = options.block - 1
+        tw = self.target = TargetWeights(data.target)
+        cfg = tw.config
+        vocab = cfg.vocab_size
+        self.tap_names = _taps(options.taps, cfg.n_layer)
+        self.d2t = draft_vocab(data.answer_tokens("train"), min(options.draft_vocab, vocab), vocab)
+        self.t2d = invert(self.d2t, vocab).to(device)
+        self.cfg = DFlashConfig(cfg.n_embd, options.n_layers, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff,
+                                cfg.rms_eps, cfg.rope_base, options.block, self.tap_names)
+        self.module = DFlashTrain(self.cfg, tw.embeddings(), tw.output_norm(),
+                                  tw.output_weight(self.d2t.tolist())).to(device)
+        if options.init_layers == "first":
+            for i, layer in enumerate(self.module.layers):
+                layer.load_target_layer(tw.layer(min(i, cfg.n_layer - 1)))
+        self.coverage = float((self.t2d.cpu()[data.answer_tokens("val")] >= 0).float().mean())
+        self.weights = torch.tensor([options.position_decay ** i for i in range(options.block - 1)], device=device)
+
+    def _anchors(self, batch: SeqBatch, random: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, K] anchor positions in [dist_start + 1, last - 1] and whether each block counts."""
+        n = batch.valid.sum(1)
+        lo = batch.dist_start + 1  # the first generated token: drafting starts after it is sampled
+        span = (n - 1 - lo).clamp_min(0)  # anchors up to n - 2: position c + 1 must exist
+        K = self.opts.anchors
+        if random:
+            u = torch.rand(len(n), K, device=n.device)
+        else:  # validation: evenly spread, the same every time
+            u = ((torch.arange(K, device=n.device) + 0.5) / K).expand(len(n), K)
+        a = lo.view(-1, 1) + (u * span.view(-1, 1)).long()
+        return a, (span > 0).view(-1, 1).expand(-1, K)
+
+    def _run(self, batch: SeqBatch, random: bool):
+        anchors, ok = self._anchors(batch, random)
+        out = self.module(batch.tokens, [batch.taps[t] for t in self.tap_names], anchors)  # [B, K, S, d]
+        S = self.opts.block
+        rows = anchors.unsqueeze(-1) + torch.arange(S - 1, device=anchors.device)  # the distribution rows p(c+i-1)
+        T = batch.tokens.shape[1]
+        valid = ok.unsqueeze(-1) & batch.has_dist.gather(1, rows.clamp(max=T - 1).flatten(1)).view_as(rows) & (rows < T)
+        return out[:, :, 1:], rows.clamp(max=T - 1), valid
+
+    def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        out, rows, valid = self._run(batch, random=True)
+        idx, p = soft_targets(batch, self.t2d)
+        B, K, P = rows.shape
+        flat = rows.reshape(B, K * P)
+        idx = idx.gather(1, flat.unsqueeze(-1).expand(-1, -1, idx.shape[-1])).view(B, K, P, -1)
+        p = p.gather(1, flat.unsqueeze(-1).expand(-1, -1, p.shape[-1])).view(B, K, P, -1)
+        logits = self.module.logits(out[valid])
+        ce = draft_ce(logits, idx[valid], p[valid])
+        w = self.weights.expand(B, K, P)[valid]
+        with torch.no_grad():
+            greedy = batch.topk_ids[..., 0].gather(1, flat).view(B, K, P)[valid]
+            hit = self.d2t.to(logits.device)[logits.argmax(-1)] == greedy
+        return (ce * w).sum() / w.sum().clamp_min(1e-9), {"top1": round(float(hit.float().mean()), 4)}
+
+    @torch.no_grad()
+    def evaluate(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        out, rows, valid = self._run(batch, random=False)
+        B, K, P = rows.shape
+        pred = self.d2t.to(out.device)[self.module.logits(out).argmax(-1)]  # [B, K, P]
+        greedy = batch.topk_ids[..., 0].gather(1, rows.reshape(B, K * P)).view(B, K, P)
+        right = (pred == greedy) & valid
+        prefix = torch.cumprod(right.long(), -1).bool()  # positions 1..i all accepted
+        before = torch.cat([valid[..., :1], prefix[..., :-1] & valid[..., 1:]], -1)  # 1..i-1 accepted, i counts
+        return prefix.sum((0, 1)).float(), before.sum((0, 1)).float()
+
+    def export(self, path: Path, recipe: dict) -> None:
+        recipe = dict(recipe, draft_vocab_coverage=round(self.coverage, 4))
+        write_dflash(path, self.target.info(), self.cfg, self.module.head_tensors(self.d2t), recipe, self.opts.weights)

@@ -1,0 +1,174 @@
+"""The DFlash block speculator and its trainer on a tiny random target."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specplug.api import build_speculators, prompt_ids
+from specplug.config import parse_config
+from specplug.engine import Request, target_info
+from specplug.errors import ConfigError, PluginError
+from specplug.runtime import load_target
+from specplug.testing import (assert_greedy_equal, greedy_outputs, make_engine, make_train_data, repetitive_prompts,
+                              speculator, write_tiny_gguf)
+from specplug.train.loop import LoopOptions, train
+from specplug_dflash.head import DFlashRuntime
+from specplug_dflash.speculator import DFlash
+from specplug_dflash.train import DFlashTrainer
+
+TAPS = "1,2,final"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dflash")
+
+
+@pytest.fixture(scope="module")
+def tiny(work) -> Path:
+    return write_tiny_gguf(work / "tiny.gguf", n_layer=3, tensor_type="Q8_0", scale=1.5)
+
+
+@pytest.fixture(scope="module")
+def data(tiny, work) -> Path:
+    return make_train_data(tiny, work / "data", repetitive_prompts(300), taps="final,1,2", max_tokens=40,
+                           shard_prompts=100)
+
+
+def _train(data: Path, out: Path, steps: int, **opts) -> dict:
+    loop = LoopOptions(steps=steps, lr=1e-2, warmup=10, batch_tokens=2048, val_every=max(1, steps), save_every=10 ** 6,
+                       val_fraction=0.1)
+    o = dict(taps=TAPS, draft_vocab=200, block=6, n_layers=1, init_layers="random") | opts
+    return train(DFlashTrainer, DFlashTrainer.Options(**o), loop, data, out, quiet=True, restart=True)
+
+
+@pytest.fixture(scope="module")
+def trained(data, work) -> Path:
+    _train(data, work / "trained.gguf", 150)
+    return work / "trained.gguf"
+
+
+def _target(path: Path, quant: str):
+    return load_target(str(path), "cpu", "float32", quant)
+
+
+def _dflash(target, head: Path, n_seq: int = 4, max_ctx: int = 512, **params) -> DFlash:
+    return DFlash(DFlash.Params(head=str(head), **params), target_info(target, n_seq, max_ctx))
+
+
+def _ids(target, n=6, seed=11):
+    return [prompt_ids(target.tokenizer, t, True) for t in repetitive_prompts(n, seed=seed)]
+
+
+@pytest.mark.parametrize("quant", ["gguf", "none"])
+def test_greedy_output_equals_plain_with_parallel_sequences(tiny, trained, quant):
+    target = _target(tiny, quant)
+    eng = assert_greedy_equal(target, [speculator(_dflash(target, trained), "DFlash", cost_trim=False)], _ids(target),
+                              max_tokens=40, n_parallel=3)
+    st = eng.stats.speculators["DFlash"]
+    assert st.drafted_tokens > 50 and 0 < st.accepted_tokens < st.drafted_tokens and not eng.stats.disabled
+
+
+def test_trained_drafter_beats_untrained(tiny, data, trained, work):
+    _train(data, work / "untrained.gguf", 1)
+    target = _target(tiny, "gguf")
+    acc = {}
+    for name in ("trained", "untrained"):
+        spec = speculator(_dflash(target, work / f"{name}.gguf", calibrate=False), "DFlash", cost_trim=False)
+        _, eng = greedy_outputs(target, [spec], _ids(target), max_tokens=40, n_parallel=2)
+        st = eng.stats.speculators["DFlash"]
+        acc[name] = (st.accepted_tokens / st.drafted_tokens, st.accepted_at[0] / st.drafted_at[0])
+    # (acceptance rate, first-position acceptance): the first position is the hard one here; deeper
+    # positions of a repetitive answer follow once it is right
+    assert acc["trained"][0] > acc["untrained"][0] + 0.2 and acc["trained"][1] > acc["untrained"][1] + 0.2, acc
+
+
+def test_context_after_rejections_equals_a_fresh_replay(tiny, trained):
+    target = _target(tiny, "gguf")
+    spec = _dflash(target, trained)
+    eng = make_engine(target, [speculator(spec, "DFlash", cost_trim=False)], n_parallel=3, max_ctx=512)
+    seqs, steps, orig = {}, {"n": 0}, eng._step
+
+    def step(active, on_tokens):
+        orig(active, on_tokens)
+        steps["n"] += 1
+        if steps["n"] == 9:
+            seqs.update({q.slot: list(q.tokens) for q in active})
+            raise StopIteration
+
+    eng._step = step
+    with pytest.raises(StopIteration):
+        eng.run([Request(p, 30) for p in _ids(target, 3)])
+    assert (spec.calib.table[..., 1] > spec.calib.table[..., 0]).any()  # some drafts were rejected
+    m = target.model
+    for slot, toks in seqs.items():
+        committed = toks[:-1]
+        assert spec.received[slot] == len(committed)
+        out = m.forward(committed, list(range(len(committed))), [0] * len(committed), m.new_cache(1, 512),
+                        taps={1, 2, m.config.n_layer})
+        fresh = DFlashRuntime(spec.head, target_info(target, 1, 512), spec.rt.backend, 1, 512)
+        ctx = fresh.encode([out.hidden[1], out.hidden[2], out.hidden[m.config.n_layer]])
+        fresh.add_context(ctx, range(len(committed)), [0] * len(committed))
+        n = len(committed)
+        for kv in ("k", "v"):
+            assert torch.equal(getattr(spec.rt.cache, kv)[:, slot, :, :n], getattr(fresh.cache, kv)[:, 0, :, :n])
+        assert spec.rt.cache.valid[slot, :n].all() and not spec.rt.cache.valid[slot, n:].any()
+
+
+def test_runtime_block_matches_the_training_module(tiny, data, work):
+    from specplug.train.dataset import TrainData
+
+    out = work / "f32.gguf"
+    _train(data, out, 20, weights="f32", n_layers=2)
+    target = _target(tiny, "none")
+    d = TrainData(data, TAPS.split(","), 0.1)
+    tr = DFlashTrainer(DFlashTrainer.Options(taps=TAPS, draft_vocab=200, block=6, n_layers=2), d, torch.device("cpu"))
+    tr.module.load_state_dict(torch.load(work / "f32.train" / "checkpoint.pt", weights_only=False)["module"],
+                              strict=False)
+    b = d.collate(d.split["val"][:1])
+    n = int(b.valid[0].sum())
+    c = int(b.dist_start[0]) + 3
+    taps = [b.taps[t] for t in TAPS.split(",")]
+    want = tr.module.logits(tr.module(b.tokens, taps, torch.tensor([[c]]))[0, 0, 1:])
+    spec = _dflash(target, out)
+    rt = DFlashRuntime(spec.head, target_info(target, 1, 512), spec.rt.backend, 1, 512)
+    rt.add_context(rt.encode([t[0, :c] for t in taps]), range(c), [0] * c)
+    got = rt.draft([int(b.tokens[0, c])], [c], [0], [6])
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    assert not rt.cache.valid[0, c:].any()  # the block is not context
+    assert n > c + 5
+
+
+def test_a_block_longer_than_n_max_is_cut(tiny, trained):
+    target = _target(tiny, "gguf")
+    spec = _dflash(target, trained, block_size=16)
+    _, eng = greedy_outputs(target, [speculator(spec, "DFlash", n_max=3, cost_trim=False)], _ids(target, 2),
+                            max_tokens=30)
+    st = eng.stats.speculators["DFlash"]
+    assert st.drafts > 0 and len(st.drafted_at) <= 3 and not eng.stats.disabled
+
+
+def test_bad_heads_are_clear_errors(tiny, trained, work):
+    from specplug.heads import HeadFile, HeadMeta, write_head
+
+    target = _target(tiny, "gguf")
+    data = trained.read_bytes()
+    (work / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="dflash: head: .*cut.gguf"):
+        _dflash(target, work / "cut.gguf")
+    h = HeadFile(trained)
+    tensors = {n: h.tensor(n) for n in h.gguf.tensors}
+    write_head(work / "taps.gguf", HeadMeta(**{**h.meta.__dict__, "taps": ("0", "final")}), tensors)
+    with pytest.raises(ConfigError, match=r"config says taps \['1', '2', 'final'\] but its metadata says"):
+        _dflash(target, work / "taps.gguf")
+    write_head(work / "mtp.gguf", HeadMeta(**{**h.meta.__dict__, "method": "mtp"}), tensors)
+    with pytest.raises(ConfigError, match="this is a 'mtp' head, not a 'dflash' head"):
+        _dflash(target, work / "mtp.gguf")
+    with pytest.raises(ConfigError, match="block_size must be in"):
+        DFlash.Params(block_size=1)
+    other = write_tiny_gguf(work / "other.gguf", n_layer=3, n_embd=96, tensor_type="Q8_0", scale=1.5)
+    cfg = parse_config({"model": str(other), "speculators": [{"type": "dflash", "head": str(trained)}]})
+    with pytest.raises(PluginError, match=r"trained for tiny \(llama, n_embd 64.*not for the target other.gguf"):
+        build_speculators(cfg, target_info(_target(other, "gguf"), 1, 256))
