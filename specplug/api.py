@@ -23,23 +23,36 @@ def build_speculators(cfg: RunConfig, info: TargetInfo) -> list[Speculator]:
             raise
         except Exception as exc:
             raise PluginError(f"speculator {sc.name!r} (type {sc.type}) failed to start: {type(exc).__name__}: {exc}") from None
-        pm.register(inst, name=sc.name)
-        caller = HookCaller(pm, inst, sc.name)
-        try:
-            problem = caller.call("are_compatible", target=info)
-            req = caller.call("request_embeddings", target=info) or EmbeddingRequest()
-        except Exception as exc:
-            raise PluginError(f"speculator {sc.name!r} (type {sc.type}) failed its start-up hooks: "
-                              f"{type(exc).__name__}: {exc}") from None
-        if problem:
-            raise PluginError(f"speculator {sc.name!r} (type {sc.type}) is not compatible with "
-                              f"the target {info.model_path}: {problem}")
-        if not isinstance(req, EmbeddingRequest) or any(not 0 <= layer < info.n_layer for layer in req.layers):
-            raise PluginError(f"speculator {sc.name!r} (type {sc.type}) requested embeddings {req!r}; "
-                              f"layers must be in [0, {info.n_layer})")
-        out.append(Speculator(sc.name, caller, sc.policy, req))
+        out.append(start_speculator(pm, inst, sc.name, sc.type, sc.policy, info))
     pm.check_pending()
     return out
+
+
+def start_speculator(pm, inst: object, name: str, type_name: str, policy, info: TargetInfo | None) -> Speculator:
+    """Register one speculator instance and run its start-up hooks against `info`, as the host
+    does for every configured speculator."""
+    pm.register(inst, name=name)
+    caller = HookCaller(pm, inst, name)
+    return Speculator(name, caller, policy, startup_hooks(caller, type_name, info))
+
+
+def startup_hooks(caller: HookCaller, type_name: str, info: TargetInfo | None) -> EmbeddingRequest:
+    """are_compatible(target) (a message is a PluginError), then request_embeddings(target), checked."""
+    name = caller.name
+    try:
+        problem = caller.call("are_compatible", target=info)
+        req = caller.call("request_embeddings", target=info) or EmbeddingRequest()
+    except Exception as exc:
+        raise PluginError(f"speculator {name!r} (type {type_name}) failed its start-up hooks: "
+                          f"{type(exc).__name__}: {exc}") from None
+    if problem:
+        where = info.model_path if info is not None else "the target"
+        raise PluginError(f"speculator {name!r} (type {type_name}) is not compatible with {where}: {problem}")
+    n_layer = info.n_layer if info is not None else 1 << 30
+    if not isinstance(req, EmbeddingRequest) or any(not 0 <= layer < n_layer for layer in req.layers):
+        raise PluginError(f"speculator {name!r} (type {type_name}) requested embeddings {req!r}; "
+                          f"layers must be in [0, {n_layer})")
+    return req
 
 
 def build_engine(cfg: RunConfig, target: Target | None = None, speculators: bool = True,

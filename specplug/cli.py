@@ -13,12 +13,23 @@ from specplug.errors import SpecplugError
 COMMANDS_GROUP = "specplug.commands"
 
 
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known model name or path to a .gguf")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--quant", default="auto", help="auto (gguf for a quantized file on CPU, else none) | gguf | none | int8")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads")
+    p.add_argument("--threads", type=_positive, default=None, help="CPU threads")
 
 
 def cmd_generate(args) -> int:
@@ -31,67 +42,35 @@ def cmd_generate(args) -> int:
     return _generate(cfg, [{"id": 0, "turns": [args.prompt]}], None, None)
 
 
-def _read_prompts(path: str) -> list[dict]:
-    from specplug.bench.data import read_jsonl_prompts
-
-    return read_jsonl_prompts(Path(path))
-
-
 def cmd_run(args) -> int:
+    from specplug.bench.data import read_jsonl_prompts
     from specplug.config import load_config
+    from specplug.generate import check_paths
 
+    if args.prompt is not None and args.prompts is not None:
+        raise SpecplugError("give either --prompt or --prompts, not both")
+    check_paths(args.output, args.stats, [args.prompts, args.config], args.force, args.resume)
     overrides = {}
     if args.max_tokens is not None:
         overrides["max_tokens"] = args.max_tokens
     cfg = load_config(args.config, overrides)
-    if args.prompt is not None and args.prompts is not None:
-        raise SpecplugError("give either --prompt or --prompts, not both")
     if args.prompts:
-        records = _read_prompts(args.prompts)
+        records = read_jsonl_prompts(Path(args.prompts))
+        ids = [json.dumps(r["id"]) for r in records]
+        dup = next((i for i in ids if ids.count(i) > 1), None)
+        if dup is not None and args.output:
+            raise SpecplugError(f"{args.prompts}: id {dup} is used by more than one record; ids must be unique "
+                                "so that answers in --output can be matched (and resumed)")
     else:
         records = [{"id": 0, "turns": [args.prompt if args.prompt is not None else "Tell me about speculative decoding."]}]
-    return _generate(cfg, records, args.output, args.stats)
+    return _generate(cfg, records, args.output, args.stats, args.resume)
 
 
-def _generate(cfg, records: list[dict], output: str | None, stats_path: str | None) -> int:
-    from specplug.api import build_engine, prompt_ids
-    from specplug.engine import Request
+def _generate(cfg, records: list[dict], output: str | None, stats_path: str | None, resume: bool = False) -> int:
+    from specplug.api import build_engine
+    from specplug.generate import run_records
 
-    engine = build_engine(cfg)
-    tok = engine.target.tokenizer
-    reqs = [Request(prompt_ids(tok, r["turns"][0], cfg.chat, cfg.system), cfg.max_tokens, r.get("id", i))
-            for i, r in enumerate(records)]
-    on_tokens = on_finish = None
-    bar = None
-    if len(reqs) == 1:
-        stream = tok.stream(skip_special=True)
-
-        def on_tokens(_i, ids):
-            for t in ids:
-                sys.stdout.write(stream.push(t))
-            sys.stdout.flush()
-    else:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(reqs), unit="prompt", file=sys.stderr)
-
-        def on_finish(_result):
-            bar.update(1)
-    results = engine.run(reqs, on_tokens, on_finish)
-    if bar is not None:
-        bar.close()
-    if len(reqs) == 1:
-        sys.stdout.write(stream.flush() + "\n")
-    if output:
-        with open(output, "w") as f:
-            for r, rec in zip(results, records):
-                f.write(json.dumps({"id": r.id, "prompt": rec["turns"][0], "text": tok.decode(r.token_ids, skip_special=True),
-                                    "token_ids": r.token_ids, "finish_reason": r.finish_reason,
-                                    "stats": r.stats.to_dict()}) + "\n")
-    print(engine.stats.summary(), file=sys.stderr)
-    if stats_path:
-        Path(stats_path).write_text(json.dumps(engine.stats.to_dict(), indent=2))
-    return 0
+    return run_records(build_engine(cfg), cfg, records, output, stats_path, resume)
 
 
 def cmd_plugins(args) -> int:
@@ -159,16 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("--prompt", help="one prompt (streams its text)")
     p.add_argument("--prompts", help="JSONL file of prompts ({'prompt': ...} or {'turns': [...]})")
-    p.add_argument("--output", help="write results as JSONL")
-    p.add_argument("--stats", help="write run statistics as JSON")
-    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--output", help="append each finished answer to this JSONL file as it completes")
+    p.add_argument("--stats", help="write run statistics as JSON (also when interrupted)")
+    p.add_argument("--resume", action="store_true", help="continue --output: skip the answers already in it")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --output / --stats")
+    p.add_argument("--max-tokens", type=_positive, default=None,
+                   help="overrides the config's max_tokens (the override is reported)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("generate", help="plain generation (no speculators)")
     _add_runtime_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=_positive, default=128)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -3,12 +3,13 @@
 Every mapping is checked against a dataclass: unknown keys (with a did-you-mean), wrong
 types and bad values name the key path (`speculators[0].n`). A speculator entry's keys are
 split between the host (`type`, `name`, and DraftPolicy's `n_max`, `n_min`, `p_min`,
-`backoff`) and the plugin, whose `Params` dataclass declares the rest.
+`backoff`, `cost_trim`: plugins.HOST_KEYS) and the plugin, whose `Params` dataclass declares the rest.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from specplug.engine import DraftPolicy
 from specplug.errors import ConfigError, SpecplugError
 from specplug.plugins import HOST_KEYS
 from specplug.sampling import SamplingParams
+
+log = logging.getLogger("specplug")
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,8 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
         raise ConfigError(f"speculators: name {sorted(dup)[0]!r} is used twice; give each a distinct `name:`")
     cfg = build_dataclass(RunConfig, data, "")
     for key, ok, rule in [("context", cfg.context >= 16, ">= 16"), ("parallel", cfg.parallel >= 1, ">= 1"),
-                          ("max_tokens", cfg.max_tokens >= 1, ">= 1"), ("prefill_chunk", cfg.prefill_chunk >= 1, ">= 1")]:
+                          ("max_tokens", cfg.max_tokens >= 1, ">= 1"), ("prefill_chunk", cfg.prefill_chunk >= 1, ">= 1"),
+                          ("threads", cfg.threads is None or cfg.threads >= 1, ">= 1 (or left out: torch's choice)")]:
         if not ok:
             raise ConfigError(f"{key} must be {rule}, got {getattr(cfg, key)!r}")
     return dataclasses.replace(cfg, sampling=sampling, speculators=specs)
@@ -155,19 +159,29 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Read and validate a YAML file; relative model paths are taken from the file's folder."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config path {p} is a directory; give the YAML file in it")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start} is {p.read_bytes()[exc.start]:#04x}); "
+                          "save the file as UTF-8") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML ({exc})") from None
-    if isinstance(data, dict):
-        data.update(overrides or {})
-        model = data.get("model")
-        if isinstance(model, str) and model.endswith(".gguf") and not Path(model).is_absolute():
-            cand = p.parent / model
-            if cand.is_file():
-                data["model"] = str(cand)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping (model:, speculators:, ...), "
+                          f"got {type(data).__name__}")
+    for key, value in (overrides or {}).items():
+        if key in data and data[key] != value:
+            log.warning("%s: %s from the command line (%r) overrides the file's %s: %r", p, key, value, key, data[key])
+        data[key] = value
+    model = data.get("model")
+    if isinstance(model, str) and model.endswith(".gguf") and not Path(model).is_absolute():
+        cand = p.parent / model
+        if cand.is_file():
+            data["model"] = str(cand)
     try:
         return parse_config(data, str(p))
     except ConfigError as exc:

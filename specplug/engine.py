@@ -80,7 +80,7 @@ class SequenceResult:
     id: Any
     prompt_ids: list[int]
     token_ids: list[int]  # generated tokens, the stop token excluded
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" (max_tokens) | "context" (the context size was reached)
     stats: SeqStats
 
 
@@ -130,6 +130,7 @@ class Engine:
         self.taps = frozenset(taps)
         self.stats = RunStats()
         self._asked: dict[str, dict[int, int]] = {}  # speculator -> {seq: tokens it proposed} this step
+        self._warned_context = False
         for s in self.specs:
             self.stats.speculators[s.name] = s.stats
 
@@ -195,21 +196,38 @@ class Engine:
         free = list(range(self.n_parallel))[::-1]
         active: dict[int, _Seq] = {}
         results: list[SequenceResult | None] = [None] * len(requests)
-        while pending or active:
-            while pending and free:
-                index, req = pending.popleft()
-                seq = self._admit(free.pop(), index, req, on_tokens)
-                if seq.finish:
-                    results[index] = self._finish(seq, free, on_finish)
-                else:
-                    active[seq.slot] = seq
-            if active:
-                self._step(list(active.values()), on_tokens)
-                for slot in [s for s, q in active.items() if q.finish]:
-                    q = active.pop(slot)
-                    results[q.index] = self._finish(q, free, on_finish)
-        self.stats.time_total_s += time.perf_counter() - t_start
+        try:
+            while pending or active:
+                while pending and free:
+                    index, req = pending.popleft()
+                    seq = self._admit(free.pop(), index, req, on_tokens)
+                    if seq.finish:
+                        results[index] = self._finish(seq, free, on_finish)
+                    else:
+                        active[seq.slot] = seq
+                if active:
+                    self._step(list(active.values()), on_tokens)
+                    for slot in [s for s, q in active.items() if q.finish]:
+                        q = active.pop(slot)
+                        results[q.index] = self._finish(q, free, on_finish)
+        finally:  # also when interrupted: the statistics cover what ran
+            self.stats.time_total_s += time.perf_counter() - t_start
+            self._collect_notes()
         return results  # type: ignore[return-value]
+
+    def _collect_notes(self) -> None:
+        """A speculator object may have a plain method `summary() -> str | None` (not a hook): one
+        line for the run summary, e.g. which files it wrote."""
+        for s in self.specs:
+            fn = getattr(s.caller.plugin, "summary", None)
+            if not callable(fn):
+                continue
+            try:
+                note = fn()
+            except Exception as exc:  # a note is never worth failing a run over
+                note = f"summary() raised {type(exc).__name__}: {exc}"
+            if note:
+                self.stats.notes[s.name] = str(note)
 
     def _finish(self, seq: _Seq, free: list[int], on_finish=None) -> SequenceResult:
         self.cache.clear(seq.slot)
@@ -222,6 +240,13 @@ class Engine:
             gen = gen[:-1]
         self.stats.generated_tokens += len(gen)
         seq.stats.generated_tokens = len(gen)
+        seq.stats.emitted_tokens = seq.generated  # the stop token included: every token the target produced
+        self.stats.emitted_tokens += seq.generated
+        if seq.finish == "context" and not self._warned_context:
+            self._warned_context = True
+            log.warning("request %r was cut at the context size (%d positions) before max_tokens; raise `context` "
+                        "(its finish_reason is \"context\"; further cuts are not reported)",
+                        seq.req.id if seq.req.id is not None else seq.index, self.max_ctx)
         seq.stats.time_s = time.perf_counter() - seq.t_admit
         result = SequenceResult(seq.req.id, list(seq.req.prompt_ids), gen, seq.finish or "length", seq.stats)
         if on_finish is not None:
@@ -267,8 +292,11 @@ class Engine:
             if t in self.stop_ids:
                 seq.finish = "stop"
                 break
-            if seq.generated >= seq.req.max_tokens or len(seq.tokens) >= room:
+            if seq.generated >= seq.req.max_tokens:
                 seq.finish = "length"
+                break
+            if len(seq.tokens) >= room:
+                seq.finish = "context"
                 break
         if on_tokens is not None:
             on_tokens(seq.index, [t for t in out if t not in self.stop_ids])

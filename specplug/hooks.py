@@ -7,8 +7,10 @@ mixed between speculators) and in this order:
 
     start-up:  are_compatible -> request_embeddings
     prompt:    [target forward] -> encode -> process_batch          (per prompt chunk)
-    each step: draft -> [target verify forward] -> verified
-               -> remove (only where tokens were rejected) -> encode -> process_batch
+    each step: draft -> [target verify forward]
+               -> remove  (each sequence it was asked to draft for, unless its own draft
+                           was verified and fully accepted: see `remove`)
+               -> verified -> encode -> process_batch (the committed rows only)
     finish:    remove(seq_id, 0) when a sequence ends
 
 Every hook is optional. Hooks must not modify tensors they are given, and must not keep
@@ -103,9 +105,17 @@ def verified(results: Sequence[Verified]) -> None:
 def remove(seq_id: int, p0: int) -> None:
     """Positions >= p0 of sequence `seq_id` are not (or no longer) in the target's context.
 
-    Called after a verification for every sequence this speculator was asked to draft for,
-    unless its own draft was verified and fully accepted (p0 = the target's committed end:
-    anything you drafted or processed at p0 or later is stale), and with p0 = 0 when a
-    sequence finishes and its id may be reused for a new one.
+    Called right after a verification forward, before `verified`, for every sequence this
+    speculator was asked to draft for: when its draft was partly or wholly rejected, when
+    another speculator's draft was verified instead, and when it returned no draft for that
+    sequence; not when its own draft was verified and fully accepted. p0 is the target's
+    committed end *after* the verification (the position of the token the target just
+    produced, which is not in its cache yet): anything you hold at p0 or later is stale.
+    Also called with p0 = 0 when a sequence finishes and its id may be reused for a new one.
+
+    Rejected draft tokens are never delivered to `process_batch` (it only sees committed
+    rows), so a speculator that keeps nothing but what `process_batch` delivered has nothing
+    at p0 or later to cut after a rejection; `remove` matters for state the speculator built
+    while drafting (a draft model's KV of its own drafted tokens, a head's cache rows).
     Drop your own state for those positions (like `llama_memory_seq_rm(mem, seq_id, p0, -1)`).
     """

@@ -44,7 +44,8 @@ class SeqStats:
     """One sequence: what it produced and how many target forwards it took."""
 
     prompt_tokens: int = 0
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # the stop token excluded
+    emitted_tokens: int = 0  # tokens the target produced, the stop token included
     target_forwards: int = 0  # decoding forwards (prompt chunks not counted)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -54,8 +55,8 @@ class SeqStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per target forward (1.0 = plain decoding)."""
-        return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
+        """Tokens the target produced per decoding forward, the stop token included (plain decoding: 1.0)."""
+        return self.emitted_tokens / self.target_forwards if self.target_forwards else 0.0
 
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
@@ -73,11 +74,13 @@ class RunStats:
 
     speculators: dict[str, SpecStats] = field(default_factory=dict)
     disabled: dict[str, str] = field(default_factory=dict)  # speculator -> why it was turned off
+    notes: dict[str, str] = field(default_factory=dict)  # speculator -> its own line for the summary (files it wrote, ...)
     time_target_s: float = 0.0
     time_speculators_s: float = 0.0
     time_total_s: float = 0.0
     prompt_tokens: int = 0
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # the stop tokens excluded
+    emitted_tokens: int = 0  # the stop tokens included
     target_forwards: int = 0
 
     @property
@@ -88,12 +91,13 @@ class RunStats:
         return {
             "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
             "target_forwards": self.target_forwards,
-            "mean_accepted_length": round(self.generated_tokens / self.target_forwards, 4) if self.target_forwards else 0.0,
+            "mean_accepted_length": round(self.emitted_tokens / self.target_forwards, 4) if self.target_forwards else 0.0,
             "tok_s": round(self.generated_tokens / self.time_total_s, 3) if self.time_total_s else 0.0,
             "time_s": {"total": round(self.time_total_s, 4), "target": round(self.time_target_s, 4),
                        "speculators": round(self.time_speculators_s, 4), "host": round(self.time_host_s, 4)},
             "speculators": {k: v.to_dict() for k, v in self.speculators.items()},
             "disabled": dict(self.disabled),
+            "notes": dict(self.notes),
         }
 
     def summary(self) -> str:
@@ -106,6 +110,8 @@ class RunStats:
             per = " ".join(f"{x:.2f}" for x in s["acceptance_per_position"][:8])
             lines.append(f"  {name}: {s['drafts']} drafts, {s['drafted_tokens']} drafted, {s['accepted_tokens']} accepted "
                          f"({100 * s['acceptance_rate']:.1f}%); acceptance by position: {per}")
+        for name, note in d["notes"].items():
+            lines.append(f"  {name}: {note}")
         for name, why in d["disabled"].items():
             lines.append(f"  {name}: DISABLED ({why})")
         return "\n".join(lines)

@@ -3,13 +3,16 @@
 Entry-point group `specplug.speculators`: name = YAML `type`, value = the speculator class.
 `SPECPLUG_LOAD_PLUGINS` is an allow-list: unset loads every installed type, a
 comma-separated list loads only those, an empty string loads none, so a broken plugin
-can never brick the CLI. A type that fails to import is reported by name; the others load.
+can never brick the CLI. Types are imported when first asked for: a type that fails to import
+or to pass the checks is reported by name when a config uses it (and in `specplug plugins`);
+the others are unaffected.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
-import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -19,6 +22,7 @@ import pluggy
 from specplug import hooks
 from specplug.errors import PluginError
 
+log = logging.getLogger("specplug")
 GROUP = "specplug.speculators"
 ENV_ALLOW = "SPECPLUG_LOAD_PLUGINS"
 # YAML keys of a speculator entry that the host reads itself (engine.DraftPolicy + type/name)
@@ -44,36 +48,68 @@ class SpeculatorType:
         return [h for h in HOOK_NAMES if getattr(getattr(self.cls, h, None), "specplug_impl", None) is not None]
 
 
+    def load(self) -> "SpeculatorType":
+        """Import the class (once) and check it; a failure is kept in `error`, never raised."""
+        if self.cls is None and self.error is None:
+            try:
+                cls = _entry_point(self.name, self.value).load()
+                _check_class(cls, self.name, self.value)
+                self.cls = cls
+            except Exception as exc:
+                self.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc)
+        return self
+
+
 _cache: dict[str, SpeculatorType] | None = None
 
 
-def speculator_types(refresh: bool = False) -> dict[str, SpeculatorType]:
-    """All installed speculator types allowed by SPECPLUG_LOAD_PLUGINS, loaded once."""
-    global _cache
-    if _cache is not None and not refresh:
-        return _cache
+def _entry_point(name: str, value: str):
+    for ep in entry_points(group=GROUP):
+        if ep.name == name and ep.value == value:
+            return ep
+    raise PluginError(f"entry point {name!r} = {value!r} is no longer installed")
+
+
+def _discover() -> dict[str, SpeculatorType]:
+    """The installed types allowed by SPECPLUG_LOAD_PLUGINS, not imported yet."""
     allow = os.environ.get(ENV_ALLOW)
     allowed = None if allow is None else {a.strip() for a in allow.split(",") if a.strip()}
     found: dict[str, SpeculatorType] = {}
+    seen = set()
     for ep in entry_points(group=GROUP):
+        seen.add(ep.name)
         if allowed is not None and ep.name not in allowed:
             continue
         dist = ep.dist.name if ep.dist else "?"
         ver = ep.dist.version if ep.dist else "?"
-        st = SpeculatorType(ep.name, ep.value, dist, ver)
-        try:
-            st.cls = ep.load()
-            _check_class(st.cls, ep.name)
-        except Exception as exc:
-            st.cls, st.error = None, f"{type(exc).__name__}: {exc}"
-            print(f"specplug: speculator type {ep.name!r} ({dist}) failed to load and is skipped: {st.error}",
-                  file=sys.stderr)
-        found[ep.name] = st
-    _cache = found
+        found[ep.name] = SpeculatorType(ep.name, ep.value, dist, ver)
+    for missing in sorted((allowed or set()) - seen):
+        close = difflib.get_close_matches(missing, sorted(seen), n=1)
+        log.warning("%s names %r, which is not an installed speculator type%s (installed: %s)", ENV_ALLOW, missing,
+                    f" (did you mean {close[0]!r}?)" if close else "", ", ".join(sorted(seen)) or "none")
     return found
 
 
-def _check_class(cls: Any, name: str) -> None:
+def speculator_types(refresh: bool = False) -> dict[str, SpeculatorType]:
+    """All installed speculator types allowed by SPECPLUG_LOAD_PLUGINS, each imported and checked.
+
+    A type that fails keeps its reason in `.error` (shown by `specplug plugins`, raised by
+    `get_type` when a config asks for it); it is not printed here, so a broken plugin is no
+    noise in commands that do not use it."""
+    types = _types(refresh)
+    for st in types.values():
+        st.load()
+    return types
+
+
+def _types(refresh: bool = False) -> dict[str, SpeculatorType]:
+    global _cache
+    if _cache is None or refresh:
+        _cache = _discover()
+    return _cache
+
+
+def _check_class(cls: Any, name: str, value: str = "?") -> None:
     if not isinstance(cls, type):
         raise PluginError(f"entry point {name!r} must name a class, got {cls!r}")
     params = getattr(cls, "Params", None)
@@ -83,13 +119,25 @@ def _check_class(cls: Any, name: str) -> None:
     if clash:
         raise PluginError(f"speculator type {name!r}: Params field(s) {', '.join(clash)} clash with YAML keys the host "
                           f"reserves ({', '.join(sorted(HOST_KEYS))}); rename them")
-    # validate hook names/signatures now, so a misspelled hook is an error at start-up
+    where = f"speculator type {name!r} (entry point {value}, class {cls.__qualname__})"
+    for attr in sorted(a for a in dir(cls) if not a.startswith("_")):
+        member = getattr(cls, attr, None)
+        marked = getattr(member, "specplug_impl", None) is not None
+        if marked and attr not in HOOK_NAMES:
+            close = difflib.get_close_matches(attr, HOOK_NAMES, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise PluginError(f"{where}: method {attr!r} is marked @hookimpl but is not a hook; {hint}"
+                              f"(hooks: {', '.join(HOOK_NAMES)})")
+        if attr in HOOK_NAMES and callable(member) and not marked:
+            log.warning("%s: method %r has a hook's name but no @specplug.hookimpl, so the host never calls it; "
+                        "decorate it (an override must repeat the decorator)", where, attr)
+    # validate hook signatures now, so a wrong argument name is an error at start-up
     pm = new_plugin_manager()
     try:
         pm.register(cls.__new__(cls), name=f"check-{name}")
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise PluginError(f"speculator type {name!r}: {exc}") from None
+        raise PluginError(f"{where}: {exc}") from None
 
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -99,18 +147,21 @@ def new_plugin_manager() -> pluggy.PluginManager:
 
 
 def installed_names() -> list[str]:
+    """Types that load (importing each)."""
     return sorted(n for n, t in speculator_types().items() if t.cls is not None)
 
 
 def get_type(name: str, where: str = "type") -> SpeculatorType:
     """The loaded type called `name`, or a PluginError listing what is installed."""
-    types = speculator_types()
+    types = _types()
     st = types.get(name)
     if st is None:
         hint = f" ({ENV_ALLOW} is set to {os.environ[ENV_ALLOW]!r})" if ENV_ALLOW in os.environ else ""
-        raise PluginError(f"unknown speculator {where} {name!r}; installed: "
-                          f"{', '.join(installed_names()) or '(none)'}{hint} (see `specplug plugins`)")
-    if st.cls is None:
+        close = difflib.get_close_matches(name, sorted(types), n=1)
+        dym = f" (did you mean {close[0]!r}?)" if close else ""
+        raise PluginError(f"unknown speculator {where} {name!r}{dym}; installed: "
+                          f"{', '.join(sorted(types)) or '(none)'}{hint} (see `specplug plugins`)")
+    if st.load().cls is None:
         raise PluginError(f"speculator type {name!r} ({st.distribution}) is installed but failed to load: {st.error}")
     return st
 

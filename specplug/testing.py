@@ -3,10 +3,13 @@
 Fixtures:
   tiny_gguf     path of a tiny random llama GGUF (byte-level vocab, chat template), per session
   tiny_target   that model loaded as a Target (float32, no quantization)
-  make_engine   make_engine(target, [speculator instances], **engine_kwargs) -> Engine
+  tiny_target_info  the TargetInfo the host gives speculators for it (4 sequences, 512 positions)
+  make_engine   make_engine(target, [speculators], **engine_kwargs) -> Engine
 Helpers:
   write_tiny_gguf(path, ...)               write your own tiny model (arch, sizes, tensor types)
-  assert_greedy_equal(target, specs, ...)  speculative greedy output == plain greedy output
+  speculator(obj, name, target, **policy)  an engine Speculator, checked and started as the host does
+  assert_greedy_equal(target, specs, ...)  speculative greedy output == plain greedy output, and every
+                                           speculator under test stayed enabled and had drafts verified
   repetitive_prompts(n), make_train_data(model, dir, prompts, taps=...)
                                            a training data set from a tiny target, for head tests
                                            (write the target with scale=1.5: its greedy answers
@@ -242,27 +245,72 @@ class Faulty(_Base):
 # engine helpers
 
 
-def speculator(instance, name: str | None = None, **policy):
-    """Wrap a hook-implementing object as an engine Speculator (registered with pluggy)."""
-    from specplug.api import EmbeddingRequest
-    from specplug.engine import DraftPolicy, Speculator
-    from specplug.plugins import HookCaller, new_plugin_manager
+def speculator(instance, name: str | None = None, target=None, **policy):
+    """Wrap a hook-implementing object as an engine Speculator, checked as the host checks it.
 
+    - a class with a `Params` dataclass gets the host's class checks (no host-reserved Params
+      fields, every @hookimpl a real hook, warnings for hook-named methods without the marker),
+      and its `instance.params` is re-validated field by field as YAML values would be;
+    - the object is registered with pluggy (hook signatures checked) and its start-up hooks run
+      as the host runs them: `are_compatible(target)` (a message fails the test) then
+      `request_embeddings(target)`.
+    `target`: a TargetInfo (or a Target, described for 4 parallel sequences of 512 positions);
+    default: `instance.target`; with neither, the start-up hooks run in `make_engine`, with the
+    engine's TargetInfo. `policy`: DraftPolicy fields (n_max, n_min, p_min, backoff, cost_trim).
+    """
+    import dataclasses
+
+    from specplug.api import start_speculator
+    from specplug.config import build_dataclass
+    from specplug.engine import DraftPolicy, Speculator
+    from specplug.plugins import HOST_KEYS, HookCaller, _check_class, new_plugin_manager
+    from specplug.runtime import Target
+
+    cls = type(instance)
+    name = name or cls.__name__
+    if getattr(cls, "Params", None) is not None:
+        _check_class(cls, name, f"{cls.__module__}:{cls.__qualname__}")
+        params = getattr(instance, "params", None)
+        if dataclasses.is_dataclass(params) and not isinstance(params, type):
+            if not isinstance(params, cls.Params):
+                raise AssertionError(f"{name}: instance.params is a {type(params).__qualname__}, "
+                                     f"not {cls.__qualname__}.Params")
+            build_dataclass(cls.Params, {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
+                                         if f.init}, name, skip=HOST_KEYS)
+    info = target if target is not None else getattr(instance, "target", None)
+    if isinstance(info, Target):
+        from specplug.engine import target_info
+
+        info = target_info(info, 4, 512)
     pm = new_plugin_manager()
-    name = name or type(instance).__name__
-    pm.register(instance, name=name)
+    if info is None:  # started by make_engine, with the engine's TargetInfo
+        pm.register(instance, name=name)
+        spec = Speculator(name, HookCaller(pm, instance, name), DraftPolicy(**policy))
+        spec._harness_type = cls.__name__  # type: ignore[attr-defined]
+    else:
+        spec = start_speculator(pm, instance, name, cls.__name__, DraftPolicy(**policy), info)
     pm.check_pending()
-    caller = HookCaller(pm, instance, name)
-    req = caller.call("request_embeddings", target=getattr(instance, "target", None)) or EmbeddingRequest()
-    return Speculator(name, caller, DraftPolicy(**policy), req)
+    return spec
 
 
 def make_engine(target, specs=(), **kw):
-    """An Engine around `target` with the given speculator instances (or engine Speculators)."""
-    from specplug.engine import Engine, Speculator
+    """An Engine around `target` with the given speculators: hook-implementing objects (wrapped
+    with `speculator(obj, target=<this engine's TargetInfo>)`) or engine Speculators from
+    `speculator(...)`. Keyword arguments go to `specplug.engine.Engine`: n_parallel (1),
+    max_ctx (here 512), sampling (SamplingParams(), greedy), prefill_chunk (256), ignore_eos,
+    cache."""
+    from specplug.engine import Engine, Speculator, target_info
 
-    wrapped = [s if isinstance(s, Speculator) else speculator(s) for s in specs]
+    from specplug.api import startup_hooks
+
     kw.setdefault("max_ctx", 512)
+    info = target_info(target, kw.get("n_parallel", 1), kw["max_ctx"])
+    wrapped = [s if isinstance(s, Speculator) else speculator(s, target=info) for s in specs]
+    for s in wrapped:
+        pending = getattr(s, "_harness_type", None)
+        if pending is not None:  # built by speculator() without a target: start it as the host would
+            s.embeddings = startup_hooks(s.caller, pending, info)
+            del s._harness_type
     return Engine(target, wrapped, **kw)
 
 
@@ -275,13 +323,26 @@ def greedy_outputs(target, specs, prompts: list[list[int]], max_tokens: int = 32
     return [r.token_ids for r in res], eng
 
 
-def assert_greedy_equal(target, specs, prompts: list[list[int]], max_tokens: int = 32, **kw):
-    """Speculative greedy output must equal plain greedy output for every prompt; returns the engine."""
+def assert_greedy_equal(target, specs, prompts: list[list[int]], max_tokens: int = 32, *,
+                        allow_disabled: bool = False, allow_unverified: bool = False, **kw):
+    """Speculative greedy output must equal plain greedy output for every prompt; returns the engine.
+
+    It also fails when the host disabled a speculator under test (it broke a rule or raised:
+    its drafts stopped counting, so equality would prove nothing) unless `allow_disabled`, and
+    when a speculator never had a draft verified unless `allow_unverified`. `kw`: make_engine's."""
     plain, _ = greedy_outputs(target, [], prompts, max_tokens, **kw)
     spec, eng = greedy_outputs(target, specs, prompts, max_tokens, **kw)
     for i, (a, b) in enumerate(zip(plain, spec)):
         assert a == b, f"prompt {i}: speculative output differs from plain greedy at token " \
                        f"{next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))}:\n{a}\n{b}"
+    for s in eng.specs:
+        if not s.enabled and not allow_disabled:
+            raise AssertionError(f"speculator {s.name!r} was disabled by the host: {eng.stats.disabled.get(s.name)} "
+                                 "(its later drafts were never verified; pass allow_disabled=True if the test "
+                                 "expects this)")
+        if s.stats.drafts == 0 and not allow_unverified:
+            raise AssertionError(f"speculator {s.name!r} never had a draft verified, so the equality tests nothing "
+                                 "of it (pass allow_unverified=True if the test expects this)")
     return eng
 
 
@@ -299,6 +360,15 @@ def tiny_target(tiny_gguf):
     from specplug.runtime import load_target
 
     return load_target(str(tiny_gguf), device="cpu", dtype="float32", quant="none")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_info(tiny_target) -> TargetInfo:
+    """What the host tells speculators about `tiny_target` (4 parallel sequences, 512 positions):
+    build your speculator with `MySpec(MySpec.Params(...), tiny_target_info)`."""
+    from specplug.engine import target_info
+
+    return target_info(tiny_target, 4, 512)
 
 
 @pytest.fixture(name="make_engine")

@@ -118,9 +118,15 @@ class Speculator(Protocol):
 
     The host builds it as `cls(params, target)`, where `params` is an instance of the class
     attribute `Params` (a dataclass: its fields are the YAML keys, with types and defaults;
-    the keys type, name, n_max, n_min, p_min and backoff belong to the host and may not be
-    Params fields), then registers the instance with pluggy. Its methods decorated with
-    `specplug.hookimpl` implement the hooks in `specplug.hooks`.
+    the keys type, name, n_max, n_min, p_min, backoff and cost_trim belong to the host and may
+    not be Params fields: `specplug.plugins.HOST_KEYS`), then registers the instance with
+    pluggy. Its methods decorated with `specplug.hookimpl` implement the hooks in
+    `specplug.hooks` (a public method named like a hook without the decorator gets a warning
+    at load: pluggy would silently ignore it).
+
+    Optional, not a hook: a plain method `summary(self) -> str | None` gives one line for the
+    run summary (`specplug run` prints it under the speculator's statistics), e.g. the files
+    the speculator wrote.
     """
 
     Params: ClassVar[type]

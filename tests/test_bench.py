@@ -15,9 +15,9 @@ from specplug.errors import SpecplugError
 
 def _pr(cat, plain_t, spec_t, n, forwards, drafted, accepted, acc_at, dr_at, mismatch=None, prefill=0.0):
     return PromptResult(1, cat, 0, 10, {
-        "plain": Run("plain", plain_t, list(range(n)), n, prefill_s=prefill),
+        "plain": Run("plain", plain_t, list(range(n)), n, prefill_s=prefill, emitted=n),
         "v": Run("v", spec_t, list(range(n)), forwards, drafted, accepted, len(dr_at) and dr_at[0], acc_at, dr_at,
-                 time_target_s=spec_t * 0.5, time_speculators_s=spec_t * 0.1, prefill_s=prefill),
+                 time_target_s=spec_t * 0.5, time_speculators_s=spec_t * 0.1, prefill_s=prefill, emitted=n),
     }, mismatch)
 
 

@@ -65,7 +65,7 @@ def test_scripted_drafts_and_chaining_picks_best(tiny_target, prompts, plain):
     vocab = tiny_target.model.config.vocab_size
     oracle = Oracle({tuple(p): g for p, g in zip(prompts, plain)})
     specs = [Scripted([(5, 6, 7), (), (9,)]), RandomDrafts(vocab, seed=1), oracle]
-    eng = assert_greedy_equal(tiny_target, specs, prompts, 40, n_parallel=3)
+    eng = assert_greedy_equal(tiny_target, specs, prompts, 40, n_parallel=3, allow_unverified=True)
     s = eng.stats.speculators
     # the oracle's measured acceptance makes it win nearly every sequence after a few steps
     assert s["Oracle"].drafts > 3 * (s["Scripted"].drafts + s["RandomDrafts"].drafts)
@@ -83,7 +83,7 @@ def test_each_sequence_in_a_batch_equals_its_solo_run(tiny_target, prompts):
 def test_faulty_speculator_is_disabled_and_text_unchanged(tiny_target, prompts, plain, mode):
     vocab = tiny_target.model.config.vocab_size
     bad = speculator(Faulty(mode, vocab), name="faulty")
-    eng = assert_greedy_equal(tiny_target, [bad], prompts, 40, n_parallel=3)
+    eng = assert_greedy_equal(tiny_target, [bad], prompts, 40, n_parallel=3, allow_disabled=True)
     assert "faulty" in eng.stats.disabled
     assert not bad.enabled
 
@@ -232,7 +232,7 @@ def test_confidences_trim_drafts_to_the_rows_that_pay(tiny_target, prompts, plai
     # confident drafts are kept whole; hopeless ones are not verified at all
     eng = assert_greedy_equal(tiny_target, [_Confident(cont, {0: [0.97] * 30})], prompts[:1], 30)
     assert len(eng.stats.speculators["_Confident"].drafted_at) >= 8
-    eng = assert_greedy_equal(tiny_target, [_Confident(cont, {0: [0.2] * 30})], prompts[:1], 30)
+    eng = assert_greedy_equal(tiny_target, [_Confident(cont, {0: [0.2] * 30})], prompts[:1], 30, allow_unverified=True)
     assert eng.stats.speculators["_Confident"].drafts == 0 and eng.stats.target_forwards == 30
 
 
@@ -257,7 +257,7 @@ def test_bad_confidences_disable_the_speculator(tiny_target, prompts, plain, con
         def draft(self, requests):
             return [Draft((1, 2, 3), confidence=conf) for _ in requests]
 
-    eng = assert_greedy_equal(tiny_target, [Bad({})], prompts[:2], 10)
+    eng = assert_greedy_equal(tiny_target, [Bad({})], prompts[:2], 10, allow_disabled=True, allow_unverified=True)
     assert "confidence" in eng.stats.disabled["Bad"] and "3 numbers in [0, 1]" in eng.stats.disabled["Bad"]
 
 

@@ -33,25 +33,35 @@ def read_jsonl_prompts(path: Path) -> list[dict]:
     if not path.is_file():
         raise SpecplugError(f"prompt file not found: {path}")
     opener = gzip.open if path.suffix == ".gz" else open
-    out = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SpecplugError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise SpecplugError(f"{path}:{lineno}: each line must be a JSON object")
-            turns = rec.get("turns")
-            if turns is None:
-                text = rec.get("prompt", rec.get("text"))
-                turns = [text] if isinstance(text, str) else None
-            if not turns or not all(isinstance(t, str) and t for t in turns):
-                raise SpecplugError(f"{path}:{lineno}: needs a non-empty 'turns' list of strings, or a 'prompt' string")
-            rid = rec.get("question_id", rec.get("task_id", rec.get("id", lineno)))
-            out.append({"id": rid, "category": str(rec.get("category", path.name.split(".")[0])), "turns": list(turns)})
+    out: list[dict] = []
+    try:
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise SpecplugError(f"{path}:{lineno}: not UTF-8 text; save the file as UTF-8") from None
+                if line.strip():
+                    out.append(_prompt_record(path, lineno, line))
+    except (OSError, EOFError) as exc:  # a truncated or not-really-gzip .gz
+        raise SpecplugError(f"{path}: cannot read the file ({exc})") from None
     if not out:
         raise SpecplugError(f"{path}: no prompts in the file")
     return out
+
+
+def _prompt_record(path: Path, lineno: int, line: str) -> dict:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise SpecplugError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(rec, dict):
+        raise SpecplugError(f"{path}:{lineno}: each line must be a JSON object")
+    turns = rec.get("turns")
+    if turns is None:
+        text = rec.get("prompt", rec.get("text"))
+        turns = [text] if isinstance(text, str) else None
+    if not turns or not all(isinstance(t, str) and t for t in turns):
+        raise SpecplugError(f"{path}:{lineno}: needs a non-empty 'turns' list of strings, or a 'prompt' string")
+    rid = rec.get("question_id", rec.get("task_id", rec.get("id", lineno)))
+    return {"id": rid, "category": str(rec.get("category", path.name.split(".")[0])), "turns": list(turns)}

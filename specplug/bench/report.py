@@ -14,7 +14,8 @@ results.json (schema version 1):
              "decode_plain_tok_s", "decode_spec_tok_s", "decode_speedup"
                                 (the decoding phase only: tokens after the first, over the time after
                                  the first token, as llama.cpp reports generation speed),
-             "mean_accepted_length" (tokens per target forward), "acceptance_rate",
+             "mean_accepted_length" (tokens the target produced per decoding forward, the stop
+                                 token included: plain decoding is exactly 1), "acceptance_rate",
              "acceptance_per_position" (drafts with token i accepted / drafts with a token i),
              "acceptance_per_position_conditional" (token i accepted given tokens < i were),
              "accepted_length_hist" (drafts by tokens accepted),
@@ -76,7 +77,7 @@ def figures(results: list[PromptResult], variant: str) -> dict:
         "decode_plain_tok_s": round(dec_plain, 3),
         "decode_spec_tok_s": round(dec_spec, 3),
         "decode_speedup": round(dec_spec / dec_plain, 4) if dec_plain else 0.0,
-        "mean_accepted_length": round(spec_n / forwards, 4) if forwards else 0.0,
+        "mean_accepted_length": round(sum(x.emitted for x in runs) / forwards, 4) if forwards else 0.0,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(acc_at, dr_at)],
         # token i accepted given that tokens < i were (EAGLE's per-position acceptance)

@@ -38,6 +38,7 @@ class Run:
     time_target_s: float = 0.0
     time_speculators_s: float = 0.0
     prefill_s: float = 0.0  # prompt processing and the first token; the rest of time_s is decoding
+    emitted: int = 0  # tokens the target produced, the stop token included
 
 
 @dataclass
@@ -97,7 +98,7 @@ class Bench:
         run = Run(name, dt, res.token_ids, st.target_forwards, st.drafted_tokens, st.accepted_tokens,
                   time_target_s=eng.stats.time_target_s - before[0],
                   time_speculators_s=eng.stats.time_speculators_s - before[1],
-                  prefill_s=st.time_prefill_s)
+                  prefill_s=st.time_prefill_s, emitted=st.emitted_tokens)
         for s in st.by_speculator.values():
             run.drafts += s.drafts
             for arr_name in ("accepted_at", "drafted_at", "reached_at"):

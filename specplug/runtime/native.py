@@ -13,7 +13,12 @@ speculative verification is bit-identical to one-token decoding.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
+import platform
+import sys
 import threading
 from pathlib import Path
 
@@ -40,6 +45,58 @@ def unavailable_reason() -> str | None:
     return _ext_error
 
 
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+
+
+def build_key() -> str:
+    """What the built kernels depend on: the source, the compiler flags, torch and Python versions.
+    Each key gets its own build folder, so two installs (checkouts, virtual environments) never
+    rebuild each other's kernels."""
+    h = hashlib.sha256(_SRC.read_bytes())
+    h.update(json.dumps([_CFLAGS, _LDFLAGS, torch.__version__, sys.version_info[:2], platform.machine()]).encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """The build folder of this install's kernels (under TORCH_EXTENSIONS_DIR or torch's default root)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / f"specplug_gguf_{build_key()}"
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path, say=print):
+    """Hold an exclusive lock on `folder` while building or loading the kernels.
+
+    torch's own build lock (a file named `lock`) stays behind when a build is killed, and every
+    later load then waits for it forever. Ours is an OS file lock (flock), released when its
+    process dies, however it dies. Whoever holds ours is the only builder of this folder, so a
+    torch `lock` file found while holding it is stale and is removed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "specplug.lock", "w") as f:
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): torch's lock alone
+            fcntl = None
+        if fcntl is not None:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                say(f"specplug: waiting for another process that is building the gguf kernels in {folder}...")
+                fcntl.flock(f, fcntl.LOCK_EX)
+            stale = folder / "lock"
+            if stale.exists():
+                stale.unlink()
+                say(f"specplug: removed a stale build lock left by an interrupted kernel build ({stale})")
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def kernels():
     """The compiled extension (built on first call, ~30 s; then loaded from the cache)."""
     global _ext, _ext_error
@@ -50,30 +107,22 @@ def kernels():
         raise ModelError(reason)
     with _lock:
         if _ext is None:
-            import sys
-
             from torch.utils.cpp_extension import load
 
-            if not _built_before():
-                print("specplug: building the gguf CPU kernels (once, ~30 s)...", file=sys.stderr, flush=True)
+            say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+            folder = build_dir()
+            name = folder.name
             try:
-                _ext = load(name="specplug_gguf_kernels", sources=[str(_SRC)],
-                            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                            verbose=bool(os.environ.get("SPECPLUG_VERBOSE_BUILD")))
-            except Exception as exc:  # no compiler, no ninja, a broken toolchain
-                _ext_error = (f"could not build the gguf kernels ({type(exc).__name__}: {str(exc).strip()[-300:]}); "
-                              "install a C++ compiler and ninja, or use quant: none")
+                with build_lock(folder, say):
+                    if not any(folder.glob(f"{name}*.so")):
+                        say(f"specplug: building the gguf CPU kernels (~30 s) in {folder}...")
+                    _ext = load(name=name, sources=[str(_SRC)], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
+                                build_directory=str(folder), verbose=bool(os.environ.get("SPECPLUG_VERBOSE_BUILD")))
+            except Exception as exc:  # no compiler, no ninja, a broken toolchain, an unwritable folder
+                _ext_error = (f"could not build the gguf kernels in {folder} ({type(exc).__name__}: "
+                              f"{str(exc).strip()[-300:]}); install a C++ compiler and ninja, or use quant: none")
                 raise ModelError(_ext_error) from None
     return _ext
-
-
-def _built_before() -> bool:
-    try:
-        from torch.utils.cpp_extension import _get_build_directory  # private: only used for a message
-
-        return any(Path(_get_build_directory("specplug_gguf_kernels", False)).glob("*.so"))
-    except Exception:
-        return True
 
 
 def _f16_as_i16(a: np.ndarray) -> torch.Tensor:

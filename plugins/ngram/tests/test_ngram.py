@@ -532,9 +532,20 @@ def test_build_command_text_and_jsonl(tmp_path, tokenizer_gguf, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\nnot json\n', encoding="utf-8")
     with pytest.raises(PluginError, match="bad.jsonl line 2"):
-        _cli(["ngram-cache", "build", str(bad), "-o", str(out2), "--model", str(model)])
+        _cli(["ngram-cache", "build", str(bad), "-o", str(out2), "--model", str(model), "--force"])
     with pytest.raises(SpecplugError, match="nor an existing .gguf file"):
-        _cli(["ngram-cache", "build", str(corpus), "-o", str(out2), "--model", str(tmp_path / "none.gguf")])
+        _cli(["ngram-cache", "build", str(corpus), "-o", str(out2), "--model", str(tmp_path / "none.gguf"), "--force"])
+    # the output is never the corpus, and an existing file is kept unless --force
+    before = jsonl.read_bytes()
+    with pytest.raises(PluginError, match="is the corpus itself"):
+        _cli(["ngram-cache", "build", str(jsonl), "-o", str(jsonl), "--model", str(model), "--force"])
+    assert jsonl.read_bytes() == before
+    old = out2.read_bytes()
+    with pytest.raises(PluginError, match="exists; add --force"):
+        _cli(["ngram-cache", "build", str(corpus), "-o", str(out2), "--model", str(model)])
+    assert out2.read_bytes() == old
+    with pytest.raises(PluginError, match="is a directory"):
+        _cli(["ngram-cache", "build", str(corpus), "-o", str(tmp_path), "--model", str(model)])
 
 
 def test_build_command_with_smollm2(tmp_path):
@@ -630,5 +641,28 @@ def test_greedy_output_unchanged_with_all_ngram_speculators(tmp_path):
     tok = target.tokenizer
     prompts = [tok.encode("the cat sat on the mat. the cat sat on the mat. the cat"),
                tok.encode("in the end, in the end, in the")]
-    assert_greedy_equal(target, specs, prompts, max_tokens=24)
+    eng = assert_greedy_equal(target, specs, prompts, max_tokens=24, allow_unverified=True)  # one winner per step
+    assert sum(s.stats.drafts for s in eng.specs) > 0
     assert (tmp_path / "dyn.ngc").exists()  # saved when the sequences ended
+
+
+def test_dynamic_cache_path_is_explicit_and_reported(tmp_path, monkeypatch):
+    import yaml
+
+    from specplug.engine import Request, target_info
+    from specplug.runtime import load_target
+    from specplug.testing import make_engine, write_tiny_gguf
+
+    example = yaml.safe_load((Path(__file__).resolve().parents[3] / "examples" / "ngram-cache.yaml").read_text())
+    dyn = example["speculators"][0]["dynamic_path"]
+    assert dyn.startswith("~/"), "the example must not write into the folder it is run from"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    target = load_target(str(write_tiny_gguf(tmp_path / "tiny.gguf")), device="cpu", dtype="float32", quant="none")
+    spec = NgramCache(NgramCache.Params(dynamic_path=dyn), target_info(target, 1, 512))
+    eng = make_engine(target, [spec])
+    eng.run([Request(target.tokenizer.encode("the cat sat on the mat"), 8)])
+    where = tmp_path / dyn[2:]
+    assert where.exists()
+    assert eng.stats.notes["NgramCache"] == f"dynamic n-gram cache ({sum(len(t) for t in spec.dynamic.values())} " \
+                                            f"n-grams) saved to {where}"
+    assert str(where) in eng.stats.summary()

@@ -84,7 +84,7 @@ class _SeqState:
 def _check_path(params: object, name: str) -> str | None:
     value = getattr(params, name)
     if value is None or isinstance(value, (str, os.PathLike)):
-        return None if value in (None, "") else os.fspath(value)
+        return None if value in (None, "") else os.path.expanduser(os.fspath(value))
     raise ConfigError(f"{NAME}: {name} must be a file path or null, got {value!r}")
 
 
@@ -211,6 +211,16 @@ class NgramCache:
             rows = window_rows(doc, n)
             if rows.shape[0]:
                 self.dynamic[n] = self.dynamic[n].merged(rows, np.ones(rows.shape[0], dtype=np.int64))
+
+    def summary(self) -> str | None:
+        """The run summary's line: where the dynamic cache went (not a hook)."""
+        if not self.dynamic_path:
+            return None
+        where = os.path.abspath(self.dynamic_path)
+        n = sum(len(t) for t in self.dynamic.values())
+        if self.save_dynamic:
+            return f"dynamic n-gram cache ({n} n-grams) saved to {where}"
+        return f"dynamic n-gram cache read from {where} (save_dynamic: false, not written)"
 
     def save(self) -> None:
         """Write the dynamic cache to `dynamic_path` (atomically); PluginError naming the file on failure."""

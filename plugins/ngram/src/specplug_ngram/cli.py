@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,8 @@ def register(subparsers: Any) -> None:
         description="Tokenize CORPUS with the model's tokenizer and write the n-gram follower counts "
                     "of sizes n-min..n-max to FILE (usable as static_path, or to seed dynamic_path).")
     build.add_argument("corpus", metavar="CORPUS", help="a text file, or a .jsonl file with one document per line")
-    build.add_argument("-o", "--output", required=True, metavar="FILE", help="cache file to write")
+    build.add_argument("-o", "--output", required=True, metavar="FILE", help="cache file to write (never the corpus)")
+    build.add_argument("--force", action="store_true", help="overwrite an existing output file")
     build.add_argument("--model", default="smollm2-135m", metavar="NAME|PATH.gguf",
                        help="model whose tokenizer to use: 'smollm2-135m' or a GGUF path (default: %(default)s)")
     build.add_argument("--n-max", type=int, default=4, metavar="N", help="largest n-gram size (default: %(default)s)")
@@ -89,12 +91,26 @@ def read_corpus(path: Path, tokenizer: Any) -> list[np.ndarray]:
     return [np.asarray(tokenizer.encode(t, add_bos=False), dtype=np.int32) for t in texts if t]
 
 
+def _check_output(corpus: Path, out: Path, force: bool) -> None:
+    """Refuse, before any work, an output that is the corpus, a directory, in a missing folder,
+    or an existing file (unless --force)."""
+    if out.is_dir():
+        raise PluginError(f"ngram-cache build: -o {out} is a directory; give a file path")
+    if not out.parent.is_dir():
+        raise PluginError(f"ngram-cache build: -o {out}: the folder {out.parent} does not exist")
+    if corpus.exists() and (out.resolve() == corpus.resolve() or (out.exists() and os.path.samefile(out, corpus))):
+        raise PluginError(f"ngram-cache build: -o {out} is the corpus itself; write the cache to another file")
+    if out.exists() and not force:
+        raise PluginError(f"ngram-cache build: {out} exists; add --force to overwrite it")
+
+
 def run_build(args: argparse.Namespace) -> int:
     """Handler of `ngram-cache build`: tokenize the corpus, count n-grams, write the cache file."""
     if not 1 <= args.n_min <= args.n_max <= MAX_N:
         raise PluginError(f"ngram-cache build: need 1 <= --n-min <= --n-max <= {MAX_N}, "
                           f"got --n-min {args.n_min} --n-max {args.n_max}")
     corpus = Path(args.corpus)
+    _check_output(corpus, Path(args.output), args.force)
     from specplug.runtime import resolve_model
 
     model = resolve_model(args.model)

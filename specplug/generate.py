@@ -1,0 +1,160 @@
+"""`specplug run` / `specplug generate`: prompts in, answers out, nothing lost.
+
+- Every finished answer is appended to `--output` at once (one JSON line, flushed), so the file
+  is valid JSONL at every moment; Ctrl-C keeps what is done, writes the statistics and says how
+  to continue; `--resume` skips (id, turn) pairs already in the file.
+- An existing output is never overwritten without `--force`, and an input file (the prompts, the
+  config) is never written to; bad output paths are reported before the model loads.
+- Records with several turns run every turn, the model's own answer fed into the next one (as
+  `specplug bench` does); each turn is a line of its own.
+- With several answers and no `--output`, each answer is printed with its id.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from specplug.errors import SpecplugError
+
+
+def check_paths(output: str | None, stats: str | None, inputs: Sequence[str | Path], force: bool,
+                resume: bool) -> None:
+    """Refuse, before anything runs, output paths that cannot be written or must not be."""
+    if resume and not output:
+        raise SpecplugError("--resume needs --output (the file whose finished answers to skip)")
+    if resume and force:
+        raise SpecplugError("give either --resume (continue the output) or --force (overwrite it), not both")
+    ins = [Path(i) for i in inputs if i is not None and Path(i).exists()]
+    for path, flag in ((output, "--output"), (stats, "--stats")):
+        if path is None:
+            continue
+        p = Path(path)
+        if p.is_dir():
+            raise SpecplugError(f"{flag} {p} is a directory; give a file path")
+        if not p.parent.is_dir():
+            raise SpecplugError(f"{flag} {p}: the folder {p.parent} does not exist")
+        for i in ins:
+            if p.exists() and os.path.samefile(p, i) or p.resolve() == i.resolve():
+                raise SpecplugError(f"{flag} {p} is an input of this run ({i}); write the results somewhere else")
+        if p.exists() and p.stat().st_size > 0 and not (force or (resume and flag == "--output") or
+                                                        (resume and flag == "--stats")):
+            raise SpecplugError(f"{flag} {p} exists; add --resume to continue it (answers already there are "
+                                f"skipped) or --force to overwrite it")
+
+
+def read_done(path: Path) -> dict[tuple, dict]:
+    """(id, turn) -> record of an output file being resumed. A last line cut by an interrupted write
+    is dropped from the file; a malformed line elsewhere is an error naming it."""
+    done: dict[tuple, dict] = {}
+    if not path.exists():
+        return done
+    lines = path.read_text(encoding="utf-8").split("\n")
+    good = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            key = (json.dumps(rec["id"]), int(rec.get("turn", 0)))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            if all(not rest.strip() for rest in lines[n:]):  # the last line, cut mid-write
+                print(f"specplug: {path}:{n}: dropping an incomplete last line", file=sys.stderr)
+                break
+            raise SpecplugError(f"{path}:{n}: not a result line of `specplug run`; cannot resume from this file")
+        done[key] = rec
+        good.append(line)
+    path.write_text("".join(g + "\n" for g in good), encoding="utf-8")
+    return done
+
+
+def run_records(engine, cfg, records: list[dict], output: str | None, stats_path: str | None,
+                resume: bool = False) -> int:
+    """Generate every turn of every record; see the module docstring."""
+    from specplug.api import prompt_ids
+    from specplug.engine import Request
+
+    tok = engine.target.tokenizer
+    out_path = Path(output) if output else None
+    done = read_done(out_path) if resume and out_path else {}
+    skipped = sum(1 for r in records for t in range(len(r["turns"])) if (json.dumps(r["id"]), t) in done)
+    if skipped:
+        print(f"specplug: resuming {out_path}: {skipped} answer(s) already there are skipped", file=sys.stderr)
+    total = sum(len(r["turns"]) for r in records) - skipped
+    stream_one = total == 1 and out_path is None
+    sink = open(out_path, "a" if resume else "w", encoding="utf-8") if out_path else None
+    history: dict[int, list[dict]] = {i: [] for i in range(len(records))}
+    saved = {"n": 0}
+    bar = None
+    if not stream_one and out_path is not None and total > 1:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="answer", file=sys.stderr)
+    try:
+        for turn in range(max(len(r["turns"]) for r in records)):
+            reqs, owners = [], []
+            for i, r in enumerate(records):
+                if turn >= len(r["turns"]):
+                    continue
+                msgs = history[i] + [{"role": "user", "content": r["turns"][turn]}]
+                prev = done.get((json.dumps(r["id"]), turn))
+                if prev is not None:
+                    history[i] = msgs + [{"role": "assistant", "content": prev["text"]}]
+                    continue
+                ids = prompt_ids(tok, msgs, True, cfg.system) if cfg.chat else tok.encode(r["turns"][turn])
+                reqs.append(Request(ids, cfg.max_tokens, len(owners)))  # id: index into owners
+                owners.append((i, msgs))
+            if not reqs:
+                continue
+            stream = tok.stream(skip_special=True) if stream_one else None
+
+            def on_tokens(_index, ids, stream=stream):
+                if stream is not None:
+                    for t in ids:
+                        sys.stdout.write(stream.push(t))
+                    sys.stdout.flush()
+
+            def on_finish(res, turn=turn):
+                i, msgs = owners[res.id]
+                rid = records[i]["id"]
+                text = tok.decode(res.token_ids, skip_special=True)
+                history[i] = msgs + [{"role": "assistant", "content": text}]
+                line = {"id": rid, "turn": turn, "prompt": msgs[-1]["content"], "text": text,
+                        "token_ids": res.token_ids, "finish_reason": res.finish_reason, "stats": res.stats.to_dict()}
+                if sink is not None:
+                    sink.write(json.dumps(line) + "\n")
+                    sink.flush()
+                    saved["n"] += 1
+                elif not stream_one:
+                    print(f"### {rid}" + (f" (turn {turn + 1})" if len(records[i]["turns"]) > 1 else ""))
+                    print(text + "\n", flush=True)
+                if bar is not None:
+                    bar.update(1)
+
+            engine.run(reqs, on_tokens, on_finish)
+            if stream is not None:
+                sys.stdout.write(stream.flush() + "\n")
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        _finish(engine, sink, stats_path)
+        where = f"{saved['n']} answer(s) were saved to {out_path}; run the same command with --resume to continue" \
+            if out_path else "nothing was saved (no --output)"
+        print(f"\nspecplug: interrupted: {where}", file=sys.stderr)
+        raise
+    if bar is not None:
+        bar.close()
+    _finish(engine, sink, stats_path)
+    return 0
+
+
+def _finish(engine, sink, stats_path: str | None) -> None:
+    if sink is not None:
+        sink.close()
+    print(engine.stats.summary(), file=sys.stderr)
+    if stats_path:
+        tmp = Path(stats_path).with_name(Path(stats_path).name + ".tmp")
+        tmp.write_text(json.dumps(engine.stats.to_dict(), indent=2))
+        os.replace(tmp, stats_path)
