@@ -214,3 +214,18 @@ def test_ttt_attention_is_the_cache_a_head_holds_while_drafting():
             ref = F.scaled_dot_product_attention(q[r][:, :, t:t + 1], K, V)[:, :, 0]
             torch.testing.assert_close(got[:, :, t], ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(_shift(torch.arange(6.0).view(1, 3, 2), 1), torch.tensor([[[0.0, 0], [0, 1], [2, 3]]]))
+
+
+def test_data_identity_ignores_generation_timing(tiny_data, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_data, copy)
+    man = json.loads((copy / "manifest.json").read_text())
+    man["generation"]["seconds"] = man["generation"].get("seconds", 0) + 123.4  # a slower, identical regeneration
+    (copy / "manifest.json").write_text(json.dumps(man))
+    a, b = TrainData(tiny_data, ["final"]), TrainData(copy, ["final"])
+    assert a.manifest_sha256 == b.manifest_sha256
+    man["prompts_sha256"] = "0" * 64  # different content: a different identity
+    (copy / "manifest.json").write_text(json.dumps(man))
+    assert TrainData(copy, ["final"]).manifest_sha256 != a.manifest_sha256

@@ -34,6 +34,13 @@ class SeqBatch:
         return int(self.valid.sum())
 
 
+def manifest_sha256(manifest: dict) -> str:
+    """The data set's identity for head recipes and checkpoints: the manifest without its timing
+    ("generation"), so two bit-identical generations of the same data hash the same."""
+    content = {k: v for k, v in manifest.items() if k != "generation"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
 def read_manifest(path: str | Path) -> dict:
     """A data set's manifest (clear errors for a folder that is not one)."""
     path = Path(path)
@@ -62,7 +69,6 @@ class TrainData:
         from safetensors import safe_open
 
         self.path = Path(path)
-        mpath = self.path / MANIFEST
         self.manifest = read_manifest(self.path)
         have = list(self.manifest.get("taps", []))
         missing = [t for t in taps if t not in have]
@@ -73,7 +79,7 @@ class TrainData:
         shards = self.manifest.get("shards", [])
         if not shards:
             raise SpecplugError(f"{self.path}: the data set has no complete shard yet")
-        self.manifest_sha256 = hashlib.sha256(mpath.read_bytes()).hexdigest()
+        self.manifest_sha256 = manifest_sha256(self.manifest)
         self.target = self.manifest["target"]
         self.taps_wanted = list(taps)
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("tokens", "topk_ids", "topk_logprobs")}
