@@ -21,6 +21,6 @@ draft-vocabulary map (e.g. `d2t`, draft row -> target token id) as I32.
 from specplug.heads.file import (HEAD_ARCH, HeadError, HeadFile, HeadMeta, layer_from_head, token_table_sha256,
                                  write_head)
 
-from specplug.heads.drafter import Calibrator, ChainDrafter, ChainHead
+from specplug.heads.drafter import Calibrator, ChainDrafter, ChainHead, pick_tokens
 
-__all__ = ["Calibrator", "ChainDrafter", "ChainHead", "HEAD_ARCH", "HeadError", "HeadFile", "HeadMeta", "layer_from_head", "token_table_sha256", "write_head"]
+__all__ = ["Calibrator", "ChainDrafter", "ChainHead", "HEAD_ARCH", "HeadError", "HeadFile", "HeadMeta", "layer_from_head", "pick_tokens", "token_table_sha256", "write_head"]

@@ -33,7 +33,6 @@ from specplug.runtime.kv_cache import KVCache
 from specplug.types import Batch, Draft, DraftRequest, TargetInfo, Verified
 
 
-
 class Calibrator:
     """Per-token confidences from a drafter's own probabilities, calibrated by outcomes.
 
@@ -70,6 +69,25 @@ class Calibrator:
                     self.table[k][0] += 1
                 else:
                     break
+
+
+def pick_tokens(logits: torch.Tensor, d2t: torch.Tensor, vocab: int, temperature: float,
+                gen: torch.Generator) -> tuple[list[int], list[float], torch.Tensor | None]:
+    """Draft one token per row of `logits` [rows, draft vocabulary]: the argmax (temperature 0)
+    or a sample at `temperature` drawn with `gen`. Returns per row the target token id (through
+    `d2t`), its probability under the distribution it was picked from, and, when sampling, that
+    distribution over the full target vocabulary [rows, vocab] (zero outside the draft vocabulary:
+    the `probs` lossless verification needs)."""
+    logits = logits.float().cpu()
+    if temperature == 0:
+        p = torch.softmax(logits, -1)
+        best = p.argmax(-1)
+        return d2t[best].tolist(), p.gather(-1, best.unsqueeze(-1)).squeeze(-1).tolist(), None
+    qd = torch.softmax(logits / temperature, -1)
+    pick = torch.multinomial(qd, 1, generator=gen).squeeze(-1)
+    full = torch.zeros(qd.shape[0], vocab)
+    full[:, d2t] = qd
+    return d2t[pick].tolist(), qd.gather(-1, pick.unsqueeze(-1)).squeeze(-1).tolist(), full
 
 
 class ChainHead(Protocol):
@@ -211,18 +229,7 @@ class ChainDrafter:
         return out
 
     def _pick(self, logits: torch.Tensor) -> tuple[list[int], list[float], torch.Tensor | None]:
-        """Per row: the target token id drafted, its probability under the head, and (when sampling)
-        the full-vocabulary distribution it was drawn from (zero outside the draft vocabulary)."""
-        d2t = self.rt.d2t
-        p = torch.softmax(logits.float().cpu(), -1)
-        if self.temperature == 0:
-            best = p.argmax(-1)
-            return d2t[best].tolist(), p.gather(-1, best.unsqueeze(-1)).squeeze(-1).tolist(), None
-        qd = torch.softmax(logits.float().cpu() / self.temperature, -1)
-        pick = torch.multinomial(qd, 1, generator=self.gen).squeeze(-1)
-        full = torch.zeros(qd.shape[0], self.vocab)
-        full[:, d2t] = qd
-        return d2t[pick].tolist(), qd.gather(-1, pick.unsqueeze(-1)).squeeze(-1).tolist(), full
+        return pick_tokens(logits, self.rt.d2t, self.vocab, self.temperature, self.gen)
 
     @hookimpl
     def verified(self, results: Sequence[Verified]) -> None:

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from specplug.errors import ConfigError
-from specplug.heads import Calibrator, HeadError, HeadFile, token_table_sha256
+from specplug.heads import Calibrator, HeadError, HeadFile, pick_tokens, token_table_sha256
 from specplug.hooks import hookimpl
 from specplug.runtime.layers import Backend
 from specplug.types import Batch, Draft, DraftRequest, EmbeddingRequest, TargetInfo, Verified
@@ -143,17 +143,8 @@ class DFlash:
         out: list[Draft | None] = [None] * len(requests)
         if not live:
             return out
-        logits = self.rt.draft(last, starts, seqs, sizes).float().cpu()
-        d2t = self.rt.d2t
-        p = torch.softmax(logits, -1)
-        if self.params.temperature == 0:
-            pick, q = p.argmax(-1), None
-        else:
-            q = torch.softmax(logits / self.params.temperature, -1)
-            pick = torch.multinomial(q, 1, generator=self.gen).squeeze(-1)
-        p_pick = p.gather(-1, pick.unsqueeze(-1)).squeeze(-1).tolist() if q is None else \
-            q.gather(-1, pick.unsqueeze(-1)).squeeze(-1).tolist()
-        toks = d2t[pick].tolist()
+        logits = self.rt.draft(last, starts, seqs, sizes)
+        toks, p_pick, full = pick_tokens(logits, self.rt.d2t, self.vocab, self.params.temperature, self.gen)
         row = 0
         for i, size in zip(live, sizes):
             ids, conf, keys = [], [], []
@@ -164,11 +155,7 @@ class DFlash:
                 keys.append(self.calib.key(j, pj))
                 if t in self.eot:  # nothing follows the end of a turn
                     break
-            probs = None
-            if q is not None:
-                probs = torch.zeros(len(ids), self.vocab)
-                probs[:, d2t] = q[row:row + len(ids)]
-                probs = probs.to(self.out_device)
+            probs = full[row:row + len(ids)].to(self.out_device) if full is not None else None
             row += size - 1
             self.calib.record(requests[i].seq_id, keys)
             out[i] = Draft(tuple(ids), probs, tuple(conf))
