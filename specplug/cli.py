@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import sys
+from collections import Counter
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -56,8 +57,8 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, overrides)
     if args.prompts:
         records = read_jsonl_prompts(Path(args.prompts))
-        ids = [json.dumps(r["id"]) for r in records]
-        dup = next((i for i in ids if ids.count(i) > 1), None)
+        counts = Counter(json.dumps(r["id"]) for r in records)
+        dup = next((i for i, n in counts.items() if n > 1), None)
         if dup is not None and args.output:
             raise SpecplugError(f"{args.prompts}: id {dup} is used by more than one record; ids must be unique "
                                 "so that answers in --output can be matched (and resumed)")

@@ -166,7 +166,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
     try:
         data = yaml.safe_load(p.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start} is {p.read_bytes()[exc.start]:#04x}); "
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
                           "save the file as UTF-8") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML ({exc})") from None

@@ -39,8 +39,7 @@ def check_paths(output: str | None, stats: str | None, inputs: Sequence[str | Pa
         for i in ins:
             if p.exists() and os.path.samefile(p, i) or p.resolve() == i.resolve():
                 raise SpecplugError(f"{flag} {p} is an input of this run ({i}); write the results somewhere else")
-        if p.exists() and p.stat().st_size > 0 and not (force or (resume and flag == "--output") or
-                                                        (resume and flag == "--stats")):
+        if p.exists() and p.stat().st_size > 0 and not (force or resume):
             raise SpecplugError(f"{flag} {p} exists; add --resume to continue it (answers already there are "
                                 f"skipped) or --force to overwrite it")
 
@@ -86,9 +85,9 @@ def run_records(engine, cfg, records: list[dict], output: str | None, stats_path
     stream_one = total == 1 and out_path is None
     sink = open(out_path, "a" if resume else "w", encoding="utf-8") if out_path else None
     history: dict[int, list[dict]] = {i: [] for i in range(len(records))}
-    saved = {"n": 0}
+    saved = 0
     bar = None
-    if not stream_one and out_path is not None and total > 1:
+    if out_path is not None and total > 1:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="answer", file=sys.stderr)
@@ -117,6 +116,7 @@ def run_records(engine, cfg, records: list[dict], output: str | None, stats_path
                     sys.stdout.flush()
 
             def on_finish(res, turn=turn):
+                nonlocal saved
                 i, msgs = owners[res.id]
                 rid = records[i]["id"]
                 text = tok.decode(res.token_ids, skip_special=True)
@@ -126,7 +126,7 @@ def run_records(engine, cfg, records: list[dict], output: str | None, stats_path
                 if sink is not None:
                     sink.write(json.dumps(line) + "\n")
                     sink.flush()
-                    saved["n"] += 1
+                    saved += 1
                 elif not stream_one:
                     print(f"### {rid}" + (f" (turn {turn + 1})" if len(records[i]["turns"]) > 1 else ""))
                     print(text + "\n", flush=True)
@@ -140,7 +140,7 @@ def run_records(engine, cfg, records: list[dict], output: str | None, stats_path
         if bar is not None:
             bar.close()
         _finish(engine, sink, stats_path)
-        where = f"{saved['n']} answer(s) were saved to {out_path}; run the same command with --resume to continue" \
+        where = f"{saved} answer(s) were saved to {out_path}; run the same command with --resume to continue" \
             if out_path else "nothing was saved (no --output)"
         print(f"\nspecplug: interrupted: {where}", file=sys.stderr)
         raise

@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -40,6 +40,7 @@ class SpeculatorType:
     version: str
     cls: type | None = None
     error: str | None = None
+    entry_point: Any = field(default=None, repr=False, compare=False)  # importlib.metadata.EntryPoint
 
     @property
     def hooks(self) -> list[str]:
@@ -47,12 +48,11 @@ class SpeculatorType:
             return []
         return [h for h in HOOK_NAMES if getattr(getattr(self.cls, h, None), "specplug_impl", None) is not None]
 
-
     def load(self) -> "SpeculatorType":
         """Import the class (once) and check it; a failure is kept in `error`, never raised."""
         if self.cls is None and self.error is None:
             try:
-                cls = _entry_point(self.name, self.value).load()
+                cls = self.entry_point.load()
                 _check_class(cls, self.name, self.value)
                 self.cls = cls
             except Exception as exc:
@@ -61,13 +61,6 @@ class SpeculatorType:
 
 
 _cache: dict[str, SpeculatorType] | None = None
-
-
-def _entry_point(name: str, value: str):
-    for ep in entry_points(group=GROUP):
-        if ep.name == name and ep.value == value:
-            return ep
-    raise PluginError(f"entry point {name!r} = {value!r} is no longer installed")
 
 
 def _discover() -> dict[str, SpeculatorType]:
@@ -82,7 +75,7 @@ def _discover() -> dict[str, SpeculatorType]:
             continue
         dist = ep.dist.name if ep.dist else "?"
         ver = ep.dist.version if ep.dist else "?"
-        found[ep.name] = SpeculatorType(ep.name, ep.value, dist, ver)
+        found[ep.name] = SpeculatorType(ep.name, ep.value, dist, ver, entry_point=ep)
     for missing in sorted((allowed or set()) - seen):
         close = difflib.get_close_matches(missing, sorted(seen), n=1)
         log.warning("%s names %r, which is not an installed speculator type%s (installed: %s)", ENV_ALLOW, missing,

@@ -299,9 +299,8 @@ def make_engine(target, specs=(), **kw):
     `speculator(...)`. Keyword arguments go to `specplug.engine.Engine`: n_parallel (1),
     max_ctx (here 512), sampling (SamplingParams(), greedy), prefill_chunk (256), ignore_eos,
     cache."""
-    from specplug.engine import Engine, Speculator, target_info
-
     from specplug.api import startup_hooks
+    from specplug.engine import Engine, Speculator, target_info
 
     kw.setdefault("max_ctx", 512)
     info = target_info(target, kw.get("n_parallel", 1), kw["max_ctx"])

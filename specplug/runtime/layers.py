@@ -347,7 +347,7 @@ class _Plan:
         self._slot_span = (self.slots[0], self.slots[0] + B) if self.slots == list(range(self.slots[0], self.slots[0] + B)) else None
         self._slot_idx = None if self._slot_span else torch.tensor(self.slots, dtype=torch.long, device=dev)
         need_mask = B > 1 or T > 1 or not all(cache.dense[s] for s in self.slots) or limits is not None
-        self.mask = True if need_mask else None
+        self._mask: torch.Tensor | None = None  # [B, T, L] additive; None: no mask needed
         if need_mask:
             kpos = torch.arange(L, device=dev)
             valid = cache.valid[self._slot_span[0]:self._slot_span[1], :L] if self._slot_span else cache.valid[self._slot_idx, :L]
@@ -361,7 +361,7 @@ class _Plan:
     def mask_for(self, group: int) -> torch.Tensor | None:
         """The additive mask laid out as _attention groups rows: [B, 1, G*T, L] (T > 1), [B, 1, 1, L]
         (T == 1); made once per forward and group size, shared by every layer."""
-        if self.mask is None:
+        if self._mask is None:
             return None
         m = self._grouped.get(group)
         if m is None:
