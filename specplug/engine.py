@@ -10,6 +10,7 @@ runtime, which is what speculative output is compared against.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import time
@@ -68,9 +69,16 @@ class Speculator:
 
 @dataclass
 class Request:
+    """One generation. The optional fields override the engine's settings for this request only."""
+
     prompt_ids: list[int]
     max_tokens: int = 128
     id: Any = None
+    sampling: SamplingParams | None = None  # None: the engine's sampling parameters
+    seed: int | None = None  # seed of this request's sampling generator; None: derived from the engine's seed
+    speculators: Sequence[str] | None = None  # names of the speculators that may draft for it; None: all, (): none
+    n_max: int | None = None  # caps every speculator's draft length for this request (0: no drafts)
+    ignore_eos: bool = False  # generate past end-of-turn tokens (to max_tokens), as the engine's ignore_eos
 
 
 @dataclass
@@ -80,18 +88,32 @@ class SequenceResult:
     id: Any
     prompt_ids: list[int]
     token_ids: list[int]  # generated tokens, the stop token excluded
-    finish_reason: str  # "stop" | "length" (max_tokens) | "context" (the context size was reached)
+    finish_reason: str  # "stop" | "length" (max_tokens) | "context" (the context size was reached) | "abort"
     stats: SeqStats
+    handle: int = -1  # what Engine.add returned for it
+
+
+@dataclass
+class _Pending:
+    handle: int
+    req: Request
+    sampling: SamplingParams
+    seed: int
+    on_tokens: Callable[[list[int]], None] | None
+    on_finish: Callable[[SequenceResult], None] | None
 
 
 @dataclass
 class _Seq:
     slot: int
     req: Request
-    index: int
+    index: int  # the handle
     tokens: list[int]  # prompt + generated; tokens[-1] is not yet in the target cache
     gen: torch.Generator | None
     stats: SeqStats
+    sampling: SamplingParams
+    on_tokens: Callable[[list[int]], None] | None = None
+    on_finish: Callable[[SequenceResult], None] | None = None
     t_admit: float = 0.0
     finish: str | None = None
 
@@ -131,6 +153,10 @@ class Engine:
         self.stats = RunStats()
         self._asked: dict[str, dict[int, int]] = {}  # speculator -> {seq: tokens it proposed} this step
         self._warned_context = False
+        self._pending: deque[_Pending] = deque()
+        self._active: dict[int, _Seq] = {}  # slot -> sequence
+        self._free = list(range(n_parallel))[::-1]
+        self._next_handle = 0
         for s in self.specs:
             self.stats.speculators[s.name] = s.stats
 
@@ -175,43 +201,136 @@ class Engine:
             encoded = self._call(s, "encode", batch=batch) if emb else None
             self._call(s, "process_batch", batch=batch, encoded=encoded)
 
-    # --- the loop -------------------------------------------------------------------------------
+    # --- the step-driven API: add, step, abort -----------------------------------------------------
+    def check_request(self, req: Request, label: Any = None) -> None:
+        """Raise SpecplugError naming what is wrong with a request the engine cannot run."""
+        label = req.id if label is None else label
+        if not req.prompt_ids:
+            raise SpecplugError(f"request {label}: the prompt is empty")
+        bad = next((t for t in req.prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab)), None)
+        if bad is not None:
+            raise SpecplugError(f"request {label}: token id {bad!r} is outside the vocabulary [0, {self.vocab})")
+        if len(req.prompt_ids) + 1 > self.max_ctx:
+            raise SpecplugError(f"request {label}: the prompt has {len(req.prompt_ids)} tokens, more than the "
+                                f"context size {self.max_ctx} allows (raise `context`)")
+        if not (isinstance(req.max_tokens, int) and req.max_tokens >= 1):
+            raise SpecplugError(f"request {label}: max_tokens must be an integer >= 1, got {req.max_tokens!r}")
+        if req.speculators is not None:
+            names = [s.name for s in self.specs]
+            unknown = [n for n in req.speculators if n not in names]
+            if unknown:
+                raise SpecplugError(f"request {label}: unknown speculator {unknown[0]!r}; this engine has "
+                                    f"{', '.join(map(repr, names)) or 'none'}")
+        if req.n_max is not None and not (isinstance(req.n_max, int) and req.n_max >= 0):
+            raise SpecplugError(f"request {label}: n_max must be an integer >= 0, got {req.n_max!r}")
+
+    def add(self, req: Request, on_tokens: Callable[[list[int]], None] | None = None,
+            on_finish: Callable[[SequenceResult], None] | None = None) -> int:
+        """Queue a request; it joins the running batch at the next `step` that finds a free slot.
+
+        `on_tokens(new_ids)` is called (from `step`) as its tokens are committed, the stop token
+        left out; `on_finish(result)` once when it ends (also when aborted). Returns its handle.
+        """
+        handle = self._next_handle
+        self.check_request(req, req.id if req.id is not None else handle)
+        self._next_handle += 1
+        sp = req.sampling or self.sampling
+        seed = req.seed if req.seed is not None else (sp.seed or 0) * 1_000_003 + handle
+        self._pending.append(_Pending(handle, req, sp, seed, on_tokens, on_finish))
+        return handle
+
+    @property
+    def n_waiting(self) -> int:
+        """Requests added but not yet in a sequence slot."""
+        return len(self._pending)
+
+    @property
+    def n_running(self) -> int:
+        """Requests in a sequence slot."""
+        return len(self._active)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._pending or self._active)
+
+    def step(self) -> list[SequenceResult]:
+        """Admit waiting requests into free slots (prefill), then one draft -> verify -> rollback
+        step for every running sequence. Returns the requests that finished during this call."""
+        t0 = time.perf_counter()
+        done: list[SequenceResult] = []
+        try:
+            while self._pending and self._free:
+                p = self._pending.popleft()
+                seq = self._admit(self._free.pop(), p)
+                if seq.finish:
+                    done.append(self._finish(seq))
+                else:
+                    self._active[seq.slot] = seq
+            if self._active:
+                self._step(list(self._active.values()))
+                for slot in [s for s, q in self._active.items() if q.finish]:
+                    done.append(self._finish(self._active.pop(slot)))
+        finally:  # also when interrupted: the statistics cover what ran
+            self.stats.time_total_s += time.perf_counter() - t0
+        return done
+
+    def abort(self, handle: int) -> SequenceResult | None:
+        """Stop a request now (between steps): its slot, cache cells and speculator state are freed.
+        Returns its result (finish_reason "abort"), or None when the handle is not waiting or running."""
+        for p in self._pending:
+            if p.handle == handle:
+                self._pending.remove(p)
+                stats = SeqStats(prompt_tokens=len(p.req.prompt_ids))
+                result = SequenceResult(p.req.id, list(p.req.prompt_ids), [], "abort", stats, handle)
+                if p.on_finish is not None:
+                    p.on_finish(result)
+                return result
+        for slot, q in self._active.items():
+            if q.index == handle:
+                del self._active[slot]
+                q.finish = "abort"
+                return self._finish(q)
+        return None
+
+    def abort_all(self) -> list[SequenceResult]:
+        """Abort every waiting and running request."""
+        handles = [p.handle for p in self._pending] + [q.index for q in self._active.values()]
+        return [r for r in map(self.abort, handles) if r is not None]
+
     def run(self, requests: Sequence[Request],
             on_tokens: Callable[[int, list[int]], None] | None = None,
             on_finish: Callable[[SequenceResult], None] | None = None) -> list[SequenceResult]:
-        """Generate for every request; `on_tokens(request_index, new_ids)` streams as tokens come,
-        `on_finish(result)` is called as each request completes."""
+        """Generate for every request (all checked before any runs); `on_tokens(request_index, new_ids)`
+        streams as tokens come, `on_finish(result)` is called as each request completes."""
         for i, r in enumerate(requests):
-            if not r.prompt_ids:
-                raise SpecplugError(f"request {r.id if r.id is not None else i}: the prompt is empty")
-            bad = next((t for t in r.prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab)), None)
-            if bad is not None:
-                raise SpecplugError(f"request {r.id if r.id is not None else i}: token id {bad!r} is outside "
-                                    f"the vocabulary [0, {self.vocab})")
-            if len(r.prompt_ids) + 1 > self.max_ctx:
-                raise SpecplugError(f"request {r.id if r.id is not None else i}: the prompt has {len(r.prompt_ids)} "
-                                    f"tokens, more than the context size {self.max_ctx} allows (raise `context`)")
-        t_start = time.perf_counter()
-        pending = deque(enumerate(requests))
-        free = list(range(self.n_parallel))[::-1]
-        active: dict[int, _Seq] = {}
+            self.check_request(r, r.id if r.id is not None else i)
         results: list[SequenceResult | None] = [None] * len(requests)
+        handles: list[int] = []
         try:
-            while pending or active:
-                while pending and free:
-                    index, req = pending.popleft()
-                    seq = self._admit(free.pop(), index, req, on_tokens)
-                    if seq.finish:
-                        results[index] = self._finish(seq, free, on_finish)
-                    else:
-                        active[seq.slot] = seq
-                if active:
-                    self._step(list(active.values()), on_tokens)
-                    for slot in [s for s, q in active.items() if q.finish]:
-                        q = active.pop(slot)
-                        results[q.index] = self._finish(q, free, on_finish)
-        finally:  # also when interrupted: the statistics cover what ran
-            self.stats.time_total_s += time.perf_counter() - t_start
+            for i, r in enumerate(requests):
+                if r.seed is None:  # the seed a request gets from its index in the list, as before
+                    sp = r.sampling or self.sampling
+                    r = dataclasses.replace(r, seed=(sp.seed or 0) * 1_000_003 + i)
+
+                def tokens(ids, i=i):
+                    if on_tokens is not None:
+                        on_tokens(i, ids)
+
+                def finish(res, i=i):
+                    if res.finish_reason == "abort":  # run() aborts only when interrupted: not an answer
+                        return
+                    results[i] = res
+                    if on_finish is not None:
+                        on_finish(res)
+
+                handles.append(self.add(r, tokens, finish))
+            while self.has_work:
+                self.step()
+        except BaseException:
+            for h in handles:  # an interrupted run leaves the engine empty, ready for the next
+                self.abort(h)
+            raise
+        finally:
             self._collect_notes()
         return results  # type: ignore[return-value]
 
@@ -229,12 +348,12 @@ class Engine:
             if note:
                 self.stats.notes[s.name] = str(note)
 
-    def _finish(self, seq: _Seq, free: list[int], on_finish=None) -> SequenceResult:
+    def _finish(self, seq: _Seq) -> SequenceResult:
         self.cache.clear(seq.slot)
         for s in self.specs:
             s._seq.pop(seq.slot, None)
             self._call(s, "remove", seq_id=seq.slot, p0=0)
-        free.append(seq.slot)
+        self._free.append(seq.slot)
         gen = seq.tokens[len(seq.req.prompt_ids):]
         if seq.finish == "stop":
             gen = gen[:-1]
@@ -248,9 +367,10 @@ class Engine:
                         "(its finish_reason is \"context\"; further cuts are not reported)",
                         seq.req.id if seq.req.id is not None else seq.index, self.max_ctx)
         seq.stats.time_s = time.perf_counter() - seq.t_admit
-        result = SequenceResult(seq.req.id, list(seq.req.prompt_ids), gen, seq.finish or "length", seq.stats)
-        if on_finish is not None:
-            on_finish(result)
+        result = SequenceResult(seq.req.id, list(seq.req.prompt_ids), gen, seq.finish or "length", seq.stats,
+                                seq.index)
+        if seq.on_finish is not None:
+            seq.on_finish(result)
         return result
 
     def _forward(self, toks, pos, seqs, logits_rows=None):
@@ -259,37 +379,42 @@ class Engine:
         self.stats.time_target_s += time.perf_counter() - t0
         return out
 
-    def _admit(self, slot: int, index: int, req: Request, on_tokens) -> _Seq:
-        gen = None
-        if not self.sampling.greedy:
-            gen = torch.Generator().manual_seed((self.sampling.seed or 0) * 1_000_003 + index)
-        seq = _Seq(slot, req, index, list(req.prompt_ids), gen,
-                   SeqStats(prompt_tokens=len(req.prompt_ids)), t_admit=time.perf_counter())
+    def _admit(self, slot: int, p: _Pending) -> _Seq:
+        req, sp = p.req, p.sampling
+        gen = None if sp.greedy else torch.Generator().manual_seed(p.seed)
+        seq = _Seq(slot, req, p.handle, list(req.prompt_ids), gen, SeqStats(prompt_tokens=len(req.prompt_ids)), sp,
+                   p.on_tokens, p.on_finish, t_admit=time.perf_counter())
         seq.stats.by_speculator = {s.name: SpecStats() for s in self.specs}
         self.stats.prompt_tokens += len(req.prompt_ids)
         ids = req.prompt_ids
         logits = None
-        for a in range(0, len(ids), self.prefill_chunk):
-            b = min(len(ids), a + self.prefill_chunk)
-            last = b == len(ids)
-            out = self._forward(ids[a:b], list(range(a, b)), [slot] * (b - a), [b - a - 1] if last else [])
-            self._tell_committed([(ids[i], i, slot) for i in range(a, b)], None, out.hidden, True)
-            logits = out.logits
+        try:
+            for a in range(0, len(ids), self.prefill_chunk):
+                b = min(len(ids), a + self.prefill_chunk)
+                last = b == len(ids)
+                out = self._forward(ids[a:b], list(range(a, b)), [slot] * (b - a), [b - a - 1] if last else [])
+                self._tell_committed([(ids[i], i, slot) for i in range(a, b)], None, out.hidden, True)
+                logits = out.logits
+        except BaseException:  # the slot stays usable: nothing of this prompt is left behind
+            seq.finish = "abort"
+            self._finish(seq)
+            raise
         seq.stats.target_forwards += 1  # the forward that produced the first token
         self.stats.target_forwards += 1
-        probs = target_probs(logits.float().cpu(), self.sampling) if not self.sampling.greedy else None
+        probs = target_probs(logits.float().cpu(), sp) if not sp.greedy else None
         first = int(logits[0].argmax()) if probs is None else sample(probs[0], gen)
         seq.stats.time_prefill_s = time.perf_counter() - seq.t_admit
-        self._append(seq, [first], on_tokens)
+        self._append(seq, [first])
         return seq
 
-    def _append(self, seq: _Seq, new: list[int], on_tokens) -> None:
+    def _append(self, seq: _Seq, new: list[int]) -> None:
         room = self.max_ctx - 1
+        stop_ids = () if seq.req.ignore_eos else self.stop_ids
         out = []
         for t in new:
             seq.tokens.append(t)
             out.append(t)
-            if t in self.stop_ids:
+            if t in stop_ids:
                 seq.finish = "stop"
                 break
             if seq.generated >= seq.req.max_tokens:
@@ -298,8 +423,8 @@ class Engine:
             if len(seq.tokens) >= room:
                 seq.finish = "context"
                 break
-        if on_tokens is not None:
-            on_tokens(seq.index, [t for t in out if t not in self.stop_ids])
+        if seq.on_tokens is not None:
+            seq.on_tokens([t for t in out if t not in stop_ids])
 
     def _drafts(self, seqs: list[_Seq]) -> dict[int, tuple[Speculator, Draft]]:
         """Ask every speculator; keep per sequence the draft with most expected accepted tokens."""
@@ -310,11 +435,15 @@ class Engine:
                 continue
             reqs = []
             for q in seqs:
+                if q.req.speculators is not None and spec.name not in q.req.speculators:
+                    continue
                 st = spec.state(q.slot)
                 if st[2] > 0:  # paused after dead drafts
                     st[2] -= 1
                     continue
                 n_max = min(st[0], q.req.max_tokens - q.generated - 1, self.max_ctx - len(q.tokens) - 1)
+                if q.req.n_max is not None:
+                    n_max = min(n_max, q.req.n_max)
                 if n_max >= max(1, spec.policy.n_min):
                     reqs.append(DraftRequest(q.slot, q.tokens, n_max))
             if not reqs:
@@ -406,7 +535,7 @@ class Engine:
                             f"one per token, got {c!r}")
         return None
 
-    def _step(self, seqs: list[_Seq], on_tokens) -> None:
+    def _step(self, seqs: list[_Seq]) -> None:
         chosen = self._drafts(seqs) if self.specs else {}
         toks, pos, sids, spans = [], [], [], []
         for q in seqs:
@@ -424,7 +553,7 @@ class Engine:
         for q, (off, n) in zip(seqs, spans):
             d = chosen.get(q.slot)
             draft_ids = list(d[1].token_ids) if d else []
-            v = verify(out.logits[off:off + n], draft_ids, d[1].probs if d else None, self.sampling, q.gen)
+            v = verify(out.logits[off:off + n], draft_ids, d[1].probs if d else None, q.sampling, q.gen)
             p0 = len(q.tokens) - 1
             if v.n_accepted < len(draft_ids):
                 self.cache.seq_rm(q.slot, p0 + v.n_accepted + 1)
@@ -448,7 +577,7 @@ class Engine:
                     st[1] = st[1] + 1 if v.n_accepted == 0 else 0
                     if st[1] >= spec.policy.backoff:
                         st[2] = 1 << min(st[1] - spec.policy.backoff, 6)
-            self._append(q, draft_ids[:v.n_accepted] + [v.next_token], on_tokens)
+            self._append(q, draft_ids[:v.n_accepted] + [v.next_token])
         if self.specs:
             self._feedback(seqs, chosen, outcome)
             row_t = torch.tensor(rows, dtype=torch.long) if len(rows) != len(toks) else None
