@@ -1,4 +1,4 @@
-"""`specplug` command line: run, generate, plugins, bench, bench-runtime (+ plugin commands)."""
+"""`specplug` command line: run, serve, generate, plugins, bench, bench-runtime (+ plugin commands)."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +22,17 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
 
 
@@ -72,6 +83,16 @@ def _generate(cfg, records: list[dict], output: str | None, stats_path: str | No
     from specplug.generate import run_records
 
     return run_records(build_engine(cfg), cfg, records, output, stats_path, resume)
+
+
+def cmd_serve(args) -> int:
+    from specplug.config import load_config
+    from specplug.server import serve
+
+    overrides = {"parallel": args.parallel} if args.parallel is not None else {}
+    cfg = load_config(args.config, overrides)
+    return serve(cfg, args.host, args.port, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
+                 api_key=args.api_key, model_name=args.served_model_name, log_level=args.log_level)
 
 
 def cmd_plugins(args) -> int:
@@ -146,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=_positive, default=None,
                    help="overrides the config's max_tokens (the override is reported)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for the model and speculators of a YAML config")
+    p.add_argument("config")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--parallel", type=_positive, default=None,
+                   help="sequence slots (requests decoded at once); overrides the config's `parallel`")
+    p.add_argument("--max-queue", type=_non_negative, default=64,
+                   help="requests that may wait for a slot; beyond that the server answers 429 (default 64)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds to let requests in flight finish (default 30)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ endpoints")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the config's model)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="plain generation (no speculators)")
     _add_runtime_args(p)
