@@ -26,27 +26,34 @@ def test_requests_join_between_steps_and_equal_their_solo_runs(tiny_target, prom
     eng = make_engine(tiny_target, [RandomDrafts(vocab, seed=2)], n_parallel=3)
     got: dict[int, list[int]] = {}
     streamed: dict[int, list[int]] = {}
-    added = []
+    first_at: dict[int, int] = {}  # request -> step of its first token
+    done_at: dict[int, int] = {}
+    steps = 0
 
     def add(i):
-        h = eng.add(Request(prompts[i], 30, id=i), lambda ids, i=i: streamed.setdefault(i, []).extend(ids),
-                    lambda r: got.__setitem__(r.id, r.token_ids))
-        added.append(h)
+        def tokens(ids):
+            first_at.setdefault(i, steps)
+            streamed.setdefault(i, []).extend(ids)
 
-    add(0)
-    steps = 0
-    while eng.has_work or len(added) < len(prompts):
-        done = eng.step()
+        def finish(r):
+            got[r.id] = r.token_ids
+            done_at[r.id] = steps
+
+        return eng.add(Request(prompts[i], 30, id=i), tokens, finish)
+
+    handles = [add(0)]
+    while eng.has_work or len(handles) < len(prompts):
         steps += 1
+        done = eng.step()
         assert eng.n_running <= 3
-        if steps % 4 == 0 and len(added) < len(prompts):  # a new request arrives while others run
-            add(len(added))
-        assert all(r.handle in added for r in done)
-    assert added == list(range(len(prompts)))
+        assert all(r.handle in handles for r in done)
+        if steps % 4 == 0 and len(handles) < len(prompts):  # a new request arrives while others run
+            handles.append(add(len(handles)))
+    assert handles == list(range(len(prompts)))
     assert [got[i] for i in range(len(prompts))] == plain
     assert [streamed[i] for i in range(len(prompts))] == plain
-    # a late request did not wait for the first batch to drain: it started before request 0 ended
-    assert steps < sum(len(p) for p in plain)
+    # late requests joined the running batch: they started while the first one was still running
+    assert first_at[1] == 5 and first_at[2] == 9 and done_at[0] > 9
 
 
 def test_abort_frees_the_slot_for_the_next_request(tiny_target, prompts, plain):
