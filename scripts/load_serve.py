@@ -16,7 +16,8 @@ small asyncio + httpx SSE reader (it shares the machine's cores with the server:
     python scripts/load_serve.py examples/serve.yaml --parallel 1,4,8 --clients 16 --requests 8 \
         --max-tokens 128 --repeats 3 --json load.json [--llama-server /path/to/llama-server]
 
-Per run: tokens/s (completion tokens of all requests / wall time of the run), TTFT p50/p99,
+Per run: draft tokens accepted / drafted (specplug's `speculative_stats`, llama-server's `timings`),
+tokens/s (completion tokens of all requests / wall time of the run), TTFT p50/p99,
 ITL p50/p99 (gaps between streamed chunks; with speculation a chunk may carry several tokens),
 TPOT (per request: (latency - TTFT) / (tokens - 1)), errors (non-200, cut or short answers), and
 the server's peak RSS (VmHWM) after all its runs. Medians over the repeats are printed.
@@ -90,6 +91,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, max_token
     t0 = time.perf_counter()
     chunks: list[float] = []
     usage = None
+    drafted = accepted = 0
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -101,6 +103,10 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, max_token
                 obj = json.loads(line[6:])
                 if obj.get("usage"):
                     usage = obj["usage"]
+                spec = obj.get("speculative_stats") or obj.get("timings")  # specplug's, llama-server's
+                if spec:
+                    drafted = spec.get("drafted_tokens", spec.get("draft_n", 0))
+                    accepted = spec.get("accepted_tokens", spec.get("draft_n_accepted", 0))
                 for ch in obj.get("choices") or []:
                     if (ch.get("delta") or {}).get("content"):
                         chunks.append(time.perf_counter())
@@ -112,7 +118,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, max_token
         return {"error": f"answer of {n} tokens, expected {max_tokens}"}
     ttft = chunks[0] - t0
     return {"tokens": n, "ttft": ttft, "itl": [b - a for a, b in zip(chunks, chunks[1:])],
-            "tpot": (t1 - t0 - ttft) / max(1, n - 1), "latency": t1 - t0}
+            "tpot": (t1 - t0 - ttft) / max(1, n - 1), "latency": t1 - t0, "drafted": drafted, "accepted": accepted}
 
 
 async def load(url: str, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
@@ -138,7 +144,8 @@ async def load(url: str, model: str, prompts: list[str], clients: int, requests:
     return {"wall_s": wall, "requests": len(results), "errors": len(errors), "error_examples": errors[:3],
             "tokens": sum(r["tokens"] for r in good), "tok_s": sum(r["tokens"] for r in good) / wall,
             "ttft_p50": pct([r["ttft"] for r in good], 50), "ttft_p99": pct([r["ttft"] for r in good], 99),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "tpot_p50": pct([r["tpot"] for r in good], 50)}
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "tpot_p50": pct([r["tpot"] for r in good], 50),
+            "drafted": sum(r["drafted"] for r in good), "accepted": sum(r["accepted"] for r in good)}
 
 
 def mt_bench_prompts() -> list[str]:
@@ -188,7 +195,7 @@ def main() -> int:
             port = free_port()
             base = [args.llama_server, "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-np", str(par),
                     "-c", str(par * args.context), "-t", str(args.threads), "-tb", str(args.threads),
-                    "--no-webui", "--log-disable"]
+                    "--log-disable"]
             servers["llama-plain"] = Server(base, f"http://127.0.0.1:{port}")
             if "llama-spec" in modes:
                 port2 = free_port()
@@ -206,7 +213,8 @@ def main() -> int:
                     report["runs"].append(res)
                     print(f"parallel {par} {mode:<15} run {rep}: {res['tok_s']:7.1f} tok/s  ttft p50 "
                           f"{res['ttft_p50'] * 1e3:7.0f} ms  itl p50 {res['itl_p50'] * 1e3:6.1f} ms  "
-                          f"errors {res['errors']}", file=sys.stderr, flush=True)
+                          f"accepted {res['accepted']}/{res['drafted']}  errors {res['errors']}", file=sys.stderr,
+                          flush=True)
         finally:
             for name, srv in servers.items():
                 report["rss_mb"][f"{name}@{par}"] = round(srv.stop(), 1)
