@@ -483,11 +483,15 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const t
 
 }  // namespace
 
+// The GIL is released while a kernel runs (none touches Python objects), so other Python threads
+// (a server's event loop beside the engine thread) run meanwhile instead of waiting for the
+// interpreter's switch interval.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_rows", &quantize_rows, "rows -> Q8 blocks (optionally RMS-normalized first)");
-  m.def("silu_mul_quantize", &silu_mul_quantize, "silu(g) * u -> Q8 blocks");
-  m.def("matmul_q4_1", &matmul_q4_1, "Q8 activations x Q4_1 weight tiles");
-  m.def("matmul_q8_0", &matmul_q8_0, "Q8 activations x Q8_0 weight tiles");
-  m.def("rope_store", &rope_store, "RoPE (and q/k norm) in place, k/v into the cache");
-  m.def("attention", &attention, "causal attention over each row's sequence");
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("quantize_rows", &quantize_rows, "rows -> Q8 blocks (optionally RMS-normalized first)", nogil);
+  m.def("silu_mul_quantize", &silu_mul_quantize, "silu(g) * u -> Q8 blocks", nogil);
+  m.def("matmul_q4_1", &matmul_q4_1, "Q8 activations x Q4_1 weight tiles", nogil);
+  m.def("matmul_q8_0", &matmul_q8_0, "Q8 activations x Q8_0 weight tiles", nogil);
+  m.def("rope_store", &rope_store, "RoPE (and q/k norm) in place, k/v into the cache", nogil);
+  m.def("attention", &attention, "causal attention over each row's sequence", nogil);
 }
