@@ -3,6 +3,13 @@
 decode_ms at two contexts, T(k) for one forward of k new tokens after a 512-token context
 (and T(k)/T(1), the number that decides whether verifying drafts pays), prefill speed,
 4 sequences x 1 token vs 1 x 1, and peak RSS. Medians over repeats; prints and writes JSON.
+
+`--profile` (the `gguf` runtime) adds the roofline report: this machine's limits (a streaming
+read of 1 GB with the run's threads; the matmul kernels' own peak on weights that stay in
+cache), then per forward of k rows at several contexts the time in linears, activation
+quantization (norms fused), RoPE + KV store, attention, and the rest (Python and dispatch:
+the forward's time less its native calls), with the bytes of weights and KV read, the
+multiply-adds, and the achieved GB/s and G MAC/s of the linears.
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import resource
 import statistics
 import time
 
+import numpy as np
 import torch
 
 VERIFY_K = (1, 2, 3, 4, 6, 8, 12, 16, 32)
@@ -92,10 +100,168 @@ def format_report(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(model, repeats: int, json_path: str | None) -> dict:
+def main(model, repeats: int, json_path: str | None, with_profile: bool = False) -> dict:
     res = run_bench(model, repeats)
     print(format_report(res))
+    if with_profile:
+        res["profile"] = profile(model, max(5, repeats // 2))
+        print(format_profile(res["profile"]))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(res, f, indent=2)
     return res
+
+
+# --- the roofline report (--profile) ----------------------------------------------------------------
+PROFILE_K = (1, 2, 4, 8, 16)
+PROFILE_CTX = (128, 512, 1024)
+_CATEGORY = {"matmul_q4_1": "linear", "matmul_q8_0": "linear", "quantize_rows": "quantize",
+             "silu_mul_quantize": "quantize", "rope_store": "rope_store", "attention": "attention"}
+
+
+class _Timed:
+    """Stands in for the kernel module: times every call and adds up bytes and multiply-adds."""
+
+    def __init__(self, ext):
+        self._ext = ext
+        self.reset()
+
+    def reset(self) -> None:
+        self.time = dict.fromkeys(set(_CATEGORY.values()), 0.0)
+        self.weight_bytes = 0
+        self.linear_macs = 0
+        self.attn_macs = 0
+        self.kv_bytes = 0
+
+    def __getattr__(self, name):
+        fn = getattr(self._ext, name)
+        cat = _CATEGORY.get(name)
+        if cat is None:
+            return fn
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.time[cat] += time.perf_counter() - t0
+            if cat == "linear":
+                xa, qs, d = args[0], args[1], args[2]
+                m = args[3] if name == "matmul_q4_1" else None
+                self.weight_bytes += qs.numel() + 2 * d.numel() + (2 * m.numel() if m is not None else 0)
+                self.linear_macs += xa[0].shape[0] * xa[0].shape[1] * args[-1]
+            elif cat == "attention":
+                q, kc, valid, seq, pos, H = args[0], args[1], args[5], args[3], args[4], args[6]
+                D = kc.shape[3]
+                cells = sum(int(valid[s, : p + 1].sum()) for s, p in zip(seq.tolist(), pos.tolist()))
+                self.attn_macs += 2 * H * D * cells
+                # K and V of every sequence in the batch, read at least once
+                for s in set(seq.tolist()):
+                    self.kv_bytes += 2 * kc.shape[1] * int(valid[s].sum()) * D * kc.element_size()
+            return out
+
+        return timed
+
+
+def _machine_limits(threads: int) -> dict:
+    """Streaming-read GB/s (a 1 GB float32 sum) and the kernels' peak G MAC/s (Q4_1 and Q8_0
+    weights that stay in cache, 64 rows)."""
+    from specplug.runtime.native import QuantLinear
+
+    x = torch.ones(256 * 1024 * 1024)  # 1 GiB
+    x.sum()
+    gbs = 1024 ** 3 / (_median_ms(lambda: x.sum(), 5, warmup=1) / 1e3) / 1e9
+    del x
+    out = {"threads": threads, "stream_read_gb_s": round(gbs, 1)}
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 576, generator=g)
+    a = torch.randn(64, 576, generator=g)
+    q8 = QuantLinear.from_float(w)
+    # a Q4_1 linear from the same shape: 20-byte blocks of (d, m, 16 nibble bytes)
+    nb = 576 // 32
+    raw = np.zeros((512, nb, 20), dtype=np.uint8)
+    raw[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw[:, :, 2:4] = np.frombuffer(np.float16(-0.05).tobytes(), np.uint8)
+    raw[:, :, 4:] = np.random.default_rng(0).integers(0, 256, (512, nb, 16), dtype=np.uint8)
+    q4 = QuantLinear.from_blocks(raw.reshape(512, -1), "Q4_1", (512, 576))
+    for name, lin in (("q4_1", q4), ("q8_0", q8)):
+        xa = lin.quantize(a)
+        ms = _median_ms(lambda: [lin.matmul(xa) for _ in range(50)], 5, warmup=1) / 50
+        out[f"peak_gmac_s_{name}"] = round(64 * 512 * 576 / (ms / 1e3) / 1e9, 1)
+    return out
+
+
+def profile(model, repeats: int = 10) -> dict:
+    """The roofline report of the gguf runtime (see the module docstring)."""
+    from specplug.runtime import native
+    from specplug.runtime.native import QuantLinear
+
+    if model.quant != "gguf":
+        raise SystemExit("--profile reports on the gguf runtime (quant: gguf)")
+    limits = _machine_limits(torch.get_num_threads())
+    timed = _Timed(native.kernels())
+    lins = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.head]
+
+    def instrument(on: bool) -> None:
+        """Time every kernel call apart (the layers' fused one-call path off) or run as usual."""
+        k = timed if on else timed._ext
+        for lin in lins:
+            if isinstance(lin, QuantLinear):
+                lin.k = k
+        for layer in model.layers:
+            layer._k = k
+            layer.fused = not on
+
+    cache = model.new_cache(1, 2048)
+    rows = []
+    for ctx in PROFILE_CTX:
+        cache.clear(0)
+        _fill(model, cache, 0, ctx)
+        for k in PROFILE_K:
+            def fwd():
+                model.forward([7] * k, list(range(ctx, ctx + k)), [0] * k, cache, logits_rows=None)
+                cache.seq_rm(0, ctx)
+            total = _median_ms(fwd, repeats)  # as the engine runs it: one native call per layer
+            for layer in model.layers:
+                layer.fused = False
+            unfused = _median_ms(fwd, repeats)  # one native call per kernel, untimed
+            instrument(True)
+            parts = []
+            for _ in range(repeats):
+                timed.reset()
+                fwd()
+                parts.append(dict(timed.time))
+            instrument(False)
+            med = {c: statistics.median(p[c] for p in parts) * 1e3 for c in parts[0]}
+            native_ms = sum(med.values())
+            lin_s = med["linear"] / 1e3
+            rows.append({"ctx": ctx, "k": k, "total_ms": round(total, 3), "unfused_ms": round(unfused, 3),
+                         **{f"{c}_ms": round(v, 3) for c, v in med.items()},
+                         # what the unfused forward spends outside its kernel calls
+                         "python_dispatch_ms": round(max(0.0, unfused - native_ms), 3),
+                         "weight_mb": round(timed.weight_bytes / 1e6, 1), "kv_mb": round(timed.kv_bytes / 1e6, 1),
+                         "linear_gmacs": round(timed.linear_macs / 1e9, 3), "attn_gmacs": round(timed.attn_macs / 1e9, 4),
+                         "linear_gb_s": round(timed.weight_bytes / lin_s / 1e9, 1),
+                         "linear_gmac_s": round(timed.linear_macs / lin_s / 1e9, 1)})
+    return {"limits": limits, "rows": rows}
+
+
+def format_profile(prof: dict) -> str:
+    lim = prof["limits"]
+    lines = [f"machine: streaming read {lim['stream_read_gb_s']} GB/s ({lim['threads']} threads); kernel peak "
+             f"{lim['peak_gmac_s_q4_1']} G MAC/s (Q4_1), {lim['peak_gmac_s_q8_0']} G MAC/s (Q8_0)",
+             "total: the forward as the engine runs it (one native call per layer); the columns after it time each "
+             "kernel of a forward that calls them one by one (unfused), py+disp = unfused - its kernels",
+             f"{'ctx':>5} {'k':>3} {'total':>7} {'unfused':>7} {'linear':>7} {'quant':>6} {'rope':>6} {'attn':>6} {'py+disp':>7} "
+             f"{'W MB':>6} {'KV MB':>6} {'GMAC':>6} {'GB/s':>6} {'GMAC/s':>7}  (ms unless noted)"]
+    for r in prof["rows"]:
+        lines.append(f"{r['ctx']:>5} {r['k']:>3} {r['total_ms']:>7.2f} {r['unfused_ms']:>7.2f} {r['linear_ms']:>7.2f} {r['quantize_ms']:>6.2f} "
+                     f"{r['rope_store_ms']:>6.2f} {r['attention_ms']:>6.2f} {r['python_dispatch_ms']:>7.2f} "
+                     f"{r['weight_mb']:>6.1f} {r['kv_mb']:>6.1f} {r['linear_gmacs']:>6.2f} {r['linear_gb_s']:>6.1f} "
+                     f"{r['linear_gmac_s']:>7.1f}")
+    lines.append("roofline of the linears per forward: max(weight bytes / streaming GB/s, MACs / kernel peak)")
+    for r in prof["rows"]:
+        if r["ctx"] == 512:
+            mem = r["weight_mb"] / 1e3 / lim["stream_read_gb_s"] * 1e3
+            comp = r["linear_gmacs"] / lim["peak_gmac_s_q4_1"] * 1e3
+            lines.append(f"  k={r['k']:<3} memory {mem:6.2f} ms, compute {comp:6.2f} ms -> bound {max(mem, comp):6.2f} ms; "
+                         f"measured {r['linear_ms']:6.2f} ms ({max(mem, comp) / r['linear_ms']:.0%} of the bound)")
+    return "\n".join(lines)

@@ -116,7 +116,7 @@ def cmd_bench_runtime(args) -> int:
     from specplug.runtime import load_target
 
     target = load_target(args.model, args.device, args.dtype, args.quant, args.threads or 2)
-    bench_main(target.model, args.repeats, args.json)
+    bench_main(target.model, args.repeats, args.json, args.profile)
     return 0
 
 
@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_args(p)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the figures as JSON")
+    p.add_argument("--profile", action="store_true",
+                   help="add the roofline report: time per kernel, bytes, multiply-adds, against this machine's limits")
     p.set_defaults(func=cmd_bench_runtime)
 
     try:

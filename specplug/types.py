@@ -30,7 +30,10 @@ class TargetInfo:
     dtype: torch.dtype
     n_seq: int  # parallel sequences the run may have in flight (sequence ids are 0..n_seq-1)
     max_ctx: int  # positions per sequence
-    token_embeddings: torch.Tensor | None = field(default=None, repr=False)  # [vocab, n_embd] the target's input embedding table (shared, read-only)
+    # [vocab, n_embd] the target's input embedding table (shared, read-only): index it like a tensor,
+    # `token_embeddings[ids]` -> float rows [..., n_embd]; on CPU a specplug.runtime.TokenEmbeddings
+    # (the file's quantized blocks, rows dequantized as looked up; `.dense()` for the whole table)
+    token_embeddings: Any = field(default=None, repr=False)
     # the target's output norm + vocabulary projection (specplug.runtime.OutputHead): heads that share
     # them (MTP, DFlash) take `output_head.linear(rows)` for logits over all or some vocabulary rows
     output_head: Any = field(default=None, repr=False)

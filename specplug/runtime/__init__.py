@@ -5,11 +5,12 @@ from dataclasses import dataclass
 
 from specplug.runtime.gguf_file import GGUFFile, ModelConfig
 from specplug.runtime.kv_cache import KVCache
-from specplug.runtime.model import ForwardOutput, OutputHead, Transformer
+from specplug.runtime.model import ForwardOutput, OutputHead, TokenEmbeddings, Transformer
 from specplug.runtime.resolve import resolve_model
 from specplug.runtime.tokenizer import Tokenizer
 
-__all__ = ["GGUFFile", "ModelConfig", "KVCache", "ForwardOutput", "Transformer", "OutputHead", "Tokenizer", "resolve_model",
+__all__ = ["GGUFFile", "ModelConfig", "KVCache", "ForwardOutput", "Transformer", "OutputHead", "TokenEmbeddings", "Tokenizer",
+           "resolve_model",
            "Target", "load_target"]
 
 

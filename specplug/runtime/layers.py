@@ -90,9 +90,16 @@ class Backend:
         w = dequantize(np.ascontiguousarray(raw), GGMLQuantizationType[qtype]).reshape(shape)
         return self.linear(torch.from_numpy(np.array(w, dtype=np.float32)), bias, norm_weight)
 
-    def new_cache(self, n_layer: int, n_seq: int, max_ctx: int, n_head_kv: int, head_dim: int) -> KVCache:
-        """A KV cache these layers can use (float32 on CPU, the model dtype elsewhere)."""
-        dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+    def new_cache(self, n_layer: int, n_seq: int, max_ctx: int, n_head_kv: int, head_dim: int,
+                  dtype: torch.dtype | None = None) -> KVCache:
+        """A KV cache these layers can use. Default dtype: float16 on the native kernels (they store
+        keys and values rounded to float16 and widen them as they read: half the memory and the
+        bytes attention reads; every row sees the same rounded values, so batch invariance holds),
+        float32 for torch on CPU, the model dtype elsewhere."""
+        if dtype is None:
+            dtype = torch.float16 if self.native else (torch.float32 if self.device.type == "cpu" else self.dtype)
+        if self.native and dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"the native kernels keep K/V in float16 or float32, not {dtype}")
         return KVCache(n_layer, n_seq, max_ctx, n_head_kv, head_dim, dtype, self.device)
 
 
@@ -160,8 +167,8 @@ class Step:
         self.native = backend.native
         if self.native:
             _note_batch(positions, seq_ids, cache)
-            if cache.k.dtype != torch.float32 or cache.k.device.type != "cpu":
-                raise ValueError("the native kernels need a float32 CPU cache (make it with Backend.new_cache)")
+            if cache.k.dtype not in (torch.float16, torch.float32) or cache.k.device.type != "cpu":
+                raise ValueError("the native kernels need a float16 or float32 CPU cache (make it with Backend.new_cache)")
             self.seq = torch.tensor(seq_ids, dtype=torch.int32)
             self.pos = torch.tensor(positions, dtype=torch.int32)
             cache.valid[self.seq.long(), self.pos.long()] = True
@@ -215,11 +222,21 @@ class DecoderLayer:
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.shape, self.eps = shape, eps
         self.q_norm, self.k_norm = q_norm, k_norm
+        self._fused = None  # all four linears on the native kernels: the whole layer is one native call
         if isinstance(qkv, QuantLinear):
             self._k = native.kernels()
+            if all(isinstance(m, QuantLinear) for m in (o, gate_up, down)) and qkv.norm_weight is not None \
+                    and gate_up.norm_weight is not None:
+                self._fused = tuple(v for m in (qkv, o, gate_up, down) for v in m.packed())
+        self.fused = True  # False: one native call per kernel (the profiler times them apart)
 
     def __call__(self, x: torch.Tensor, step: Step, li: int, attn_in: torch.Tensor | None = None) -> torch.Tensor:
         """The layer on residual rows x [rows, n_embd], writing K/V into layer `li` of step.cache."""
+        if attn_in is None and step.native and self._fused is not None and self.fused:
+            S, cache = self.shape, step.cache
+            return self._k.layer_forward(x.contiguous(), *self._fused, self.q_norm, self.k_norm, self.eps, cache.k[li],
+                                         cache.v[li], step.seq, step.pos, cache.valid, step.cos, step.sin, S.n_head,
+                                         S.n_head_kv, S.head_dim ** -0.5, step.limit)
         return self.ffn(self.attention(x, step, li, attn_in))
 
     def attention(self, x: torch.Tensor, step: Step, li: int, attn_in: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,10 +29,11 @@ QUANTS = ("auto", "none", "int8", "gguf")
 # `specplug bench-runtime` (SmolLM2-135M, 2 threads, median of 3; README). The engine trims drafts
 # that carry confidences to the length where one more row costs more than it is expected to save.
 # CPU float32 (and int8, not measured apart) is flat because one row is already slow; the gguf
-# kernels are fast at one row, so each extra row costs ~0.15-0.3 of a step. CUDA: not measured
+# kernels are fast at one row (3.4 ms after 512 tokens, 2026-11-23), so each extra row costs
+# ~0.25-0.35 of a step: its compute, at the kernels' peak (`bench-runtime --profile`). CUDA: not measured
 # here (no GPU was lent); a small model's forward is launch-bound for dozens of rows, hence nearly flat.
 VERIFY_COST_CURVES = {
-    "gguf": ((1, 1.0), (2, 1.15), (3, 1.35), (4, 1.60), (6, 2.23), (8, 2.83), (12, 4.03), (16, 5.22), (32, 9.91)),
+    "gguf": ((1, 1.0), (2, 1.27), (3, 1.58), (4, 1.76), (6, 2.66), (8, 3.21), (12, 4.85), (16, 6.86), (32, 12.39)),
     "cpu": ((1, 1.0), (2, 1.11), (3, 1.17), (4, 1.29), (6, 1.39), (8, 1.54), (12, 1.79), (16, 2.07), (32, 3.06)),
     "cuda": ((1, 1.0), (32, 1.3)),
 }
@@ -135,6 +136,61 @@ class OutputHead:
         return w if rows is None else w[torch.as_tensor(list(rows), dtype=torch.long)]
 
 
+class TokenEmbeddings:
+    """The token embedding table as stored in the file, indexed like a [vocab, n_embd] tensor.
+
+    `table[ids]` (ids: an int, a list or a long tensor of any shape) gathers the asked-for rows
+    and dequantizes just those: exactly the float values a dequantized copy of the whole table
+    holds, without the copy (49k x 576 float32 = 113 MB for SmolLM2, against the 30 MB of
+    Q8_0 blocks that stay in the memory-mapped file). Rows come back in `dtype` on `device`.
+    `dense()` (or `.to(...)`, `.float()`) makes the whole float table, for code that needs it.
+    """
+
+    def __init__(self, raw: np.ndarray, qtype: str, shape: tuple[int, int], device: torch.device,
+                 dtype: torch.dtype):
+        self._raw, self._qtype = raw, qtype  # [vocab, bytes per row], the file's own blocks
+        self.shape = torch.Size(shape)
+        self.device, self.dtype = device, dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, ids) -> torch.Tensor:
+        idx = torch.as_tensor(ids, dtype=torch.long).cpu()
+        flat = idx.reshape(-1).numpy()
+        if len(flat) and (flat.min() < -self.shape[0] or flat.max() >= self.shape[0]):
+            raise IndexError(f"token id out of range for an embedding table of {self.shape[0]} rows")
+        rows = self._rows(np.ascontiguousarray(self._raw[flat]))
+        return rows.reshape(*idx.shape, self.shape[1]).to(self.device, self.dtype)
+
+    def _rows(self, raw: np.ndarray) -> torch.Tensor:
+        n = raw.shape[0]
+        if self._qtype == "Q8_0":  # the common case, in torch: f16 scale x int8, exact in float32
+            blocks = torch.from_numpy(raw).view(n, -1, native.Q8_0_BLOCK)
+            d = blocks[..., :2].contiguous().view(torch.float16).float()
+            return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).reshape(n, -1)
+        if self._qtype in ("F32", "F16", "BF16"):
+            np_dtype = {"F32": np.float32, "F16": np.float16}.get(self._qtype)
+            if np_dtype is None:  # bfloat16: the high half of a float32
+                return torch.from_numpy(raw.view(np.int16).astype(np.int32) << 16).view(torch.float32)
+            return torch.from_numpy(raw.view(np_dtype).astype(np.float32))
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[self._qtype]), dtype=np.float32)
+                                .reshape(n, self.shape[1]))
+
+    def dense(self) -> torch.Tensor:
+        """The whole table as a float tensor [vocab, n_embd] in `dtype` on `device`."""
+        return self[torch.arange(self.shape[0])]
+
+    def to(self, *args, **kwargs) -> torch.Tensor:
+        return self.dense().to(*args, **kwargs)
+
+    def float(self) -> torch.Tensor:
+        return self.dense().float()
+
+
 class Transformer:
     """A llama/qwen2/qwen3 decoder loaded from GGUF. Use `Transformer.load(path, ...)`."""
 
@@ -204,11 +260,14 @@ class Transformer:
                 gate_up=lin([p + "ffn_gate.weight", p + "ffn_up.weight"], None, None, t(p + "ffn_norm.weight")),
                 down=lin([p + "ffn_down.weight"]),
                 shape=shape, eps=cfg.rms_eps, q_norm=q_norm, k_norm=k_norm))
-        emb = t("token_embd.weight")
-        if emb.shape != (cfg.vocab_size, cfg.n_embd):
-            raise ModelError(f"{gguf.path}: token_embd.weight has shape {tuple(emb.shape)}, "
+        emb_shape = gguf.shape("token_embd.weight")
+        if emb_shape != (cfg.vocab_size, cfg.n_embd):
+            raise ModelError(f"{gguf.path}: token_embd.weight has shape {emb_shape}, "
                              f"expected ({cfg.vocab_size}, {cfg.n_embd})")
-        self.embed = emb.to(device, dtype)  # [vocab, n_embd]
+        # [vocab, n_embd]: on CPU the file's blocks, rows dequantized as they are looked up; on an
+        # accelerator a dense table in device memory (a gather there costs nothing)
+        table = TokenEmbeddings(*gguf.raw("token_embd.weight"), device, dtype)
+        self.embed: TokenEmbeddings | torch.Tensor = table if device.type == "cpu" else table.dense()
         out_norm = t("output_norm.weight")
         self.norm = vec(out_norm)  # [n_embd]: the head applies it (norm_linear); kept for callers of taps
         head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
@@ -231,10 +290,11 @@ class Transformer:
         key = "gguf" if self.quant == "gguf" else ("cuda" if self.device.type == "cuda" else "cpu")
         return interpolate_cost(VERIFY_COST_CURVES[key], n_rows)
 
-    def new_cache(self, n_seq: int, max_ctx: int) -> KVCache:
-        """A KV cache for `n_seq` sequences of up to `max_ctx` positions each."""
+    def new_cache(self, n_seq: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A KV cache for `n_seq` sequences of up to `max_ctx` positions each (dtype: see
+        Backend.new_cache; float16 on the gguf kernels)."""
         cfg = self.config
-        return self.backend.new_cache(cfg.n_layer, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim)
+        return self.backend.new_cache(cfg.n_layer, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, dtype)
 
     @torch.inference_mode()
     def forward(
@@ -261,7 +321,8 @@ class Transformer:
         n = len(token_ids)
         assert n == len(positions) == len(seq_ids) and n > 0, (n, len(positions), len(seq_ids))
         step = Step(positions, seq_ids, cache, self.rope, self.backend)
-        x = step.rows(self.embed[torch.as_tensor(token_ids, dtype=torch.long, device=self.device)])
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        x = step.rows(self.embed[ids if isinstance(self.embed, TokenEmbeddings) else ids.to(self.device)])
         hidden: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):
             if li in taps:

@@ -199,6 +199,12 @@ class QuantLinear:
         tiles = _f16_as_i16(d.reshape(nt, 8, nb).transpose(0, 2, 1))
         return cls("q8_0", torch.from_numpy(np.ascontiguousarray(qs)), tiles, None, n, **kw)
 
+    def packed(self) -> tuple[list[torch.Tensor], int]:
+        """([qs, d, m, bias, norm_weight], out_features) as the fused layer kernel takes them (absent: empty)."""
+        e = torch.empty(0)
+        return [self.qs, self.d, self.m if self.m is not None else e, self.bias if self.bias is not None else e,
+                self.norm_weight if self.norm_weight is not None else e], self.out_features
+
     # ---- use ----------------------------------------------------------------------------
     def quantize(self, x: torch.Tensor, norm: bool = False, eps: float = 0.0):
         return self.k.quantize_rows(x, self.norm_weight if norm else None, eps)
