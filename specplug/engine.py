@@ -60,6 +60,13 @@ class Speculator:
         """Per-token acceptance estimate with a weak prior (so a new speculator gets tried)."""
         return (self.stats.accepted_tokens + 1) / (self.stats.drafted_tokens + 2)
 
+    def position_acceptance(self, n: int) -> tuple[float, ...]:
+        """Measured acceptance of draft tokens 0..n-1, each given the ones before it were accepted,
+        with a weak prior of 1/2 (so positions not yet tried get tried)."""
+        st = self.stats
+        return tuple((st.accepted_at[i] + 1) / (st.reached_at[i] + 2) if i < len(st.reached_at) else 0.5
+                     for i in range(n))
+
     def state(self, seq: int) -> list[int]:
         st = self._seq.get(seq)
         if st is None:
@@ -467,6 +474,11 @@ class Engine:
                     d = _cut(d, cut)
                 if len(d) < spec.policy.n_min or len(d) == 0:
                     continue
+                # A draft without confidences is valued with what this speculator's drafts measured
+                # per position: so it is cut where its rows stop paying (one bad first draft does
+                # not silence a speculator for good, as a single per-token rate x length did)
+                if d.confidence is None and spec.policy.cost_trim:
+                    d = Draft(d.token_ids, d.probs, spec.position_acceptance(len(d)))
                 # expected accepted tokens less the extra verification rows (units of one-row forwards)
                 if d.confidence is not None and spec.policy.cost_trim:
                     k, score = _best_prefix(d.confidence, cost)  # the batch-wide _trim may cut further

@@ -105,7 +105,7 @@ def test_cache_stays_in_step_when_another_speculator_wins(tiny_target, other_ggu
     oracle = Oracle({tuple(p): g for p, g in zip(prompts[:3], plain)})
     d = Checked(DraftModel.Params(model=str(other_gguf), device="cpu", quant="none"), target_info(tiny_target, 2, CTX))
     eng = assert_greedy_equal(tiny_target, [speculator(oracle, "oracle", n_max=8), speculator(d, "draft", n_max=3)],
-                              prompts[:3], 24, n_parallel=2, strict=True)
+                              prompts[:3], 24, n_parallel=2, strict=True, allow_unverified=True)
     assert eng.stats.speculators["oracle"].drafts > 3 * eng.stats.speculators["draft"].drafts
     assert d.recomputed > 3
     assert all(h == [] for h in d.held)

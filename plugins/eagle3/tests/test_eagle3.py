@@ -15,7 +15,7 @@ from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
 from specplug.runtime import load_target
 from specplug.testing import (assert_greedy_equal, greedy_outputs, make_engine, make_train_data, repetitive_prompts,
-                              write_tiny_gguf)
+                              speculator, write_tiny_gguf)
 from specplug.train.loop import LoopOptions, train
 from specplug.types import Batch, DraftRequest
 from specplug_eagle3.head import Eagle3Runtime
@@ -90,7 +90,7 @@ def test_trained_head_beats_untrained_head(tiny, data, trained, work):
 def test_fused_state_pairing_after_rejections_equals_a_fresh_replay(tiny, trained):
     target = _target(tiny, "gguf")
     spec = _eagle(target, trained, stop_below=0.0)
-    eng = make_engine(target, [spec], n_parallel=3, max_ctx=512)
+    eng = make_engine(target, [speculator(spec, "eagle3", cost_trim=False)], n_parallel=3, max_ctx=512)  # every draft verified
     for r in [Request(p, 30) for p in _ids(target, 3)]:
         eng.add(r)
     for _ in range(9):  # nine draft-verify steps (all three admitted at the first), then stop mid-generation

@@ -99,7 +99,7 @@ def test_head_cache_after_rejections_equals_a_fresh_replay(tiny, trained):
     from specplug.testing import make_engine
 
     spec = _mtp(target, trained, stop_below=0.0)
-    eng = make_engine(target, [spec], n_parallel=3, max_ctx=512)
+    eng = make_engine(target, [speculator(spec, "mtp", cost_trim=False)], n_parallel=3, max_ctx=512)  # every draft verified
     for r in [Request(p, 30) for p in prompts]:
         eng.add(r)
     for _ in range(9):  # nine draft-verify steps (all three admitted at the first), then stop mid-generation
