@@ -98,7 +98,8 @@ class Draft:
     # Optional, one per token: the drafter's estimate of the probability that the target accepts
     # token i given that tokens before it were accepted. With it the host trims the draft to the
     # length where one more verification row costs more than it is expected to save, and
-    # compares drafts of several speculators by expected tokens; without it, by measured acceptance.
+    # compares drafts of several speculators by expected tokens; without it the host does the same
+    # with the speculator's measured acceptance per draft position.
     confidence: tuple[float, ...] | None = None
 
     def __len__(self) -> int:
