@@ -88,6 +88,16 @@ class Server:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict, max_tokens: int) -> dict:
+    """One streamed answer. A kept-alive connection the server closed before answering (llama-server's
+    HTTP library does that after a few requests) is retried once on a new one: nothing was sent back."""
+    for attempt in (0, 1):
+        res = await _one_request(client, url, body, max_tokens)
+        if not (attempt == 0 and res.get("error", "").startswith("RemoteProtocolError: Server disconnected")):
+            return res
+    return res
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, body: dict, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     chunks: list[float] = []
     usage = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+from pathlib import Path
 
 from specplug.api import build_engine, prompt_ids
 from specplug.bench.cli import select_prompts
@@ -95,7 +96,7 @@ def longest_match_cut(prompt, gen, cost, n_max, match_max=16):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="examples/bench-ngram.yaml")
+    ap.add_argument("--config", default=str(Path(__file__).resolve().parent.parent / "examples" / "bench-ngram.yaml"))
     ap.add_argument("--data", default="spec_bench")
     ap.add_argument("--categories", default="summarization,rag")
     ap.add_argument("--limit", type=int, default=20)
