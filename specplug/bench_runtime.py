@@ -149,7 +149,7 @@ class _Timed:
                 self.weight_bytes += qs.numel() + 2 * d.numel() + (2 * m.numel() if m is not None else 0)
                 self.linear_macs += xa[0].shape[0] * xa[0].shape[1] * args[-1]
             elif cat == "attention":
-                q, kc, valid, seq, pos, H = args[0], args[1], args[5], args[3], args[4], args[6]
+                kc, seq, pos, valid, H = args[1], args[3], args[4], args[5], args[6]
                 D = kc.shape[3]
                 cells = sum(int(valid[s, : p + 1].sum()) for s, p in zip(seq.tolist(), pos.tolist()))
                 self.attn_macs += 2 * H * D * cells
@@ -167,7 +167,6 @@ def _machine_limits(threads: int) -> dict:
     from specplug.runtime.native import QuantLinear
 
     x = torch.ones(256 * 1024 * 1024)  # 1 GiB
-    x.sum()
     gbs = 1024 ** 3 / (_median_ms(lambda: x.sum(), 5, warmup=1) / 1e3) / 1e9
     del x
     out = {"threads": threads, "stream_read_gb_s": round(gbs, 1)}

@@ -2,7 +2,8 @@
 
 Each step every enabled speculator drafts for every active sequence (one hook call per
 speculator, covering all sequences); per sequence the draft with the highest expected
-number of accepted tokens (the speculator's measured acceptance x draft length) is kept;
+number of accepted tokens (its confidences, or the speculator's measured acceptance per
+draft position, less the cost of the extra verification rows) is kept;
 one target forward verifies all sequences; rejected positions leave the target's KV cache
 and every speculator's context; the committed tokens (with the hidden states speculators
 asked for) go to `process_batch`. With no speculators this is plain decoding on the same
@@ -114,7 +115,7 @@ class _Pending:
 class _Seq:
     slot: int
     req: Request
-    index: int  # the handle
+    handle: int  # what Engine.add returned
     tokens: list[int]  # prompt + generated; tokens[-1] is not yet in the target cache
     gen: torch.Generator | None
     stats: SeqStats
@@ -242,7 +243,7 @@ class Engine:
         self.check_request(req, req.id if req.id is not None else handle)
         self._next_handle += 1
         sp = req.sampling or self.sampling
-        seed = req.seed if req.seed is not None else (sp.seed or 0) * 1_000_003 + handle
+        seed = req.seed if req.seed is not None else _derived_seed(sp, handle)
         self._pending.append(_Pending(handle, req, sp, seed, on_tokens, on_finish))
         return handle
 
@@ -293,7 +294,7 @@ class Engine:
                     p.on_finish(result)
                 return result
         for slot, q in self._active.items():
-            if q.index == handle:
+            if q.handle == handle:
                 del self._active[slot]
                 q.finish = "abort"
                 return self._finish(q)
@@ -301,7 +302,7 @@ class Engine:
 
     def abort_all(self) -> list[SequenceResult]:
         """Abort every waiting and running request."""
-        handles = [p.handle for p in self._pending] + [q.index for q in self._active.values()]
+        handles = [p.handle for p in self._pending] + [q.handle for q in self._active.values()]
         return [r for r in map(self.abort, handles) if r is not None]
 
     def run(self, requests: Sequence[Request],
@@ -316,8 +317,7 @@ class Engine:
         try:
             for i, r in enumerate(requests):
                 if r.seed is None:  # the seed a request gets from its index in the list, as before
-                    sp = r.sampling or self.sampling
-                    r = dataclasses.replace(r, seed=(sp.seed or 0) * 1_000_003 + i)
+                    r = dataclasses.replace(r, seed=_derived_seed(r.sampling or self.sampling, i))
 
                 def tokens(ids, i=i):
                     if on_tokens is not None:
@@ -372,10 +372,10 @@ class Engine:
             self._warned_context = True
             log.warning("request %r was cut at the context size (%d positions) before max_tokens; raise `context` "
                         "(its finish_reason is \"context\"; further cuts are not reported)",
-                        seq.req.id if seq.req.id is not None else seq.index, self.max_ctx)
+                        seq.req.id if seq.req.id is not None else seq.handle, self.max_ctx)
         seq.stats.time_s = time.perf_counter() - seq.t_admit
         result = SequenceResult(seq.req.id, list(seq.req.prompt_ids), gen, seq.finish or "length", seq.stats,
-                                seq.index)
+                                seq.handle)
         if seq.on_finish is not None:
             seq.on_finish(result)
         return result
@@ -502,7 +502,7 @@ class Engine:
         accepted token saves (a sequence's share of a plain step, T(B)/B for B sequences) is at
         least what the row adds to the forward, T(R+1) - T(R), R being the rows taken so far.
         Rows go to the most probable tokens of all sequences first (cumulative probabilities
-        only fall along a draft), drafts without confidences are kept whole.
+        only fall along a draft); drafts of speculators with `cost_trim: false` are kept whole.
         """
         cost = self.model.verify_cost
         rows = n_seqs + sum(len(d) for s, d in chosen.values() if d.confidence is None or not s.policy.cost_trim)
@@ -609,6 +609,11 @@ class Engine:
                     q = next(q for q in seqs if q.slot == slot)
                     self._call(spec, "remove", seq_id=slot, p0=len(q.tokens) - 1)
             self._call(spec, "verified", results=results)
+
+
+def _derived_seed(sp: SamplingParams, index: int) -> int:
+    """The sampling seed of a request that gives none: from the engine's seed and its index."""
+    return (sp.seed or 0) * 1_000_003 + index
 
 
 def _cumulative(confidence: Sequence[float]) -> list[float]:

@@ -24,14 +24,15 @@ import signal
 import threading
 import time
 import uuid
+from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -214,7 +215,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self.outstanding = 0  # submitted and not yet finished
         self._jobs: dict[int, Job] = {}
-        self._recent: list[float] = []  # durations of the last requests, for Retry-After
+        self._recent: deque[float] = deque(maxlen=32)  # durations of the last requests, for Retry-After
         self.thread: threading.Thread | None = None
         self.running = False
 
@@ -325,7 +326,7 @@ class EngineWorker:
     def _done(self, job: Job) -> None:
         with self._lock:
             self.outstanding -= 1
-        self._recent = (self._recent + [time.perf_counter() - job.t_submit])[-32:]
+        self._recent.append(time.perf_counter() - job.t_submit)
 
     def _fail_all(self, why: str) -> None:
         for job in list(self._jobs.values()):
@@ -346,7 +347,7 @@ class EngineWorker:
 class Metrics:
     """Prometheus metrics of one server (its own registry, so several apps can live in one process)."""
 
-    def __init__(self, worker_ref: "list[EngineWorker]"):
+    def __init__(self, worker: EngineWorker):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("specplug_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
@@ -357,13 +358,11 @@ class Metrics:
         self.step_seconds = Histogram("specplug_step_seconds", "Time per engine step (admissions + one verify)",
                                       registry=r, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
         self.rejected = Counter("specplug_rejected_requests", "Requests refused because the queue was full", registry=r)
-        self._worker = worker_ref
+        self._worker = worker
         r.register(self)  # the engine-side figures are read at scrape time
 
     def collect(self):
-        if not self._worker:
-            return
-        w = self._worker[0]
+        w = self._worker
         eng = w.engine
         yield GaugeMetricFamily("specplug_requests_running", "Requests in a sequence slot", value=eng.n_running)
         yield GaugeMetricFamily("specplug_requests_waiting", "Requests queued for a slot (queue depth)", value=w.waiting)
@@ -446,10 +445,8 @@ def create_app(engine: Engine, model_name: str, *, max_queue: int = 64, api_key:
     """The ASGI app serving `engine`. With `start`, the engine loop starts in a thread of its own with
     the app's lifespan; without, run `app.state.worker.run()` yourself (as `serve` does, in the
     main thread), and the lifespan's end stops it."""
-    worker_ref: list[EngineWorker] = []
-    metrics = Metrics(worker_ref)
-    worker = EngineWorker(engine, max_queue, metrics)
-    worker_ref.append(worker)
+    worker = EngineWorker(engine, max_queue)
+    worker.metrics = metrics = Metrics(worker)
     tok = engine.target.tokenizer
     spec_names = [s.name for s in engine.specs]
     created = int(time.time())
@@ -634,12 +631,11 @@ def create_app(engine: Engine, model_name: str, *, max_queue: int = 64, api_key:
         res = job.result
         if res is None:
             return {}
-        s = res.stats
-        return {"drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
-                "acceptance_rate": round(s.accepted_tokens / s.drafted_tokens, 4) if s.drafted_tokens else 0.0,
-                "mean_accepted_length": round(s.mean_accepted_length, 4), "target_forwards": s.target_forwards,
+        d = res.stats.to_dict()
+        return {**{k: d[k] for k in ("drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
+                                     "target_forwards")},
                 "by_speculator": {k: {"drafted_tokens": v.drafted_tokens, "accepted_tokens": v.accepted_tokens}
-                                  for k, v in s.by_speculator.items() if v.drafts}}
+                                  for k, v in res.stats.by_speculator.items() if v.drafts}}
 
     async def _whole(request, job, out, rid, t_created, chat):
         pieces = []

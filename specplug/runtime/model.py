@@ -164,21 +164,12 @@ class TokenEmbeddings:
         return rows.reshape(*idx.shape, self.shape[1]).to(self.device, self.dtype)
 
     def _rows(self, raw: np.ndarray) -> torch.Tensor:
-        n = raw.shape[0]
-        if self._qtype == "Q8_0":  # the common case, in torch: f16 scale x int8, exact in float32
-            blocks = torch.from_numpy(raw).view(n, -1, native.Q8_0_BLOCK)
-            d = blocks[..., :2].contiguous().view(torch.float16).float()
-            return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).reshape(n, -1)
-        if self._qtype in ("F32", "F16", "BF16"):
-            np_dtype = {"F32": np.float32, "F16": np.float16}.get(self._qtype)
-            if np_dtype is None:  # bfloat16: the high half of a float32
-                return torch.from_numpy(raw.view(np.int16).astype(np.int32) << 16).view(torch.float32)
-            return torch.from_numpy(raw.view(np_dtype).astype(np.float32))
+        """Raw rows -> float32, by the same dequantizer that makes the full table (GGUFFile.tensor)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         return torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[self._qtype]), dtype=np.float32)
-                                .reshape(n, self.shape[1]))
+                                .reshape(raw.shape[0], self.shape[1]))
 
     def dense(self) -> torch.Tensor:
         """The whole table as a float tensor [vocab, n_embd] in `dtype` on `device`."""
