@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 import time
 import traceback
 from collections import deque
@@ -22,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from specplug.contract import check_drafts
 from specplug.errors import SpecplugError
 from specplug.metrics import RunStats, SeqStats, SpecStats
 from specplug.plugins import HookCaller
@@ -458,7 +458,7 @@ class Engine:
             res = self._call(spec, "draft", requests=reqs)
             if res is None:
                 continue
-            problem = self._check_drafts(res, reqs)
+            problem = check_drafts(res, reqs, self.vocab)
             if problem:
                 self._disable(spec, problem)
                 continue
@@ -524,28 +524,6 @@ class Engine:
                 del chosen[slot]
             elif k < len(d):
                 chosen[slot] = (s, _cut(d, k))
-
-    def _check_drafts(self, res: Any, reqs: list[DraftRequest]) -> str | None:
-        if not isinstance(res, (list, tuple)) or len(res) != len(reqs):
-            return f"draft returned {type(res).__name__} of length {len(res) if hasattr(res, '__len__') else '?'} for {len(reqs)} requests"
-        for r, d in zip(reqs, res):
-            if d is None:
-                continue
-            if not isinstance(d, Draft):
-                return f"draft for sequence {r.seq_id} is a {type(d).__name__}, not a specplug.types.Draft"
-            if len(d) > r.n_max:
-                return f"draft for sequence {r.seq_id} has {len(d)} tokens, more than n_max={r.n_max}"
-            bad = [t for t in d.token_ids if not (isinstance(t, int) and 0 <= t < self.vocab)]
-            if bad:
-                return f"draft for sequence {r.seq_id} has token id {bad[0]!r} outside the vocabulary [0, {self.vocab})"
-            if d.probs is not None and tuple(d.probs.shape) != (len(d), self.vocab):
-                return f"draft probs for sequence {r.seq_id} have shape {tuple(d.probs.shape)}, expected ({len(d)}, {self.vocab})"
-            if d.confidence is not None:
-                c = d.confidence
-                if len(c) != len(d) or not all(isinstance(x, numbers.Real) and 0.0 <= x <= 1.0 for x in c):
-                    return (f"draft confidence for sequence {r.seq_id} must be {len(d)} numbers in [0, 1], "
-                            f"one per token, got {c!r}")
-        return None
 
     def _step(self, seqs: list[_Seq]) -> None:
         chosen = self._drafts(seqs) if self.specs else {}
@@ -650,4 +628,5 @@ def target_info(target: Target, n_seq: int, max_ctx: int) -> TargetInfo:
                       vocab_size=cfg.vocab_size, token_texts=tok.token_texts, token_types=tok.token_type,
                       bos_id=tok.bos_id, eos_id=tok.eos_id, eot_ids=frozenset(tok.eot_ids), device=m.device,
                       dtype=m.dtype, n_seq=n_seq, max_ctx=max_ctx, token_embeddings=m.embed,
-                      output_head=m.output_head, quant=m.quant, rms_eps=cfg.rms_eps)
+                      output_head=m.output_head, quant=m.quant, rms_eps=cfg.rms_eps,
+                      verify_cost=m.verify_cost)

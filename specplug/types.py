@@ -7,7 +7,7 @@ verification outcome (`Verified`). It answers with `EmbeddingRequest` and `Draft
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -39,6 +39,9 @@ class TargetInfo:
     output_head: Any = field(default=None, repr=False)
     quant: str = "none"  # the target's weight path: gguf (GGUF-block kernels, CPU) | none | int8
     rms_eps: float = 1e-5  # the target's RMSNorm epsilon
+    # the host's verification curve: verify_cost(k) is the time of a target forward of k new rows in
+    # units of a one-row forward (verify_cost(1) == 1); what a draft's extra rows cost
+    verify_cost: Callable[[int], float] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,14 @@ class DraftRequest:
     """
 
     seq_id: int
-    tokens: Sequence[int]  # the host's own list, valid during the `draft` call only: do not modify it, copy what you keep
+    tokens: Sequence[int]  # the sequence's history, read-only, valid during the `draft` call only: copy what you keep
     n_max: int  # longest draft the host will verify now
+    # break_even[i]: the probability that draft tokens 0..i are *all* accepted below which the host
+    # will not verify token i (its verification row, plus what drafting one more token costs, is worth
+    # more than the tokens it is expected to save). Cumulative probabilities only fall along a draft,
+    # so a drafter whose running product of confidences is already below break_even[i] can stop
+    # before computing token i. Empty: no advice (draft up to n_max as the method sees fit).
+    break_even: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
