@@ -64,7 +64,8 @@ def build_engine(cfg: RunConfig, target: Target | None = None, speculators: bool
     info = target_info(target, cfg.parallel, cfg.context)
     specs = build_speculators(cfg, info) if speculators else []
     return Engine(target, specs, n_parallel=cfg.parallel, max_ctx=cfg.context, sampling=cfg.sampling,
-                  prefill_chunk=cfg.prefill_chunk, ignore_eos=cfg.ignore_eos, cache=cache)
+                  prefill_chunk=cfg.prefill_chunk, ignore_eos=cfg.ignore_eos, cache=cache,
+                  hook_warn_ms=cfg.hook_warn_ms)
 
 
 def prompt_ids(tokenizer: Tokenizer, turns: str | Sequence[dict], chat: bool, system: str | None = None) -> list[int]:

@@ -50,6 +50,7 @@ class RunConfig:
     system: str | None = None  # system message for chat prompts
     ignore_eos: bool = False
     prefill_chunk: int = 256
+    hook_warn_ms: float = 500.0  # warn (once per speculator and hook) when one hook call takes longer
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculators: tuple[SpeculatorConfig, ...] = ()
 

@@ -21,58 +21,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from specplug.contract import check_drafts
+from specplug.drafting import DraftPolicy, Drafting, Speculator  # noqa: F401 (DraftPolicy: re-exported)
 from specplug.errors import SpecplugError
 from specplug.metrics import RunStats, SeqStats, SpecStats
 from specplug.plugins import HookCaller
 from specplug.runtime import KVCache, Target
 from specplug.sampling import SamplingParams, sample, target_probs
-from specplug.types import Batch, Draft, DraftRequest, EmbeddingRequest, TargetInfo, Verified
-from specplug.verify import verify
+from specplug.types import Batch, TargetInfo
+from specplug.verify import Verdict, verify
 
 log = logging.getLogger("specplug")
-
-
-@dataclass(frozen=True)
-class DraftPolicy:
-    """Host-side limits on one speculator's drafts (YAML keys next to `type`)."""
-
-    n_max: int = 16  # longest draft verified
-    n_min: int = 1  # shorter drafts are not worth a verification row
-    p_min: float = 0.0  # cut a draft at its first token whose draft probability is below this
-    backoff: int = 6  # consecutive fully rejected drafts before a sequence pauses this speculator
-    cost_trim: bool = True  # trim drafts that carry confidences where a row costs more than it saves
-
-
-@dataclass
-class Speculator:
-    """A configured speculator instance as the engine drives it."""
-
-    name: str
-    caller: HookCaller
-    policy: DraftPolicy = field(default_factory=DraftPolicy)
-    embeddings: EmbeddingRequest = field(default_factory=EmbeddingRequest)
-    enabled: bool = True
-    stats: SpecStats = field(default_factory=SpecStats)
-    _seq: dict[int, list[int]] = field(default_factory=dict)  # seq -> [n_cur, dead, skip]
-
-    @property
-    def acceptance(self) -> float:
-        """Per-token acceptance estimate with a weak prior (so a new speculator gets tried)."""
-        return (self.stats.accepted_tokens + 1) / (self.stats.drafted_tokens + 2)
-
-    def position_acceptance(self, n: int) -> tuple[float, ...]:
-        """Measured acceptance of draft tokens 0..n-1, each given the ones before it were accepted,
-        with a weak prior of 1/2 (so positions not yet tried get tried)."""
-        st = self.stats
-        return tuple((st.accepted_at[i] + 1) / (st.reached_at[i] + 2) if i < len(st.reached_at) else 0.5
-                     for i in range(n))
-
-    def state(self, seq: int) -> list[int]:
-        st = self._seq.get(seq)
-        if st is None:
-            st = self._seq[seq] = [self.policy.n_max, 0, 0]
-        return st
 
 
 @dataclass
@@ -135,7 +93,8 @@ class Engine:
 
     def __init__(self, target: Target, speculators: Sequence[Speculator] = (), n_parallel: int = 1,
                  max_ctx: int = 2048, sampling: SamplingParams = SamplingParams(), prefill_chunk: int = 256,
-                 ignore_eos: bool = False, strict: bool = False, cache: KVCache | None = None):
+                 ignore_eos: bool = False, strict: bool = False, cache: KVCache | None = None,
+                 hook_warn_ms: float = 500.0):
         self.target = target
         self.model = target.model
         self.specs = list(speculators)
@@ -145,6 +104,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.stop_ids = frozenset() if ignore_eos else target.tokenizer.eot_ids
         self.strict = strict  # tests: re-raise speculator errors instead of disabling
+        self.hook_warn_ms = hook_warn_ms  # one warning per speculator and hook whose call takes longer
+        self._warned_slow: set[tuple[str, str]] = set()
         # engines that never run at the same time (the bench's variants) may share one cache:
         # every sequence's cells are cleared when it finishes
         if cache is not None and (cache.n_seq < n_parallel or cache.max_ctx < max_ctx):
@@ -159,7 +120,6 @@ class Engine:
                 taps.add(n_layer)
         self.taps = frozenset(taps)
         self.stats = RunStats()
-        self._asked: dict[str, dict[int, int]] = {}  # speculator -> {seq: tokens it proposed} this step
         self._warned_context = False
         self._pending: deque[_Pending] = deque()
         self._active: dict[int, _Seq] = {}  # slot -> sequence
@@ -167,6 +127,7 @@ class Engine:
         self._next_handle = 0
         for s in self.specs:
             self.stats.speculators[s.name] = s.stats
+        self.drafting = Drafting(self.specs, self.model.verify_cost, self._call, self._disable, self.vocab, max_ctx)
 
     # --- speculator calls, each guarded so a failing plugin cannot change the output -----------
     def _call(self, spec: Speculator, hook: str, **kw) -> Any:
@@ -181,7 +142,16 @@ class Engine:
             self._disable(spec, f"{hook} raised {type(exc).__name__}: {exc}", traceback.format_exc())
             return None
         finally:
-            self.stats.time_speculators_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.stats.time_speculators_s += dt
+            st = spec.stats
+            st.hook_s[hook] = st.hook_s.get(hook, 0.0) + dt
+            st.hook_calls[hook] = st.hook_calls.get(hook, 0) + 1
+            if dt * 1000 > self.hook_warn_ms and (spec.name, hook) not in self._warned_slow:
+                self._warned_slow.add((spec.name, hook))
+                log.warning("speculator %r: one `%s` call took %.0f ms, over hook_warn_ms=%g; every sequence "
+                            "waits for it (further slow calls of this hook are not reported)",
+                            spec.name, hook, dt * 1000, self.hook_warn_ms)
 
     def _disable(self, spec: Speculator, why: str, detail: str = "") -> None:
         spec.enabled = False
@@ -358,7 +328,7 @@ class Engine:
     def _finish(self, seq: _Seq) -> SequenceResult:
         self.cache.clear(seq.slot)
         for s in self.specs:
-            s._seq.pop(seq.slot, None)
+            s.forget(seq.slot)
             self._call(s, "remove", seq_id=seq.slot, p0=0)
         self._free.append(seq.slot)
         gen = seq.tokens[len(seq.req.prompt_ids):]
@@ -433,100 +403,8 @@ class Engine:
         if seq.on_tokens is not None:
             seq.on_tokens([t for t in out if t not in stop_ids])
 
-    def _drafts(self, seqs: list[_Seq]) -> dict[int, tuple[Speculator, Draft]]:
-        """Ask every speculator; keep per sequence the draft with most expected accepted tokens."""
-        best: dict[int, tuple[float, Speculator, Draft]] = {}
-        asked: dict[str, list[int]] = {}
-        for spec in self.specs:
-            if not spec.enabled or not spec.caller.implements("draft"):
-                continue
-            reqs = []
-            for q in seqs:
-                if q.req.speculators is not None and spec.name not in q.req.speculators:
-                    continue
-                st = spec.state(q.slot)
-                if st[2] > 0:  # paused after dead drafts
-                    st[2] -= 1
-                    continue
-                n_max = min(st[0], q.req.max_tokens - q.generated - 1, self.max_ctx - len(q.tokens) - 1)
-                if q.req.n_max is not None:
-                    n_max = min(n_max, q.req.n_max)
-                if n_max >= max(1, spec.policy.n_min):
-                    reqs.append(DraftRequest(q.slot, q.tokens, n_max))
-            if not reqs:
-                continue
-            res = self._call(spec, "draft", requests=reqs)
-            if res is None:
-                continue
-            problem = check_drafts(res, reqs, self.vocab)
-            if problem:
-                self._disable(spec, problem)
-                continue
-            asked[spec.name] = {r.seq_id: len(d) if d is not None else 0 for r, d in zip(reqs, res)}
-            acc = spec.acceptance
-            cost = self.model.verify_cost
-            for r, d in zip(reqs, res):
-                if d is None or len(d) == 0:
-                    continue
-                if spec.policy.p_min > 0 and d.probs is not None:
-                    p = d.probs[torch.arange(len(d)), torch.tensor(d.token_ids)].tolist()
-                    cut = next((i for i, x in enumerate(p) if x < spec.policy.p_min), len(d))
-                    d = _cut(d, cut)
-                if len(d) < spec.policy.n_min or len(d) == 0:
-                    continue
-                # A draft without confidences is valued with what this speculator's drafts measured
-                # per position: so it is cut where its rows stop paying (one bad first draft does
-                # not silence a speculator for good, as a single per-token rate x length did)
-                if d.confidence is None and spec.policy.cost_trim:
-                    d = Draft(d.token_ids, d.probs, spec.position_acceptance(len(d)))
-                # expected accepted tokens less the extra verification rows (units of one-row forwards)
-                if d.confidence is not None and spec.policy.cost_trim:
-                    k, score = _best_prefix(d.confidence, cost)  # the batch-wide _trim may cut further
-                    d = _cut(d, k)
-                else:
-                    gain = sum(_cumulative(d.confidence)) if d.confidence is not None else acc * len(d)
-                    score = gain - (cost(1 + len(d)) - cost(1))
-                if spec.policy.cost_trim and (score <= 0 or len(d) < max(1, spec.policy.n_min)):
-                    continue  # expected to cost more verification time than it saves
-                if r.seq_id not in best or score > best[r.seq_id][0]:
-                    best[r.seq_id] = (score, spec, d)
-        self._asked = asked
-        chosen = {k: (v[1], v[2]) for k, v in best.items()}
-        self._trim(chosen, len(seqs))
-        return chosen
-
-    def _trim(self, chosen: dict[int, tuple[Speculator, Draft]], n_seqs: int) -> None:
-        """Cut drafts that carry confidences where the next row is not worth verifying.
-
-        A draft token is worth its row when its cumulative acceptance probability times what one
-        accepted token saves (a sequence's share of a plain step, T(B)/B for B sequences) is at
-        least what the row adds to the forward, T(R+1) - T(R), R being the rows taken so far.
-        Rows go to the most probable tokens of all sequences first (cumulative probabilities
-        only fall along a draft); drafts of speculators with `cost_trim: false` are kept whole.
-        """
-        cost = self.model.verify_cost
-        rows = n_seqs + sum(len(d) for s, d in chosen.values() if d.confidence is None or not s.policy.cost_trim)
-        worth = cost(n_seqs) / n_seqs
-        fronts = {slot: _cumulative(d.confidence) for slot, (s, d) in chosen.items()
-                  if d.confidence is not None and s.policy.cost_trim}
-        keep = dict.fromkeys(fronts, 0)
-        while fronts:
-            slot = max(fronts, key=lambda k: fronts[k][keep[k]])
-            if fronts[slot][keep[slot]] * worth < cost(rows + 1) - cost(rows):
-                break
-            keep[slot] += 1
-            rows += 1
-            if keep[slot] == len(fronts[slot]):
-                del fronts[slot]
-        for slot, k in keep.items():
-            s, d = chosen[slot]
-            if k < max(1, s.policy.n_min):
-                del chosen[slot]
-            elif k < len(d):
-                chosen[slot] = (s, _cut(d, k))
-
     def _step(self, seqs: list[_Seq]) -> None:
-        chosen = self._drafts(seqs) if self.specs else {}
+        chosen = self.drafting.propose(seqs) if self.specs else {}
         toks, pos, sids, spans = [], [], [], []
         for q in seqs:
             d = chosen.get(q.slot)
@@ -536,89 +414,60 @@ class Engine:
             toks += ids
             pos += range(p0, p0 + len(ids))
             sids += [q.slot] * len(ids)
+        t0 = time.perf_counter()
         out = self._forward(toks, pos, sids)
+        if chosen:  # the scale of the cost curve, for pricing drafting time
+            self.drafting.note_forward(time.perf_counter() - t0, len(toks))
         committed: list[tuple[int, int, int]] = []
         rows: list[int] = []
         outcome: dict[int, tuple[int, int]] = {}  # slot -> (n_drafted, n_accepted)
+        first: dict[int, int] = {}  # slot -> the token committed after the sequence's last one
         for q, (off, n) in zip(seqs, spans):
             d = chosen.get(q.slot)
             draft_ids = list(d[1].token_ids) if d else []
-            v = verify(out.logits[off:off + n], draft_ids, d[1].probs if d else None, q.sampling, q.gen)
+            v = self._verify(q, out.logits[off:off + n], draft_ids, d)
+            draft_ids = draft_ids[:v.n_accepted]
             p0 = len(q.tokens) - 1
-            if v.n_accepted < len(draft_ids):
+            if v.n_accepted < n - 1:
                 self.cache.seq_rm(q.slot, p0 + v.n_accepted + 1)
             for i in range(v.n_accepted + 1):
                 committed.append((toks[off + i], p0 + i, q.slot))
                 rows.append(off + i)
-            outcome[q.slot] = (len(draft_ids), v.n_accepted)
+            n_drafted = n - 1 if d and d[0].enabled else 0
+            outcome[q.slot] = (n_drafted, v.n_accepted)
+            first[q.slot] = draft_ids[0] if v.n_accepted else v.next_token
             q.stats.target_forwards += 1
             self.stats.target_forwards += 1
-            if d:
+            if n_drafted:
                 spec = d[0]
-                spec.stats.add(len(draft_ids), v.n_accepted)
-                q.stats.by_speculator[spec.name].add(len(draft_ids), v.n_accepted)
-                q.stats.drafted_tokens += len(draft_ids)
+                spec.stats.add(n_drafted, v.n_accepted)
+                q.stats.by_speculator[spec.name].add(n_drafted, v.n_accepted)
+                q.stats.drafted_tokens += n_drafted
                 q.stats.accepted_tokens += v.n_accepted
-                st = spec.state(q.slot)
-                if v.n_accepted == len(draft_ids):
-                    st[0], st[1] = min(spec.policy.n_max, st[0] + 2), 0
-                else:
-                    st[0] = max(spec.policy.n_min, v.n_accepted + 1)
-                    st[1] = st[1] + 1 if v.n_accepted == 0 else 0
-                    if st[1] >= spec.policy.backoff:
-                        st[2] = 1 << min(st[1] - spec.policy.backoff, 6)
-            self._append(q, draft_ids[:v.n_accepted] + [v.next_token])
+            self._append(q, draft_ids + [v.next_token])
         if self.specs:
-            self._feedback(seqs, chosen, outcome)
+            self.drafting.settle(seqs, {k: v for k, v in chosen.items() if v[0].enabled}, outcome, first, len(toks))
             row_t = torch.tensor(rows, dtype=torch.long) if len(rows) != len(toks) else None
             self._tell_committed(committed, row_t, out.hidden, False)
 
-    def _feedback(self, seqs: list[_Seq], chosen, outcome) -> None:
-        for spec in self.specs:
-            asked = self._asked.get(spec.name)
-            if not asked or not spec.enabled:
-                continue
-            results = []
-            for slot, n_proposed in asked.items():
-                mine = slot in chosen and chosen[slot][0] is spec
-                n_d, n_a = outcome[slot] if mine else (n_proposed, 0)
-                results.append(Verified(slot, n_d, n_a, mine))
-                if not mine or n_a < n_d:
-                    q = next(q for q in seqs if q.slot == slot)
-                    self._call(spec, "remove", seq_id=slot, p0=len(q.tokens) - 1)
-            self._call(spec, "verified", results=results)
+    def _verify(self, q: _Seq, logits: torch.Tensor, draft_ids: list[int], d) -> Verdict:
+        """Verify one sequence's draft. A draft that makes verification fail (its probs, say)
+        disables its speculator, and the sequence takes the target's own token instead."""
+        if not d:
+            return verify(logits, [], None, q.sampling, q.gen)
+        try:
+            return verify(logits, draft_ids, d[1].probs, q.sampling, q.gen)
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._disable(d[0], f"its draft failed verification ({type(exc).__name__}: {exc})",
+                          traceback.format_exc())
+            return verify(logits[:1], [], None, q.sampling, q.gen)
 
 
 def _derived_seed(sp: SamplingParams, index: int) -> int:
     """The sampling seed of a request that gives none: from the engine's seed and its index."""
     return (sp.seed or 0) * 1_000_003 + index
-
-
-def _cumulative(confidence: Sequence[float]) -> list[float]:
-    """P(tokens 0..i all accepted) from per-token conditional acceptance estimates."""
-    out, p = [], 1.0
-    for c in confidence:
-        p *= float(c)
-        out.append(p)
-    return out
-
-
-def _best_prefix(confidence: Sequence[float], cost: Callable[[int], float]) -> tuple[int, float]:
-    """(k, value) of the draft prefix with the most expected accepted tokens less the cost of
-    its extra verification rows, cost(1 + k) - cost(1); (0, 0.0) when no prefix pays."""
-    best, gain = (0, 0.0), 0.0
-    for k, p in enumerate(_cumulative(confidence), 1):
-        gain += p
-        value = gain - (cost(1 + k) - cost(1))
-        if value > best[1]:
-            best = (k, value)
-    return best
-
-
-def _cut(d: Draft, k: int) -> Draft:
-    """The first k tokens of a draft, with their probs and confidences."""
-    return Draft(d.token_ids[:k], d.probs[:k] if d.probs is not None else None,
-                 tuple(d.confidence[:k]) if d.confidence is not None else None)
 
 
 def target_info(target: Target, n_seq: int, max_ctx: int) -> TargetInfo:

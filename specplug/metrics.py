@@ -14,6 +14,15 @@ class SpecStats:
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: drafts whose token i was accepted
     drafted_at: list[int] = field(default_factory=list)  # drafted_at[i]: drafts that had a token i
     reached_at: list[int] = field(default_factory=list)  # reached_at[i]: drafts with a token i whose tokens < i were accepted
+    # the engine's view of the speculator (run-wide; zero in a sequence's own statistics)
+    seq_steps: int = 0  # sequence-steps where it could have been asked
+    asked: int = 0  # sequence-steps where it was asked (the others: paused, or no draft could pay)
+    draft_calls: int = 0
+    draft_s: float = 0.0  # seconds in its `draft` hook
+    proposed: int = 0  # drafts of at least one token it returned (verified or not)
+    proposed_first_hit: int = 0  # of those, drafts whose first token is the token the target committed there
+    hook_s: dict[str, float] = field(default_factory=dict)  # seconds per hook
+    hook_calls: dict[str, int] = field(default_factory=dict)
 
     def add(self, n_drafted: int, n_accepted: int) -> None:
         self.drafts += 1
@@ -36,6 +45,14 @@ class SpecStats:
         d["acceptance_per_position"] = [round(a / n, 4) if n else 0.0 for a, n in zip(self.accepted_at, self.drafted_at)]
         d["acceptance_per_position_conditional"] = [round(a / n, 4) if n else 0.0
                                                     for a, n in zip(self.accepted_at, self.reached_at)]
+        d["draft_s"] = round(self.draft_s, 4)
+        d["hook_s"] = {k: round(v, 4) for k, v in self.hook_s.items()}
+        # drafting time per token the target accepted; the share of sequence-steps it was asked on
+        # and whose draft was verified; first-token match over every draft it returned (verified or not)
+        d["draft_ms_per_accepted"] = round(1000 * self.draft_s / self.accepted_tokens, 4) if self.accepted_tokens else None
+        d["asked_share"] = round(self.asked / self.seq_steps, 4) if self.seq_steps else 0.0
+        d["verified_share"] = round(self.drafts / self.seq_steps, 4) if self.seq_steps else 0.0
+        d["first_token_match"] = round(self.proposed_first_hit / self.proposed, 4) if self.proposed else None
         return d
 
 
@@ -110,6 +127,11 @@ class RunStats:
             per = " ".join(f"{x:.2f}" for x in s["acceptance_per_position"][:8])
             lines.append(f"  {name}: {s['drafts']} drafts, {s['drafted_tokens']} drafted, {s['accepted_tokens']} accepted "
                          f"({100 * s['acceptance_rate']:.1f}%); acceptance by position: {per}")
+            if s["seq_steps"]:
+                per_kept = s["draft_ms_per_accepted"]
+                lines.append(f"    asked on {100 * s['asked_share']:.0f}% of steps, verified on {100 * s['verified_share']:.0f}%; "
+                             f"drafting {1000 * s['draft_s']:.0f} ms"
+                             + (f" ({per_kept:.2f} ms per accepted token)" if per_kept is not None else ""))
         for name, note in d["notes"].items():
             lines.append(f"  {name}: {note}")
         for name, why in d["disabled"].items():

@@ -31,10 +31,15 @@ def test_shipped_head_is_lossless_and_trained(smollm2_gguf, plain_outputs, name)
     if name not in installed_names():
         pytest.skip(f"specplug-{name} is not installed")
     cfg = load_config(EXAMPLES / f"{name}.yaml")
-    eng = build_engine(dataclasses.replace(cfg, parallel=2, context=1024), smollm2_gguf)
+    # unpriced (cost_trim false): a draft on every step, verified whole, so rejections are exercised
+    # and the first-token acceptance is the head's own, not that of the drafts the host chose
+    (sc,) = cfg.speculators
+    sc = dataclasses.replace(sc, policy=dataclasses.replace(sc.policy, cost_trim=False))
+    eng = build_engine(dataclasses.replace(cfg, parallel=2, context=1024, speculators=(sc,)), smollm2_gguf)
     ids, plain = plain_outputs
     got = [r.token_ids for r in eng.run([Request(i, 48) for i in ids])]
     assert got == plain
     (spec,) = eng.specs
-    assert spec.enabled and spec.stats.drafts > 5
-    assert spec.stats.accepted_at[0] / spec.stats.drafted_at[0] > 0.3  # measured 0.4-0.6 on the benches
+    assert spec.enabled and spec.stats.drafts > 20
+    # every-step first-token acceptance: 0.17-0.31 measured on these prompts; an untrained head's ~1e-4
+    assert spec.stats.accepted_at[0] / spec.stats.drafted_at[0] > 0.1, spec.stats.to_dict()

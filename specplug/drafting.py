@@ -1,0 +1,366 @@
+"""The drafting policy: which speculator is asked to draft for which sequence, what a draft is
+worth, and which draft is verified.
+
+Everything is priced in one unit: the time of a one-row target forward, T(1). An accepted draft
+token saves a sequence's share of a step, T(B)/B for B sequences; a draft token costs its extra
+verification row, T(R+1) - T(R) on the runtime's curve (`verify_cost`), plus what the speculator
+took to draft it, measured online (seconds of its `draft` hook per drafted token, divided by the
+measured seconds of T(1)). From these:
+
+- every `DraftRequest` carries `break_even[i]`, the probability that tokens 0..i are all accepted
+  below which token i would not be verified; a drafter stops before computing such a token, and
+  the host does not call `draft` at all where even a certain first token could not pay;
+- drafts with confidences are trimmed to the prefix with the most expected tokens less rows
+  (drafts without confidences are valued with the speculator's measured acceptance per position);
+- per sequence, the realized value of each call (tokens saved less rows and drafting time) is
+  averaged; a speculator whose calls lose time for a sequence is not asked for it, except by
+  sparse probes (4, 8, ... 64 steps apart) that switch it back on when they pay.
+Speculators with `cost_trim: false` are asked on every step and their drafts verified whole.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from specplug.contract import check_drafts
+from specplug.metrics import SpecStats
+from specplug.plugins import HookCaller
+from specplug.types import Draft, DraftRequest, EmbeddingRequest, Verified
+
+PROBE_MIN, PROBE_MAX = 4, 64  # steps between probes of a speculator that does not pay for a sequence
+VALUE_MARGIN = 0.02  # a speculator is paused for a sequence when its calls lose more than this (units of T(1))
+SEQ_ALPHA, SPEC_ALPHA = 0.2, 0.05  # weights of a new call's value in the per-sequence / per-speculator averages
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    """Host-side limits on one speculator's drafts (YAML keys next to `type`)."""
+
+    n_max: int = 16  # longest draft verified
+    n_min: int = 1  # shorter drafts are not worth a verification row
+    p_min: float = 0.0  # cut a draft at its first token whose draft probability is below this
+    backoff: int = 6  # consecutive fully rejected drafts before a sequence pauses this speculator
+    cost_trim: bool = True  # price drafts (rows and drafting time) and draft only where it pays; false: verify every draft whole
+
+
+@dataclass
+class SeqDraftState:
+    """One speculator's drafting state for one sequence."""
+
+    n_cur: int  # current cap on its draft length (grows after full acceptance, shrinks after a rejection)
+    dead: int = 0  # consecutive drafts with no token accepted
+    skip: int = 0  # steps left before this sequence asks the speculator again
+    value: float | None = None  # average value of a call (T(1) units); None: starts from the speculator's
+    probe: int = PROBE_MIN  # steps between probes while the value is negative
+
+
+@dataclass
+class Speculator:
+    """A configured speculator instance as the engine drives it."""
+
+    name: str
+    caller: HookCaller
+    policy: DraftPolicy = field(default_factory=DraftPolicy)
+    embeddings: EmbeddingRequest = field(default_factory=EmbeddingRequest)
+    enabled: bool = True
+    stats: SpecStats = field(default_factory=SpecStats)
+    value: float = 0.0  # average value of one call over all sequences: where a new sequence starts
+    _draft_s: float = 0.0  # decayed sums: seconds of `draft` and tokens it returned
+    _draft_tokens: float = 0.0
+    _seq: dict[int, SeqDraftState] = field(default_factory=dict)
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance estimate with a weak prior (so a new speculator gets tried)."""
+        return (self.stats.accepted_tokens + 1) / (self.stats.drafted_tokens + 2)
+
+    def position_acceptance(self, n: int) -> tuple[float, ...]:
+        """Measured acceptance of draft tokens 0..n-1, each given the ones before it were accepted,
+        with a weak prior of 1/2 (so positions not yet tried get tried)."""
+        st = self.stats
+        return tuple((st.accepted_at[i] + 1) / (st.reached_at[i] + 2) if i < len(st.reached_at) else 0.5
+                     for i in range(n))
+
+    def state(self, seq: int) -> SeqDraftState:
+        st = self._seq.get(seq)
+        if st is None:
+            st = self._seq[seq] = SeqDraftState(self.policy.n_max)
+        return st
+
+    def forget(self, seq: int) -> None:
+        self._seq.pop(seq, None)
+
+    def draft_cost(self, t_row: float) -> float:
+        """Measured drafting time per drafted token, in units of a one-row target forward (0 until known)."""
+        if t_row <= 0 or self._draft_tokens <= 0:
+            return 0.0
+        return self._draft_s / self._draft_tokens / t_row
+
+    def note_draft_time(self, seconds: float, n_tokens: int) -> None:
+        # decayed sums: recent calls count most, and a call that drafted nothing still costs its time
+        self._draft_s = 0.9 * self._draft_s + seconds
+        self._draft_tokens = 0.9 * self._draft_tokens + n_tokens
+
+    def note_value(self, st: SeqDraftState, value: float) -> None:
+        """Average in what one call was worth for a sequence; pause or resume the speculator for it."""
+        st.value = (self.value if st.value is None else st.value) * (1 - SEQ_ALPHA) + SEQ_ALPHA * value
+        self.value = self.value * (1 - SPEC_ALPHA) + SPEC_ALPHA * value
+        if not self.policy.cost_trim:
+            return
+        if st.value < -VALUE_MARGIN:
+            st.skip = max(st.skip, st.probe)
+            st.probe = min(2 * st.probe, PROBE_MAX)
+        else:
+            st.probe = PROBE_MIN
+
+
+class History(SequenceABC):
+    """A read-only view of a sequence's tokens for plugins (no copy per step; slices are copies)."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: list[int]):
+        self._tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, i):
+        return self._tokens[i]  # an int, or for a slice a new list
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tokens)
+
+    def __repr__(self) -> str:
+        return f"History({self._tokens!r})"
+
+
+@dataclass
+class _Asked:
+    """One speculator's call in this step."""
+
+    spec: Speculator
+    proposed: dict[int, Draft | None]  # slot -> what it returned (before the host cut it)
+    share: float  # its drafting time per sequence asked (T(1) units)
+
+
+class Drafting:
+    """Asks the speculators for drafts each step and prices them (see the module docstring).
+
+    `call(spec, hook, **kw)` runs a hook guarded (None when it raised: the speculator is then
+    disabled); `disable(spec, why)` turns a speculator off for the run.
+    """
+
+    def __init__(self, specs: Sequence[Speculator], cost: Callable[[int], float],
+                 call: Callable[..., Any], disable: Callable[[Speculator, str], None], vocab: int, max_ctx: int):
+        self.specs, self.cost, self.call, self.disable = list(specs), cost, call, disable
+        self.vocab, self.max_ctx = vocab, max_ctx
+        self.t_row = 0.0  # measured seconds of a one-row target forward
+        self._asked: list[_Asked] = []
+
+    def note_forward(self, seconds: float, rows: int) -> None:
+        """A verification forward of `rows` rows took `seconds`: the scale of the cost curve."""
+        t = seconds / self.cost(rows)
+        self.t_row = t if self.t_row <= 0 else 0.9 * self.t_row + 0.1 * t
+
+    def break_even(self, spec: Speculator, n_seqs: int, n: int) -> tuple[float, ...]:
+        """P(tokens 0..i all accepted) below which draft token i does not pay, i < n (>= 1: never)."""
+        cost, c = self.cost, spec.draft_cost(self.t_row)
+        worth = cost(n_seqs) / n_seqs
+        return tuple((cost(n_seqs + i + 1) - cost(n_seqs + i) + c) / worth for i in range(n))
+
+    def propose(self, seqs: Sequence[Any]) -> dict[int, tuple[Speculator, Draft]]:
+        """Ask every speculator; keep per sequence the draft with most expected accepted tokens."""
+        best: dict[int, tuple[float, Speculator, Draft]] = {}
+        self._asked = []
+        for spec in self.specs:
+            if not spec.enabled or not spec.caller.implements("draft"):
+                continue
+            reqs = self._requests(spec, seqs)
+            if not reqs:
+                continue
+            t0 = time.perf_counter()
+            res = self.call(spec, "draft", requests=reqs)
+            seconds = time.perf_counter() - t0
+            spec.stats.draft_calls += 1
+            spec.stats.draft_s += seconds
+            spec.stats.asked += len(reqs)
+            share = seconds / self.t_row / len(reqs) if self.t_row > 0 else 0.0
+            if res is None:
+                if spec.enabled:  # no drafts at all this step: the call cost its time all the same
+                    spec.note_draft_time(seconds, 0)
+                    for r in reqs:
+                        spec.note_value(spec.state(r.seq_id), -share)
+                continue
+            try:
+                problem = check_drafts(res, reqs, self.vocab)
+            except Exception as exc:  # a draft the checks themselves choke on breaks the rules too
+                problem = f"draft returned something the host cannot check ({type(exc).__name__}: {exc})"
+            if problem:
+                self.disable(spec, problem)
+                continue
+            spec.note_draft_time(seconds, sum(len(d) for d in res if d is not None))
+            self._asked.append(_Asked(spec, {r.seq_id: d for r, d in zip(reqs, res)}, share))
+            for r, d in zip(reqs, res):
+                scored = self._value(spec, d)
+                if scored is not None and (r.seq_id not in best or scored[0] > best[r.seq_id][0]):
+                    best[r.seq_id] = (scored[0], spec, scored[1])
+        chosen = {k: (v[1], v[2]) for k, v in best.items()}
+        _trim(chosen, len(seqs), self.cost)
+        return chosen
+
+    def _requests(self, spec: Speculator, seqs: Sequence[Any]) -> list[DraftRequest]:
+        priced = spec.policy.cost_trim
+        break_even = self.break_even(spec, len(seqs), spec.policy.n_max) if priced else ()
+        # positions where even a certain token cannot pay are not drafted
+        n_pay = next((i for i, b in enumerate(break_even) if b >= 1.0), len(break_even))
+        reqs = []
+        for q in seqs:
+            if q.req.speculators is not None and spec.name not in q.req.speculators:
+                continue
+            st = spec.state(q.slot)
+            n_max = min(st.n_cur, q.req.max_tokens - q.generated - 1, self.max_ctx - len(q.tokens) - 1)
+            if q.req.n_max is not None:
+                n_max = min(n_max, q.req.n_max)
+            if n_max < max(1, spec.policy.n_min):
+                continue
+            spec.stats.seq_steps += 1
+            if st.skip > 0:  # paused: dead drafts, or calls that did not pay
+                st.skip -= 1
+                continue
+            advice = break_even[:n_max]
+            if priced and n_pay == 0:
+                # no token can pay at the drafting cost measured so far: a one-token probe (its cost
+                # measured again), then a pause that doubles while that stays so
+                n_max, advice = min(n_max, 1), ()
+                st.skip, st.probe = st.probe, min(2 * st.probe, PROBE_MAX)
+            elif priced:
+                n_max = min(n_max, n_pay)
+                advice = break_even[:n_max]
+            if n_max >= max(1, spec.policy.n_min):
+                reqs.append(DraftRequest(q.slot, History(q.tokens), n_max, advice))
+        return reqs
+
+    def _value(self, spec: Speculator, d: Draft | None) -> tuple[float, Draft] | None:
+        """(expected accepted tokens less extra rows, the draft cut to what pays), or None."""
+        if d is None or len(d) == 0:
+            return None
+        pol, cost = spec.policy, self.cost
+        if pol.p_min > 0 and d.probs is not None:
+            p = d.probs[torch.arange(len(d)), torch.tensor(d.token_ids)].tolist()
+            d = _cut(d, next((i for i, x in enumerate(p) if x < pol.p_min), len(d)))
+        if len(d) < max(1, pol.n_min):
+            return None
+        if not pol.cost_trim:
+            gain = sum(_cumulative(d.confidence)) if d.confidence is not None else spec.acceptance * len(d)
+            return gain - (cost(1 + len(d)) - cost(1)), d
+        if d.confidence is None:  # valued with what this speculator's drafts measured per position
+            d = Draft(d.token_ids, d.probs, spec.position_acceptance(len(d)))
+        k, score = _best_prefix(d.confidence, cost)  # the batch-wide _trim may cut further
+        if score <= 0 or k < max(1, pol.n_min):
+            return None  # expected to cost more verification time than it saves
+        return score, _cut(d, k)
+
+    def settle(self, seqs: Sequence[Any], chosen: dict[int, tuple[Speculator, Draft]],
+               outcome: dict[int, tuple[int, int]], first: dict[int, int], rows: int) -> None:
+        """After verification: statistics, per-sequence value and draft length, `remove` and `verified`.
+
+        outcome: slot -> (draft tokens verified, accepted); first: slot -> the token the target
+        committed right after the sequence's last token; rows: rows of the verification forward.
+        """
+        worth = self.cost(len(seqs)) / len(seqs)
+        by_slot = {q.slot: q for q in seqs}
+        for a in self._asked:
+            spec = a.spec
+            if not spec.enabled:
+                continue
+            results = []
+            for slot, d in a.proposed.items():
+                q = by_slot[slot]
+                st = spec.state(slot)
+                mine = slot in chosen and chosen[slot][0] is spec
+                n_d, n_a = outcome[slot] if mine else (len(d) if d is not None else 0, 0)
+                if d is not None and len(d):
+                    spec.stats.proposed += 1
+                    spec.stats.proposed_first_hit += int(d.token_ids[0] == first[slot])
+                value = -a.share
+                if mine:
+                    value += n_a * worth - (self.cost(rows) - self.cost(rows - n_d))
+                    _adapt_length(spec, st, n_d, n_a)
+                spec.note_value(st, value)
+                results.append(Verified(slot, n_d, n_a, mine))
+                if not mine or n_a < n_d:
+                    self.call(spec, "remove", seq_id=slot, p0=len(q.tokens) - 1)
+            self.call(spec, "verified", results=results)
+
+
+def _adapt_length(spec: Speculator, st: SeqDraftState, n_drafted: int, n_accepted: int) -> None:
+    """Grow the draft cap after a full acceptance, shrink it after a rejection; pause after dead drafts."""
+    if n_accepted == n_drafted:
+        st.n_cur, st.dead = min(spec.policy.n_max, st.n_cur + 2), 0
+        return
+    st.n_cur = max(spec.policy.n_min, n_accepted + 1)
+    st.dead = st.dead + 1 if n_accepted == 0 else 0
+    if st.dead >= spec.policy.backoff:
+        st.skip = max(st.skip, 1 << min(st.dead - spec.policy.backoff, 6))
+
+
+def _trim(chosen: dict[int, tuple[Speculator, Draft]], n_seqs: int, cost: Callable[[int], float]) -> None:
+    """Cut drafts that carry confidences where the next row is not worth verifying.
+
+    A draft token is worth its row when its cumulative acceptance probability times what one
+    accepted token saves (a sequence's share of a plain step, T(B)/B for B sequences) is at
+    least what the row adds to the forward, T(R+1) - T(R), R being the rows taken so far.
+    Rows go to the most probable tokens of all sequences first (cumulative probabilities
+    only fall along a draft); drafts of speculators with `cost_trim: false` are kept whole.
+    """
+    rows = n_seqs + sum(len(d) for s, d in chosen.values() if d.confidence is None or not s.policy.cost_trim)
+    worth = cost(n_seqs) / n_seqs
+    fronts = {slot: _cumulative(d.confidence) for slot, (s, d) in chosen.items()
+              if d.confidence is not None and s.policy.cost_trim}
+    keep = dict.fromkeys(fronts, 0)
+    while fronts:
+        slot = max(fronts, key=lambda k: fronts[k][keep[k]])
+        if fronts[slot][keep[slot]] * worth < cost(rows + 1) - cost(rows):
+            break
+        keep[slot] += 1
+        rows += 1
+        if keep[slot] == len(fronts[slot]):
+            del fronts[slot]
+    for slot, k in keep.items():
+        s, d = chosen[slot]
+        if k < max(1, s.policy.n_min):
+            del chosen[slot]
+        elif k < len(d):
+            chosen[slot] = (s, _cut(d, k))
+
+
+def _cumulative(confidence: Sequence[float]) -> list[float]:
+    """P(tokens 0..i all accepted) from per-token conditional acceptance estimates."""
+    out, p = [], 1.0
+    for c in confidence:
+        p *= float(c)
+        out.append(p)
+    return out
+
+
+def _best_prefix(confidence: Sequence[float], cost: Callable[[int], float]) -> tuple[int, float]:
+    """(k, value) of the draft prefix with the most expected accepted tokens less the cost of
+    its extra verification rows, cost(1 + k) - cost(1); (0, 0.0) when no prefix pays."""
+    best, gain = (0, 0.0), 0.0
+    for k, p in enumerate(_cumulative(confidence), 1):
+        gain += p
+        value = gain - (cost(1 + k) - cost(1))
+        if value > best[1]:
+            best = (k, value)
+    return best
+
+
+def _cut(d: Draft, k: int) -> Draft:
+    """The first k tokens of a draft, with their probs and confidences."""
+    return Draft(d.token_ids[:k], d.probs[:k] if d.probs is not None else None,
+                 tuple(d.confidence[:k]) if d.confidence is not None else None)

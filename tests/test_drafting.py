@@ -1,0 +1,186 @@
+"""The drafting policy: drafting time is priced, speculators that do not pay are paused (with
+probes), drafters get the break-even advice, and a plugin cannot reach the host's state."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from specplug import engine as engine_mod
+from specplug.drafting import PROBE_MAX, Drafting
+from specplug.engine import Request
+from specplug.hooks import hookimpl
+from specplug.testing import Oracle, RandomDrafts, Scripted, assert_greedy_equal, greedy_outputs, make_engine, speculator
+
+TEXTS = ["hello there the", "in the beginning was", "on the other hand, the", "she sells sea shells"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_target):
+    return [tiny_target.tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target, prompts):
+    return greedy_outputs(tiny_target, [], prompts, 48)[0]
+
+
+class Slow(RandomDrafts):
+    """Random drafts (nearly always rejected) that take `delay` seconds per call, and records its requests."""
+
+    def __init__(self, vocab, delay: float):
+        super().__init__(vocab, seed=1)
+        self.delay, self.requests = delay, []
+
+    @hookimpl
+    def draft(self, requests):
+        self.requests.extend(requests)
+        time.sleep(self.delay)
+        return super().draft(requests)
+
+
+def test_slow_losing_speculator_is_paused_with_probes(tiny_target, prompts):
+    vocab = tiny_target.model.config.vocab_size
+    priced = Slow(vocab, 0.002)
+    eng = assert_greedy_equal(tiny_target, [speculator(priced, "slow")], prompts, 48, allow_unverified=True)
+    st = eng.stats.speculators["slow"]
+    unpriced = Slow(vocab, 0.002)
+    eng2 = assert_greedy_equal(tiny_target, [speculator(unpriced, "slow", cost_trim=False, backoff=10**6)], prompts, 48)
+    st2 = eng2.stats.speculators["slow"]
+    assert st2.asked == st2.seq_steps  # unpriced: asked on every step
+    assert st.asked < 0.35 * st.seq_steps, st.to_dict()  # priced: mostly paused ...
+    assert st.asked >= st.seq_steps / (PROBE_MAX + 1)  # ... but probed
+    assert eng.stats.time_speculators_s < 0.5 * eng2.stats.time_speculators_s
+    d = st.to_dict()
+    assert 0 < d["asked_share"] < 0.35 and d["verified_share"] <= d["asked_share"]
+
+
+def test_paying_speculator_keeps_drafting(tiny_target, prompts, plain):
+    oracle = Oracle({tuple(p): g for p, g in zip(prompts, plain)})
+    eng = assert_greedy_equal(tiny_target, [speculator(oracle, "oracle")], prompts, 48)
+    st = eng.stats.speculators["oracle"]
+    assert st.asked > 0.8 * st.seq_steps
+    assert eng.stats.target_forwards < eng.stats.emitted_tokens / 3
+    d = st.to_dict()
+    assert d["first_token_match"] == 1.0 and d["draft_ms_per_accepted"] is not None
+
+
+def test_break_even_reaches_the_drafter(tiny_target, prompts):
+    vocab = tiny_target.model.config.vocab_size
+    fast = Slow(vocab, 0.0)
+    eng = make_engine(tiny_target, [speculator(fast, "fast", n_max=6)])
+    eng.run([Request(p, 24) for p in prompts[:2]])
+    cost = tiny_target.model.verify_cost
+    priced = [r for r in fast.requests if r.break_even]
+    assert priced, "no request carried break-even advice"
+    for r in priced:
+        assert len(r.break_even) == r.n_max
+        for i, b in enumerate(r.break_even):  # at least the row's own cost, per unit of what a token saves
+            assert b >= cost(i + 2) - cost(i + 1) - 1e-9
+            assert b < 1.0  # positions that could never pay are not offered
+    unpriced = Slow(vocab, 0.0)
+    make_engine(tiny_target, [speculator(unpriced, "fast", cost_trim=False)]).run([Request(prompts[0], 8)])
+    assert all(r.break_even == () for r in unpriced.requests)
+
+
+def test_no_draft_call_where_no_token_can_pay(tiny_target, prompts):
+    """When even a certain token costs more to draft than it saves, the host asks only by sparse
+    one-token probes, without advice (so the drafting cost is measured again)."""
+    vocab = tiny_target.model.config.vocab_size
+    slow = Slow(vocab, 0.05)
+    eng = make_engine(tiny_target, [speculator(slow, "slow")])
+    eng.run([Request(prompts[0], 40)])
+    st = eng.stats.speculators["slow"]
+    assert st.asked <= 10, st.to_dict()
+    late = slow.requests[2:]
+    assert late and all(r.n_max == 1 and r.break_even == () for r in late)
+
+
+def test_drafting_cost_is_measured_in_target_steps(tiny_target):
+    eng = make_engine(tiny_target, [Slow(tiny_target.model.config.vocab_size, 0.0)])
+    d: Drafting = eng.drafting
+    d.note_forward(0.004, 1)
+    assert d.t_row == pytest.approx(0.004)
+    spec = eng.specs[0]
+    spec.note_draft_time(0.002, 4)  # 0.5 ms per drafted token = 1/8 of a step
+    assert spec.draft_cost(d.t_row) == pytest.approx(0.125)
+    be = d.break_even(spec, 1, 3)
+    cost = tiny_target.model.verify_cost
+    assert be[0] == pytest.approx(cost(2) - cost(1) + 0.125)
+
+
+class Mutator(RandomDrafts):
+    """Breaks the rule 'do not modify DraftRequest.tokens' (in the way `how` says)."""
+
+    def __init__(self, vocab, how: str):
+        super().__init__(vocab, seed=2)
+        self.how = how
+
+    @hookimpl
+    def draft(self, requests):
+        for r in requests:
+            if self.how == "append":
+                r.tokens.append(1)
+            elif self.how == "setitem":
+                r.tokens[-1] = 1
+            else:
+                del r.tokens[-1]
+        return super().draft(requests)
+
+
+@pytest.mark.parametrize("how", ["append", "setitem", "delitem"])
+def test_history_is_read_only(tiny_target, prompts, how, caplog):
+    """A plugin that modifies the history used to crash the engine (IndexError in the step)."""
+    vocab = tiny_target.model.config.vocab_size
+    with caplog.at_level(logging.WARNING, logger="specplug"):
+        eng = assert_greedy_equal(tiny_target, [speculator(Mutator(vocab, how), "mutator")], prompts[:2], 24,
+                                  allow_disabled=True, allow_unverified=True)
+    assert not eng.specs[0].enabled
+    assert "mutator" in caplog.text and "draft raised" in caplog.text
+
+
+def test_history_view_reads_like_the_list(tiny_target, prompts):
+    seen = []
+
+    class Reader(Scripted):
+        @hookimpl
+        def draft(self, requests):
+            r = requests[0]
+            seen.append((len(r.tokens), r.tokens[-1], list(r.tokens[-3:]), list(r.tokens) == list(iter(r.tokens)),
+                         r.tokens.index(r.tokens[0]) == 0))
+            return super().draft(requests)
+
+    eng = make_engine(tiny_target, [speculator(Reader([(5,)]), "reader", cost_trim=False)])
+    (res,) = eng.run([Request(prompts[0], 6)])
+    full = prompts[0] + res.token_ids
+    n, last, tail3, same, idx = seen[0]
+    assert n == len(prompts[0]) + 1 and last == full[n - 1] and tail3 == full[n - 3:n] and same and idx
+
+
+def test_failed_verification_disables_its_speculator_and_keeps_the_text(tiny_target, prompts, plain, monkeypatch):
+    real = engine_mod.verify
+
+    def verify(logits, draft_ids, probs, sp, gen):
+        if draft_ids:
+            raise RuntimeError("probs on a device the host cannot read")
+        return real(logits, draft_ids, probs, sp, gen)
+
+    monkeypatch.setattr(engine_mod, "verify", verify)
+    oracle = Oracle({tuple(p): g for p, g in zip(prompts, plain)})
+    eng = assert_greedy_equal(tiny_target, [speculator(oracle, "oracle")], prompts, 48, allow_disabled=True,
+                              allow_unverified=True)
+    assert "failed verification" in eng.stats.disabled["oracle"]
+
+
+def test_slow_hook_warns_once_and_is_timed(tiny_target, prompts, caplog):
+    vocab = tiny_target.model.config.vocab_size
+    slow = Slow(vocab, 0.03)
+    with caplog.at_level(logging.WARNING, logger="specplug"):
+        eng = make_engine(tiny_target, [speculator(slow, "sleepy", cost_trim=False)], hook_warn_ms=10)
+        eng.run([Request(prompts[0], 12)])
+    warnings = [r for r in caplog.records if "hook_warn_ms" in r.getMessage()]
+    assert len(warnings) == 1 and "'sleepy'" in warnings[0].getMessage() and "`draft`" in warnings[0].getMessage()
+    st = eng.stats.speculators["sleepy"]
+    assert st.hook_calls["draft"] >= 3 and st.hook_s["draft"] >= 0.03 * st.hook_calls["draft"]
+    assert st.to_dict()["hook_s"]["draft"] > 0
