@@ -137,3 +137,25 @@ def test_variants_share_one_kv_cache(tiny_target, tiny_gguf):
     assert len({id(e.cache) for e in bench.engines.values()}) == 1
     res = bench.run_prompt({"id": 1, "category": "c", "turns": ["hello there"]}, 8, 0)
     assert all(r.token_ids == res[0].runs["plain"].token_ids for r in res[0].runs.values())
+
+
+def test_paired_decode_ratios_resist_one_slow_run():
+    """One plain run slowed 10x by a neighbour: the total-time ratio jumps, the paired per-prompt
+    geometric mean and median move by one prompt's share only."""
+    even = [_pr("x", 1.0, 1.0, 21, 21, 0, 0, [], [], prefill=0.0) for _ in range(4)]
+    slow = _pr("x", 10.0, 1.0, 21, 21, 0, 0, [], [], prefill=0.0)
+    f = figures(even + [slow], "v")
+    assert f["decode_speedup"] == pytest.approx(14 / 5)  # the aggregate is dominated by the slow run
+    assert f["decode_speedup_geomean"] == pytest.approx(10 ** 0.2, rel=1e-3)
+    assert f["decode_speedup_median"] == pytest.approx(1.0)
+
+
+def test_drafting_policy_figures():
+    a = _pr("x", 2.0, 1.0, 20, 8, 20, 12, [4, 3, 2], [4, 4, 4])
+    v = a.runs["v"]
+    v.seq_steps, v.asked, v.draft_s, v.proposed, v.first_hit = 10, 6, 0.012, 6, 5
+    f = figures([a], "v")
+    assert f["asked_share"] == pytest.approx(0.6) and f["verified_share"] == pytest.approx(0.4)
+    assert f["draft_ms_per_accepted"] == pytest.approx(1.0)  # 12 ms over 12 accepted tokens
+    assert f["first_token_match"] == pytest.approx(5 / 6, abs=1e-4)
+    assert "60% / 40%" in markdown_table(build_report([a], ["v"], {}, 1.0))

@@ -14,6 +14,15 @@ results.json (schema version 1):
              "decode_plain_tok_s", "decode_spec_tok_s", "decode_speedup"
                                 (the decoding phase only: tokens after the first, over the time after
                                  the first token, as llama.cpp reports generation speed),
+             "decode_speedup_geomean", "decode_speedup_median"
+                                (per-prompt paired decode-phase ratios, speculative over plain on the
+                                 same prompt: their geometric mean and median; one slow run moves
+                                 one ratio, not the total. The headline figure),
+             "asked_share", "verified_share" (decoding steps where a speculator was asked / had its
+                                 draft verified, of the steps where it could draft),
+             "draft_ms_per_accepted" (seconds in `draft` per token the target accepted, in ms),
+             "first_token_match" (drafts whose first token is the one the target committed, over
+                                 every draft returned, verified or not),
              "mean_accepted_length" (tokens the target produced per decoding forward, the stop
                                  token included: plain decoding is exactly 1), "acceptance_rate",
              "acceptance_per_position" (drafts with token i accepted / drafts with a token i),
@@ -53,6 +62,7 @@ def figures(results: list[PromptResult], variant: str) -> dict:
         return n / t if t > 0 else 0.0
 
     dec_plain, dec_spec = decode_tok_s("plain"), decode_tok_s(variant)
+    dec_ratios = [d for d in map(lambda r: _decode_ratio(r, variant), rs) if d is not None]
     runs = [r.runs[variant] for r in rs]
     forwards = sum(x.forwards for x in runs)
     drafted = sum(x.drafted for x in runs)
@@ -77,6 +87,8 @@ def figures(results: list[PromptResult], variant: str) -> dict:
         "decode_plain_tok_s": round(dec_plain, 3),
         "decode_spec_tok_s": round(dec_spec, 3),
         "decode_speedup": round(dec_spec / dec_plain, 4) if dec_plain else 0.0,
+        "decode_speedup_geomean": round(statistics.geometric_mean(dec_ratios), 4) if dec_ratios else 0.0,
+        "decode_speedup_median": round(statistics.median(dec_ratios), 4) if dec_ratios else 0.0,
         "mean_accepted_length": round(sum(x.emitted for x in runs) / forwards, 4) if forwards else 0.0,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(acc_at, dr_at)],
@@ -89,8 +101,24 @@ def figures(results: list[PromptResult], variant: str) -> dict:
         # the speculator's own time (drafting and keeping its context in step) per token it drafted
         "draft_ms_per_token": round(1e3 * t_spec / drafted, 4) if drafted else 0.0,
         "draft_ms_per_forward": round(1e3 * t_spec / forwards, 4) if forwards else 0.0,
+        "asked_share": round(sum(x.asked for x in runs) / steps, 4) if (steps := sum(x.seq_steps for x in runs)) else 0.0,
+        "verified_share": round(drafts / steps, 4) if steps else 0.0,
+        "draft_ms_per_accepted": round(1e3 * sum(x.draft_s for x in runs) / accepted, 4) if accepted else None,
+        "first_token_match": round(sum(x.first_hit for x in runs) / proposed, 4)
+        if (proposed := sum(x.proposed for x in runs)) else None,
         "mismatches": sum(1 for r in rs if r.mismatch and r.mismatch["variant"] == variant),
     }
+
+
+def _decode_ratio(r: PromptResult, variant: str) -> float | None:
+    """Decode-phase tok/s of `variant` over plain's on the same prompt (None without a decoding phase)."""
+    rates = []
+    for x in (r.runs[variant], r.runs["plain"]):
+        n, t = len(x.token_ids) - 1, x.time_s - x.prefill_s
+        if n < 1 or t <= 0:
+            return None
+        rates.append(n / t)
+    return rates[0] / rates[1]
 
 
 def build_report(results: list[PromptResult], variant_names: list[str], settings: dict, peak_rss_mb: float) -> dict:
@@ -114,19 +142,24 @@ def build_report(results: list[PromptResult], variant_names: list[str], settings
 
 
 def markdown_table(report: dict) -> str:
-    head = ("| category | speculator | prompts | plain tok/s | spec tok/s | speedup | median speedup | "
-            "decode plain tok/s | decode spec tok/s | decode speedup | accepted length | acceptance | "
-            "1st-token acceptance | draft ms/token | mismatches |")
+    head = ("| category | speculator | prompts | plain tok/s | spec tok/s | speedup | decode plain tok/s | "
+            "decode spec tok/s | decode speedup (geomean / median of prompts) | accepted length | acceptance | "
+            "1st-token acceptance (verified / every draft) | asked / verified steps | draft ms per accepted | "
+            "mismatches |")
     lines = [head, "|" + "---|" * 15]
     rows = [(c, v) for c in report["categories"] for v in report["categories"][c]]
     rows += [("**overall**", v) for v in report["overall"]]
     for c, v in rows:
         f = report["overall"][v] if c == "**overall**" else report["categories"][c][v]
+        match = f"{100 * f['first_token_match']:.1f}%" if f.get("first_token_match") is not None else "-"
+        per_acc = f"{f['draft_ms_per_accepted']:.3f}" if f.get("draft_ms_per_accepted") is not None else "-"
         lines.append(f"| {c} | {v} | {f['n_prompts']} | {f['plain_tok_s']:.1f} | {f['spec_tok_s']:.1f} | "
-                     f"{f['speedup']:.2f}x | {f['speedup_median']:.2f}x | {f['decode_plain_tok_s']:.1f} | "
-                     f"{f['decode_spec_tok_s']:.1f} | {f['decode_speedup']:.2f}x | {f['mean_accepted_length']:.2f} | "
-                     f"{100 * f['acceptance_rate']:.1f}% | {100 * (f['acceptance_per_position'] or [0])[0]:.1f}% | "
-                     f"{f['draft_ms_per_token']:.3f} | {f['mismatches']} |")
+                     f"{f['speedup']:.2f}x | {f['decode_plain_tok_s']:.1f} | {f['decode_spec_tok_s']:.1f} | "
+                     f"{f['decode_speedup_geomean']:.2f}x / {f['decode_speedup_median']:.2f}x | "
+                     f"{f['mean_accepted_length']:.2f} | {100 * f['acceptance_rate']:.1f}% | "
+                     f"{100 * (f['acceptance_per_position'] or [0])[0]:.1f}% / {match} | "
+                     f"{100 * f['asked_share']:.0f}% / {100 * f['verified_share']:.0f}% | {per_acc} | "
+                     f"{f['mismatches']} |")
     return "\n".join(lines)
 
 

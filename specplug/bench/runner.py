@@ -39,6 +39,12 @@ class Run:
     time_speculators_s: float = 0.0
     prefill_s: float = 0.0  # prompt processing and the first token; the rest of time_s is decoding
     emitted: int = 0  # tokens the target produced, the stop token included
+    # the drafting policy's view (summed over the variant's speculators)
+    seq_steps: int = 0  # decoding steps where a speculator could have drafted
+    asked: int = 0  # of those, steps where it was asked (the rest: paused, or no draft could pay)
+    draft_s: float = 0.0  # seconds in `draft` hooks
+    proposed: int = 0  # drafts returned (verified or not)
+    first_hit: int = 0  # of those, drafts whose first token is the one the target committed
 
 
 @dataclass
@@ -91,6 +97,8 @@ class Bench:
     def _once(self, name: str, ids: list[int], max_tokens: int) -> Run:
         eng = self.engines[name]
         before = (eng.stats.time_target_s, eng.stats.time_speculators_s)
+        policy_fields = ("seq_steps", "asked", "draft_s", "proposed", "proposed_first_hit")
+        policy_before = {f: sum(getattr(s, f) for s in eng.stats.speculators.values()) for f in policy_fields}
         t0 = time.perf_counter()
         res = eng.run([Request(ids, max_tokens)])[0]
         dt = time.perf_counter() - t0
@@ -99,6 +107,8 @@ class Bench:
                   time_target_s=eng.stats.time_target_s - before[0],
                   time_speculators_s=eng.stats.time_speculators_s - before[1],
                   prefill_s=st.time_prefill_s, emitted=st.emitted_tokens)
+        (run.seq_steps, run.asked, run.draft_s, run.proposed, run.first_hit) = (
+            sum(getattr(s, f) for s in eng.stats.speculators.values()) - policy_before[f] for f in policy_fields)
         for s in st.by_speculator.values():
             run.drafts += s.drafts
             for arr_name in ("accepted_at", "drafted_at", "reached_at"):
