@@ -18,6 +18,18 @@ the embedding tensors of a batch beyond what their own state needs (they are per
 never accumulated for the whole prompt by the host). An exception from any hook, or a
 draft that breaks the rules in `draft`, disables that speculator for the rest of the run
 with a warning; the generated text is never affected.
+
+What the host guarantees and enforces:
+- `DraftRequest.tokens` is a read-only view of the history (writing to it raises, and the
+  speculator is disabled); a draft that makes verification itself fail disables its
+  speculator, and that sequence takes the target's own token in the same step.
+- Every hook call is timed per speculator (run statistics `hook_s`, `hook_calls`); one call
+  over `hook_warn_ms` (YAML, default 500) logs one warning naming the speculator and hook.
+- Drafting is priced (specplug.drafting): the host measures each speculator's seconds in
+  `draft` per drafted token against the target's step, tells the drafter per position what a
+  token must be worth (`DraftRequest.break_even`), calls no `draft` for a sequence where no
+  token could pay (except sparse one-token probes), and pauses a speculator for a sequence
+  while its calls lose time (probes switch it back on). `cost_trim: false` turns this off.
 """
 from __future__ import annotations
 
@@ -81,7 +93,12 @@ def draft(requests: Sequence[DraftRequest]) -> Sequence[Draft | None] | None:
     """Propose continuations, one per request (one request per active sequence).
 
     Return a sequence of the same length as `requests`, element i a Draft for requests[i]
-    or None for no draft; returning None means no drafts at all this step. Rules, enforced by
+    or None for no draft; returning None means no drafts at all this step.
+    `requests[i].break_even[i_tok]` (when not empty) is the probability that draft tokens
+    0..i_tok are all accepted below which the host will not verify token i_tok: its row and the
+    measured cost of drafting it outweigh what it saves. A drafter whose running product of
+    per-token acceptance estimates is already below it should stop before computing that token
+    (`specplug.heads` drafters do). The history, `requests[i].tokens`, is read-only. Rules, enforced by
     the host (breaking one disables the speculator): at most `requests[i].n_max` tokens;
     every id in [0, vocab_size); `probs`, when given, shaped [len(draft), vocab_size] (any
     device) with rows that are probability distributions giving the drafted token non-zero
