@@ -50,13 +50,18 @@ def cmd_generate(args) -> int:
 
 
 def cmd_run(args) -> int:
+    import shlex
+
+    from specplug.api import build_engine
     from specplug.bench.data import read_jsonl_prompts
     from specplug.config import load_config
-    from specplug.generate import check_paths
+    from specplug.generate import check_paths, claimed_outputs, run_records
+    from specplug.outputs import OutputWriteError
 
     if args.prompt is not None and args.prompts is not None:
         raise SpecplugError("give either --prompt or --prompts, not both")
-    check_paths(args.output, args.stats, [args.prompts, args.config], args.force, args.resume)
+    inputs = [args.prompts, args.config]
+    check_paths(args.output, args.stats, inputs, args.force, args.resume)
     overrides = {}
     if args.max_tokens is not None:
         overrides["max_tokens"] = args.max_tokens
@@ -70,7 +75,17 @@ def cmd_run(args) -> int:
                                 "so that answers in --output can be matched (and resumed)")
     else:
         records = [{"id": 0, "turns": [args.prompt if args.prompt is not None else "Tell me about speculative decoding."]}]
-    return _generate(cfg, records, args.output, args.stats, args.resume)
+    again = ["specplug", "run", args.config] + (["--prompts", args.prompts] if args.prompts else []) + \
+        (["--prompt", args.prompt] if args.prompt is not None else []) + ["--output", str(args.output)] + \
+        (["--stats", args.stats] if args.stats else []) + \
+        (["--max-tokens", str(args.max_tokens)] if args.max_tokens is not None else []) + ["--resume"]
+    try:  # claimed before the model loads, held to the end; a disk error is exit code 1, in one line
+        with claimed_outputs(args.output, args.stats, inputs, args.force, args.resume):
+            return run_records(build_engine(cfg), cfg, records, args.output, args.stats, args.resume,
+                               shlex.join(again))
+    except OutputWriteError as exc:
+        print(f"specplug: error: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 def _generate(cfg, records: list[dict], output: str | None, stats_path: str | None, resume: bool = False) -> int:

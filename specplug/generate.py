@@ -1,10 +1,13 @@
 """`specplug run` / `specplug generate`: prompts in, answers out, nothing lost.
 
-- Every finished answer is appended to `--output` at once (one JSON line, flushed), so the file
-  is valid JSONL at every moment; Ctrl-C keeps what is done, writes the statistics and says how
-  to continue; `--resume` skips (id, turn) pairs already in the file.
+- Every finished answer is appended to `--output` at once (one JSON line in one write, fsynced),
+  so the file is valid JSONL at every moment; Ctrl-C keeps what is done, writes the statistics
+  and says how to continue; `--resume` skips (id, turn) pairs already in the file.
 - An existing output is never overwritten without `--force`, and an input file (the prompts, the
-  config) is never written to; bad output paths are reported before the model loads.
+  config) is never written to; bad output paths are reported before the model loads, and the
+  outputs are claimed then (`claimed_outputs`): a second run on the same files fails at once.
+- A full disk or an I/O error ends the run with one line (OutputWriteError, exit code 1): the
+  file, the error, how many answers are safely in the output, the command that resumes.
 - Records with several turns run every turn, the model's own answer fed into the next one (as
   `specplug bench` does); each turn is a line of its own.
 - With several answers and no `--output`, each answer is printed with its id.
@@ -14,10 +17,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from specplug.errors import SpecplugError
+from specplug.outputs import LineFile, OutputWriteError, claim, describe_os_error, write_atomic, write_error
 
 
 def check_paths(output: str | None, stats: str | None, inputs: Sequence[str | Path], force: bool,
@@ -44,6 +49,29 @@ def check_paths(output: str | None, stats: str | None, inputs: Sequence[str | Pa
                                 f"skipped) or --force to overwrite it")
 
 
+@contextmanager
+def claimed_outputs(output: str | None, stats: str | None, inputs: Sequence[str | Path], force: bool,
+                    resume: bool) -> Iterator[None]:
+    """Claim --output and --stats for the whole block (see specplug.outputs; a second run on them
+    fails at once) and, unless resuming, create the output now: exclusively, or emptied with --force.
+    Meant to be entered before the model loads."""
+    check_paths(output, stats, inputs, force, resume)  # the usual messages before any lock file
+    with ExitStack() as held:
+        for path, flag in ((output, "--output"), (stats, "--stats")):
+            if path:
+                held.enter_context(claim(path, flag))
+        check_paths(output, stats, inputs, force, resume)  # again under the lock: a run may just have ended
+        if output and not resume:
+            try:
+                LineFile(output, "truncate" if force else "new").close()
+            except FileExistsError:
+                raise SpecplugError(f"--output {output} exists; add --resume to continue it or --force to "
+                                    "overwrite it") from None
+            except OSError as exc:
+                raise write_error(f"--output {output}", exc) from None
+        yield
+
+
 def read_done(path: Path) -> dict[tuple, dict]:
     """(id, turn) -> record of an output file being resumed. A last line cut by an interrupted write
     is dropped from the file; a malformed line elsewhere is an error naming it."""
@@ -65,13 +93,28 @@ def read_done(path: Path) -> dict[tuple, dict]:
             raise SpecplugError(f"{path}:{n}: not a result line of `specplug run`; cannot resume from this file")
         done[key] = rec
         good.append(line)
-    path.write_text("".join(g + "\n" for g in good), encoding="utf-8")
+    kept = "".join(g + "\n" for g in good)
+    if kept != "\n".join(lines):  # rewritten only when something is dropped, and atomically
+        write_atomic(path, kept, "--output")
     return done
 
 
+class _SinkFailed(Exception):
+    """An append to --output failed (carries the OSError out of the engine's callback)."""
+
+
 def run_records(engine, cfg, records: list[dict], output: str | None, stats_path: str | None,
-                resume: bool = False) -> int:
-    """Generate every turn of every record; see the module docstring."""
+                resume: bool = False, resume_command: str | None = None) -> int:
+    """Generate every turn of every record; see the module docstring. `resume_command` is what a
+    failed write tells the user to run (default: the same command with --resume)."""
+    with ExitStack() as held:  # a no-op where claimed_outputs holds them already
+        for path, flag in ((output, "--output"), (stats_path, "--stats")):
+            if path:
+                held.enter_context(claim(path, flag))
+        return _run_records(engine, cfg, records, output, stats_path, resume, resume_command)
+
+
+def _run_records(engine, cfg, records, output, stats_path, resume, resume_command) -> int:
     from specplug.api import prompt_ids
     from specplug.engine import Request
 
@@ -83,7 +126,10 @@ def run_records(engine, cfg, records: list[dict], output: str | None, stats_path
         print(f"specplug: resuming {out_path}: {skipped} answer(s) already there are skipped", file=sys.stderr)
     total = sum(len(r["turns"]) for r in records) - skipped
     stream_one = total == 1 and out_path is None
-    sink = open(out_path, "a" if resume else "w", encoding="utf-8") if out_path else None
+    try:
+        sink = LineFile(out_path, "append" if resume else "truncate") if out_path else None
+    except OSError as exc:
+        raise write_error(f"--output {out_path}", exc) from None
     history: dict[int, list[dict]] = {i: [] for i in range(len(records))}
     saved = 0
     bar = None
@@ -124,8 +170,10 @@ def run_records(engine, cfg, records: list[dict], output: str | None, stats_path
                 line = {"id": rid, "turn": turn, "prompt": msgs[-1]["content"], "text": text,
                         "token_ids": res.token_ids, "finish_reason": res.finish_reason, "stats": res.stats.to_dict()}
                 if sink is not None:
-                    sink.write(json.dumps(line) + "\n")
-                    sink.flush()
+                    try:
+                        sink.append(json.dumps(line))
+                    except OSError as exc:
+                        raise _SinkFailed(exc) from exc
                     saved += 1
                 elif not stream_one:
                     print(f"### {rid}" + (f" (turn {turn + 1})" if len(records[i]["turns"]) > 1 else ""))
@@ -136,6 +184,18 @@ def run_records(engine, cfg, records: list[dict], output: str | None, stats_path
             engine.run(reqs, on_tokens, on_finish)
             if stream is not None:
                 sys.stdout.write(stream.flush() + "\n")
+    except _SinkFailed as failed:
+        if bar is not None:
+            bar.close()
+        sink.close()
+        kept = f"{len(done) + saved} answer(s) are safely in it, whole lines"
+        try:
+            _write_stats(engine, stats_path)
+            kept += f"; statistics written to {stats_path}" if stats_path else ""
+        except OutputWriteError as exc:
+            kept += f"; --stats {stats_path} could not be written either ({describe_os_error(exc.__context__ or exc)})"
+        again = resume_command or "the same command with --resume"
+        raise write_error(f"--output {out_path}", failed.__cause__, f"{kept}; free space, then run: {again}") from None
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()
@@ -154,7 +214,9 @@ def _finish(engine, sink, stats_path: str | None) -> None:
     if sink is not None:
         sink.close()
     print(engine.stats.summary(), file=sys.stderr)
+    _write_stats(engine, stats_path)
+
+
+def _write_stats(engine, stats_path: str | None) -> None:
     if stats_path:
-        tmp = Path(stats_path).with_name(Path(stats_path).name + ".tmp")
-        tmp.write_text(json.dumps(engine.stats.to_dict(), indent=2))
-        os.replace(tmp, stats_path)
+        write_atomic(stats_path, json.dumps(engine.stats.to_dict(), indent=2), "--stats")
