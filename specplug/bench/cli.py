@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from specplug.errors import SpecplugError
+from specplug.outputs import claim, exit_1_on_write_error
 
 
 def select_prompts(records: list[dict], categories: str | None, limit: int | None, source: str) -> list[dict]:
@@ -30,14 +31,10 @@ def select_prompts(records: list[dict], categories: str | None, limit: int | Non
     return records
 
 
+@exit_1_on_write_error
 def cmd_bench(args) -> int:
-    from tqdm import tqdm
-
     from specplug.bench.data import DATASETS, dataset_path, read_jsonl_prompts
-    from specplug.bench.report import build_report, markdown_table, write_outputs
-    from specplug.bench.runner import Bench, merge_passes, peak_rss_mb
     from specplug.config import load_config
-    from specplug.runtime import load_target
 
     overrides = {"max_tokens": args.max_tokens} if args.max_tokens else {}
     cfg = load_config(args.config, overrides)
@@ -49,6 +46,21 @@ def cmd_bench(args) -> int:
     records = select_prompts(read_jsonl_prompts(path), args.categories, args.limit, str(path))
     if args.repeats < 1:
         raise SpecplugError(f"--repeats must be >= 1, got {args.repeats}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise SpecplugError(f"--out {out} is a file; give a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with claim(out, "--out"):  # before the model loads; a second bench on the same folder fails at once
+        return _bench(args, cfg, path, records, out)
+
+
+def _bench(args, cfg, path: Path, records: list[dict], out: Path) -> int:
+    from tqdm import tqdm
+
+    from specplug.bench.report import build_report, markdown_table, write_outputs
+    from specplug.bench.runner import Bench, merge_passes, peak_rss_mb
+    from specplug.runtime import load_target
+
     target = load_target(cfg.model, cfg.device, cfg.dtype, cfg.quant, cfg.threads)
     bench = Bench(cfg, target, chain=args.chain)
     bench.warmup()
@@ -73,7 +85,6 @@ def cmd_bench(args) -> int:
                 "threads": cfg.threads, "greedy": cfg.sampling.greedy}
     report = build_report(results, variant_names, settings, peak_rss_mb())
     print(markdown_table(report))
-    out = Path(args.out)
     written = write_outputs(report, out)
     print(f"\npeak RSS {report['peak_rss_mb']} MB; wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     if report["mismatches"]:

@@ -40,6 +40,7 @@ import statistics
 from pathlib import Path
 
 from specplug.bench.runner import PromptResult
+from specplug.outputs import claim, replacing, write_atomic
 
 
 def figures(results: list[PromptResult], variant: str) -> dict:
@@ -164,11 +165,17 @@ def markdown_table(report: dict) -> str:
 
 
 def write_outputs(report: dict, out_dir: Path) -> list[Path]:
-    """results.json, results.md and the PNG plots (when matplotlib is installed)."""
+    """results.json, results.md and the PNG plots (when matplotlib is installed), each replaced
+    atomically (a reader never sees half of one); the folder is claimed meanwhile (specplug.outputs)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    with claim(out_dir, "--out"):  # nests in the claim `specplug bench` took before the model loaded
+        return _write_outputs(report, out_dir)
+
+
+def _write_outputs(report: dict, out_dir: Path) -> list[Path]:
     paths = [out_dir / "results.json", out_dir / "results.md"]
-    paths[0].write_text(json.dumps(report, indent=2, default=str))
-    paths[1].write_text(markdown_table(report) + "\n")
+    write_atomic(paths[0], json.dumps(report, indent=2, default=str))
+    write_atomic(paths[1], markdown_table(report) + "\n")
     try:
         import matplotlib
 
@@ -189,7 +196,8 @@ def write_outputs(report: dict, out_dir: Path) -> list[Path]:
     ax.set_title("specplug bench: speedup per category")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_dir / "speedup.png", dpi=110)
+    with replacing(out_dir / "speedup.png") as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
     for v in variants:
@@ -200,6 +208,7 @@ def write_outputs(report: dict, out_dir: Path) -> list[Path]:
     ax.set_title("accepted length histogram")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_dir / "accepted_length.png", dpi=110)
+    with replacing(out_dir / "accepted_length.png") as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return paths + [out_dir / "speedup.png", out_dir / "accepted_length.png"]

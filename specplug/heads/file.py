@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Mapping, Sequence
@@ -12,6 +11,7 @@ import numpy as np
 import torch
 
 from specplug.errors import ModelError
+from specplug.outputs import claim, replacing
 
 HEAD_ARCH = "specplug-head"
 _P = "specplug.head."
@@ -65,7 +65,8 @@ class HeadMeta:
 
 def write_head(path: str | Path, meta: HeadMeta, tensors: Mapping[str, torch.Tensor | np.ndarray],
                quantize: Collection[str] = (), f16: Collection[str] = ()) -> Path:
-    """Write a head file atomically (a temporary file renamed into place).
+    """Write a head file atomically (a temporary file, fsynced, renamed into place), holding the
+    head's claim meanwhile (specplug.outputs: another process writing it makes this fail at once).
 
     `tensors`: name -> array; 2-D float tensors named in `quantize` are stored Q8_0 (their rows
     must be a multiple of 32 long), those in `f16` as F16, other floats F32, integers I32.
@@ -73,7 +74,12 @@ def write_head(path: str | Path, meta: HeadMeta, tensors: Mapping[str, torch.Ten
     import gguf
 
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    with claim(path, "head"), replacing(path, "head") as tmp:  # nests in a trainer's claim of the same head
+        _write_gguf(gguf, tmp, meta, tensors, quantize, f16)
+    return path
+
+
+def _write_gguf(gguf, tmp: Path, meta: HeadMeta, tensors, quantize, f16) -> None:
     w = gguf.GGUFWriter(str(tmp), HEAD_ARCH)
     w.add_name(f"{meta.method} head for {meta.target_name}")
     w.add_string(_P + "method", meta.method)
@@ -104,8 +110,6 @@ def write_head(path: str | Path, meta: HeadMeta, tensors: Mapping[str, torch.Ten
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    os.replace(tmp, path)
-    return path
 
 
 class HeadFile:

@@ -6,13 +6,12 @@ import sys
 from pathlib import Path
 
 from specplug.errors import SpecplugError
+from specplug.outputs import claim, exit_1_on_write_error
 
 
+@exit_1_on_write_error
 def cmd_data(args) -> int:
-    from specplug.api import prompt_ids
-    from specplug.runtime import load_target
-    from specplug.train.datagen import generate_dataset, parse_taps
-    from specplug.train.prompts import OverlapFilter, eval_texts, read_prompt_file, stdlib_code_prompts
+    from specplug.train.prompts import read_prompt_file
 
     for key in ("max_tokens", "parallel", "topk", "shard_prompts", "max_prompt_tokens", "context"):
         if getattr(args, key) < 1:
@@ -24,6 +23,20 @@ def cmd_data(args) -> int:
     if not args.prompts and not args.code:
         raise SpecplugError("give prompt files (--prompts FILE ...) and/or --code N")
     files = [read_prompt_file(p) for p in args.prompts]  # every file checked before the model loads
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise SpecplugError(f"-o {out} is a file; give a folder for the data set")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with claim(out, "-o"):  # before the model loads; a second writer of this data set fails at once
+        return _data(args, files)
+
+
+def _data(args, files) -> int:
+    from specplug.api import prompt_ids
+    from specplug.runtime import load_target
+    from specplug.train.datagen import generate_dataset, parse_taps
+    from specplug.train.prompts import OverlapFilter, eval_texts, stdlib_code_prompts
+
     target = load_target(args.model, "cpu" if args.device == "auto" else args.device, "float32", args.quant,
                          args.threads)
     taps = parse_taps(args.taps, target.model.config.n_layer)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import token_table_sha256
+from specplug.outputs import claim, replacing, write_atomic
 from specplug.train.prompts import TrainPrompt
 
 MANIFEST = "manifest.json"
@@ -74,9 +74,8 @@ def tap_layer(tap: str, n_layer: int) -> int:
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    """Replace `path` with `obj` as JSON (temporary file, fsync, rename: specplug.outputs)."""
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 @dataclass
@@ -196,7 +195,16 @@ def _concat(seqs: list[tuple[int, dict[str, torch.Tensor]]]) -> dict[str, torch.
 def generate_dataset(target, prompts: list[TrainPrompt], out_dir: Path, taps: list[str], max_tokens: int,
                      parallel: int, topk: int, context: int, shard_prompts: int, settings: dict,
                      sources: dict, prompt_ids) -> dict:
-    """Generate (or resume) a data set in out_dir; returns the manifest."""
+    """Generate (or resume) a data set in out_dir; returns the manifest. The folder is claimed
+    meanwhile (specplug.outputs; `specplug train data` claims it before the model loads)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with claim(out_dir, "-o"):
+        return _generate_dataset(target, prompts, out_dir, taps, max_tokens, parallel, topk, context, shard_prompts,
+                                 settings, sources, prompt_ids)
+
+
+def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel, topk, context, shard_prompts,
+                      settings, sources, prompt_ids) -> dict:
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -257,9 +265,8 @@ def generate_dataset(target, prompts: list[TrainPrompt], out_dir: Path, taps: li
                 break
             tensors = _concat([(i, results.pop(i)) for i in idx])
             name = f"shard-{k:05d}.safetensors"
-            tmp = out_dir / (name + ".tmp")
-            save_file(tensors, str(tmp), metadata={"format": str(FORMAT_VERSION)})
-            os.replace(tmp, out_dir / name)
+            with replacing(out_dir / name, "-o") as tmp:
+                save_file(tensors, str(tmp), metadata={"format": str(FORMAT_VERSION)})
             n_ans = int(tensors["answer_mask"].sum())
             manifest["shards"].append({"index": k, "file": name, "sequences": len(idx),
                                        "tokens": int(tensors["tokens"].shape[0]), "answer_tokens": n_ans})

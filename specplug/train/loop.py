@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any, ClassVar, Protocol, Sequence
 import torch
 
 from specplug.errors import SpecplugError
+from specplug.outputs import claim, exit_1_on_write_error, replacing, write_atomic
 from specplug.train.dataset import SeqBatch, TrainData, read_manifest
 
 GROUP = "specplug.trainers"
@@ -142,6 +142,7 @@ def _options(cls: type, args) -> Any:
         raise SpecplugError(f"{cls.__qualname__}: {exc}") from None
 
 
+@exit_1_on_write_error
 def run_trainer(args) -> int:
     cls = load_trainer(args.trainer)
     loop, opts = _options(LoopOptions, args), _options(cls.Options, args)
@@ -170,12 +171,22 @@ def work_dir(out: Path) -> Path:
 
 def train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, resume: bool = False,
           restart: bool = False, command: str = "", model: str | None = None, quiet: bool = False) -> dict:
-    """Train `cls` on `data_dir` and write the head to `out`; returns the final metrics."""
-    from tqdm import tqdm
+    """Train `cls` on `data_dir` and write the head to `out`; returns the final metrics.
 
+    The head file (and with it its `.train/` folder of checkpoint, metrics and plot) is claimed for
+    the whole call (specplug.outputs): a second trainer of the same head fails at once. The head,
+    the checkpoint and the metrics are each replaced atomically."""
     for key in ("steps", "batch_tokens", "max_len", "val_every", "save_every", "val_tokens"):
         if getattr(loop, key) < 1:
             raise SpecplugError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(loop, key)}")
+    with claim(out, "-o"):
+        return _train(cls, opts, loop, data_dir, out, resume, restart, command, model, quiet)
+
+
+def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, resume: bool, restart: bool,
+           command: str, model: str | None, quiet: bool) -> dict:
+    from tqdm import tqdm
+
     if loop.threads:
         torch.set_num_threads(loop.threads)
     device = torch.device(loop.device)
@@ -226,11 +237,10 @@ def train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, re
         return [round(float(a) / max(1.0, float(b)), 4) for a, b in zip(hit, tot)]
 
     def save() -> None:
-        tmp = ckpt.with_name(ckpt.name + ".tmp")
-        torch.save({"module": trainer.module.state_dict(), "optim": optim.state_dict(), "step": step, "pos": list(pos),
-                    "history": history, "rng": torch.get_rng_state(), "options": dataclasses.asdict(opts),
-                    "data": data.manifest_sha256, "seconds": t_spent}, tmp)
-        os.replace(tmp, ckpt)
+        with replacing(ckpt) as tmp, open(tmp, "wb") as f:  # a file object: a full disk raises OSError
+            torch.save({"module": trainer.module.state_dict(), "optim": optim.state_dict(), "step": step,
+                        "pos": list(pos), "history": history, "rng": torch.get_rng_state(),
+                        "options": dataclasses.asdict(opts), "data": data.manifest_sha256, "seconds": t_spent}, f)
 
     it = data.epochs(loop.batch_tokens, loop.seed, pos)
     bar = tqdm(total=loop.steps, initial=step, unit="step", file=sys.stderr, disable=quiet,
@@ -283,7 +293,7 @@ def train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, re
               "train_seconds": round(t_spent, 1), "final": final}
     trainer.export(out, recipe)
     metrics = {"recipe": recipe, "history": history}
-    (wd / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    write_atomic(wd / "metrics.json", json.dumps(metrics, indent=1))
     plot_history(history, wd / "training.png", title=f"{cls.__name__}: {out.name}")
     if not quiet:
         print(f"specplug: wrote {out} ({out.stat().st_size / 1e6:.1f} MB); validation top-1 per depth "
@@ -323,6 +333,7 @@ def plot_history(history: list[dict], path: Path, title: str = "") -> Path | Non
     a2.set_title("acceptance per draft depth (validation)")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
     return path

@@ -36,6 +36,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specplug.errors import PluginError
+from specplug.outputs import OutputWriteError, describe_os_error
 
 MAGIC = b"SPNGCACH"
 VERSION = 1
@@ -174,6 +175,11 @@ def _file_mode(path: Path) -> int:
         return 0o666 & ~umask
 
 
+class CacheWriteError(PluginError, OutputWriteError):
+    """Saving a cache failed on the disk: a PluginError (the speculator's dynamic cache warns on it)
+    and an OutputWriteError (`ngram-cache build` exits 1 on it)."""
+
+
 def save_tables(path: str | os.PathLike, tables: dict[int, Table], vocab_size: int, fingerprint: bytes) -> None:
     """Write `tables` to `path` atomically (temp file + rename); PluginError naming the file on failure."""
     path = Path(path)
@@ -200,7 +206,7 @@ def save_tables(path: str | os.PathLike, tables: dict[int, Table], vocab_size: i
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a mix
         tmp = None
     except OSError as e:
-        raise PluginError(f"ngram-cache: cannot save {path}: {e.strerror or e}") from None
+        raise CacheWriteError(f"ngram-cache: cannot save {path}: {describe_os_error(e)}") from None
     finally:
         if tmp is not None:
             try:

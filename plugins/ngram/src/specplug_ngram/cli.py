@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from specplug.errors import PluginError, SpecplugError
+from specplug.outputs import claim, exit_1_on_write_error
 
 from specplug_ngram.cache_file import MAX_N, build_tables, save_tables, vocab_fingerprint
 
@@ -104,13 +105,21 @@ def _check_output(corpus: Path, out: Path, force: bool) -> None:
         raise PluginError(f"ngram-cache build: {out} exists; add --force to overwrite it")
 
 
+@exit_1_on_write_error
 def run_build(args: argparse.Namespace) -> int:
-    """Handler of `ngram-cache build`: tokenize the corpus, count n-grams, write the cache file."""
+    """Handler of `ngram-cache build`: tokenize the corpus, count n-grams, write the cache file.
+    The output is claimed first (specplug.outputs): a second build of the same file fails at once."""
     if not 1 <= args.n_min <= args.n_max <= MAX_N:
         raise PluginError(f"ngram-cache build: need 1 <= --n-min <= --n-max <= {MAX_N}, "
                           f"got --n-min {args.n_min} --n-max {args.n_max}")
     corpus = Path(args.corpus)
     _check_output(corpus, Path(args.output), args.force)
+    with claim(args.output, "ngram-cache build: -o"):
+        _check_output(corpus, Path(args.output), args.force)  # again under the claim: a build may just have ended
+        return _build(args, corpus)
+
+
+def _build(args: argparse.Namespace, corpus: Path) -> int:
     from specplug.runtime import resolve_model
 
     model = resolve_model(args.model)
