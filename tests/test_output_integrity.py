@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from specplug.cli import main
 
@@ -115,7 +116,7 @@ def test_two_runs_racing_on_one_output_exactly_one_proceeds(tmp_path, tiny_gguf)
     cfg, prompts, out = _cfg(tmp_path, tiny_gguf), _prompts(tmp_path, 3), tmp_path / "out.jsonl"
     argv = ["run", str(cfg), "--prompts", str(prompts), "--output", str(out)]
     t0 = time.perf_counter()
-    runs = [_python(SLOW_RUN, "0.7", *argv) for _ in range(2)]  # started at once
+    runs = [_python(SLOW_RUN, "0.5", *argv) for _ in range(2)]  # started at once
     ended = {}
     while len(ended) < 2:
         for i, p in enumerate(runs):
@@ -227,7 +228,11 @@ def small_disk(tmp_path):
 
 
 def test_full_tmpfs_ends_in_one_line_exit_1_and_resumes(tmp_path, tiny_gguf, small_disk, capsys):
-    cfg, prompts = _cfg(tmp_path, tiny_gguf), _prompts(tmp_path, 16)
+    cfg = tmp_path / "run.yaml"  # answers of 2 tokens to long prompts: ~0.9 KiB a line, ~14 KiB in all
+    cfg.write_text(f"model: {tiny_gguf}\ndevice: cpu\nquant: none\nmax_tokens: 2\nparallel: 1\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"the sea number {i}, " * 25}) + "\n"
+                               for i in range(16)))
     out, stats = small_disk / "out.jsonl", small_disk / "stats.json"
     filler = small_disk / "filler"
     # 3 pages left: one per lock file (output, stats) and one for ~9 answers; then the disk is full
@@ -273,16 +278,23 @@ def test_kill_9_mid_line_then_resume_completes_a_valid_file(tmp_path, tiny_gguf,
 # 4. replaced files: the old one or the new one, never half of one
 
 
-def test_a_failed_replace_keeps_the_old_file_and_says_which_error(tmp_path):
-    from specplug.outputs import OutputWriteError, replacing
+class _Target:  # what HeadMeta.for_target reads of a target
+    arch, model_path, n_embd, vocab_size, token_texts = "llama", "/m/tiny.gguf", 64, 3, ("a", "b", "c")
 
-    target = tmp_path / "checkpoint.pt"
-    target.write_bytes(b"old")
-    with pytest.raises(OutputWriteError, match=r"checkpoint\.pt: No space left on device \(ENOSPC\)"):
-        with replacing(target) as tmp, open(tmp, "wb") as f:
-            f.write(b"half of the new")
-            try:  # as torch.save reports a full disk: a RuntimeError raised while handling the OSError
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            except OSError:
-                raise RuntimeError("PytorchStreamWriter failed writing file") from None
-    assert target.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["checkpoint.pt"]
+
+def test_a_head_that_cannot_be_written_keeps_the_old_one_and_says_why(tmp_path, monkeypatch):
+    import gguf
+
+    from specplug.errors import SpecplugError
+    from specplug.heads import HeadMeta, write_head
+
+    path = tmp_path / "head.gguf"
+    path.write_bytes(b"the previous head")
+
+    def full_disk(self, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full_disk)
+    with pytest.raises(SpecplugError, match=r"head\.gguf: No space left on device \(ENOSPC\)"):
+        write_head(path, HeadMeta.for_target(_Target(), "mtp", 1, ["final"], {}), {"w": torch.zeros(4, 64)})
+    assert path.read_bytes() == b"the previous head" and sorted(os.listdir(tmp_path)) == ["head.gguf"]
