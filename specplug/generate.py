@@ -193,7 +193,7 @@ def _run_records(engine, cfg, records, output, stats_path, resume, resume_comman
             _write_stats(engine, stats_path)
             kept += f"; statistics written to {stats_path}" if stats_path else ""
         except OutputWriteError as exc:
-            kept += f"; --stats {stats_path} could not be written either ({describe_os_error(exc.__context__ or exc)})"
+            kept += f"; --stats {stats_path} could not be written either: {describe_os_error(exc.__context__ or exc)}"
         again = resume_command or "the same command with --resume"
         raise write_error(f"--output {out_path}", failed.__cause__, f"{kept}; free space, then run: {again}") from None
     except KeyboardInterrupt:
