@@ -99,7 +99,8 @@ def cmd_serve(args) -> int:
     from specplug.config import load_config
     from specplug.server import serve
 
-    overrides = {"parallel": args.parallel} if args.parallel is not None else {}
+    overrides = {key: value for key, value in [("parallel", args.parallel), ("max_body_mb", args.max_body_mb),
+                                                ("step_timeout_s", args.step_timeout)] if value is not None}
     cfg = load_config(args.config, overrides)
     return serve(cfg, args.host, args.port, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
                  api_key=args.api_key, model_name=args.served_model_name, log_level=args.log_level)
@@ -188,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a slot; beyond that the server answers 429 (default 64)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds to let requests in flight finish (default 30)")
+    p.add_argument("--max-body-mb", type=float, default=None,
+                   help="larger request bodies get 413 before they are read; overrides the config's `max_body_mb` "
+                        "(default 4)")
+    p.add_argument("--step-timeout", type=float, default=None, metavar="S",
+                   help="an engine step longer than S seconds makes /health 503, answers requests in flight with "
+                        "an error and exits with status 3; overrides the config's `step_timeout_s` (default 60)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ endpoints")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the config's model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -51,6 +51,8 @@ class RunConfig:
     ignore_eos: bool = False
     prefill_chunk: int = 256
     hook_warn_ms: float = 500.0  # warn (once per speculator and hook) when one hook call takes longer
+    max_body_mb: float = 4.0  # serve: larger request bodies get 413 before they are read
+    step_timeout_s: float | None = 60.0  # serve: a longer engine step ends the server (exit 3); null: no limit
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculators: tuple[SpeculatorConfig, ...] = ()
 
@@ -151,7 +153,9 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
     cfg = build_dataclass(RunConfig, data, "")
     for key, ok, rule in [("context", cfg.context >= 16, ">= 16"), ("parallel", cfg.parallel >= 1, ">= 1"),
                           ("max_tokens", cfg.max_tokens >= 1, ">= 1"), ("prefill_chunk", cfg.prefill_chunk >= 1, ">= 1"),
-                          ("threads", cfg.threads is None or cfg.threads >= 1, ">= 1 (or left out: torch's choice)")]:
+                          ("threads", cfg.threads is None or cfg.threads >= 1, ">= 1 (or left out: torch's choice)"),
+                          ("max_body_mb", cfg.max_body_mb > 0, "> 0"),
+                          ("step_timeout_s", cfg.step_timeout_s is None or cfg.step_timeout_s > 0, "> 0 (or null: no limit)")]:
         if not ok:
             raise ConfigError(f"{key} must be {rule}, got {getattr(cfg, key)!r}")
     return dataclasses.replace(cfg, sampling=sampling, speculators=specs)

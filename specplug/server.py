@@ -17,17 +17,20 @@ import asyncio
 import json
 import logging
 import math
+import os
 import queue
 import re
 import secrets
 import signal
+import sys
 import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -179,6 +182,260 @@ class CompletionRequest(_Sampling):
         return v
 
 
+# --- request size limits -----------------------------------------------------------------------------
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 before it is read whole.
+
+    A Content-Length over the limit is refused before any of the body is read; a body without
+    one (chunked) is counted as it arrives and refused as soon as it passes the limit. Either way
+    the connection is closed, so the rest is never read. An accepted body is handed on as one
+    message (the JSON parser reads it whole anyway)."""
+
+    def __init__(self, app, max_bytes: int, on_refuse: Callable[[str], None] | None = None):
+        self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client went away before sending its body
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._refuse(scope, send)
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        del chunks
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:  # later calls watch for a disconnect
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, send) -> None:
+        mb = self.max_bytes / 2 ** 20
+        err = APIError(413, f"The request body is larger than the server's limit of {mb:g} MB "
+                            "(max_body_mb in the YAML, --max-body-mb)", code="request_too_large")
+        body = json.dumps(err.body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+        if self.on_refuse is not None:
+            self.on_refuse(scope["path"])
+
+
+# --- request mapping: bodies -> engine Requests, off the event loop -------------------------------
+class _PromptTooLong(Exception):
+    def __init__(self, n_tokens: int):
+        self.n_tokens = n_tokens
+
+
+class _BoundedTokenizer:
+    """The model's tokenizer as the server uses it: encoding releases the GIL, and a text with more
+    than `max_tokens` tokens is refused before its ids become a Python list.
+
+    `tokenizers`' `encode` holds the GIL for the whole call (a 1 M-character prompt: 0.7 s in which
+    the event loop and the engine thread could not run, measured); `encode_batch_fast` (or
+    `encode_batch` in older versions) releases it. `_fast` also skips the offsets, whose release
+    took 16 ms with the GIL held for a 425 k-token text. Tokenizers without that path are used
+    as they are."""
+
+    def __init__(self, tok, max_tokens: int):
+        self._tok, self.max_tokens = tok, max_tokens
+        self.bos_id = tok.bos_id
+        self.apply_chat_template = tok.apply_chat_template
+        hf = getattr(tok, "_hf", None)
+        self._batch = getattr(hf, "encode_batch_fast", None) or getattr(hf, "encode_batch", None)
+        if self._batch is not None:
+            self._prefix = tok.encode("")  # BOS where the tokenizer adds one
+            probe = "<|im_start|>user\nhello there, 1234 \u00e9\u4e2d!<|im_end|>"
+            if self.encode(probe) != tok.encode(probe):  # another add-BOS rule: take the plain path
+                self._batch = None
+
+    def encode(self, text: str) -> list[int]:
+        if self._batch is None:
+            ids = self._tok.encode(text)
+        else:
+            enc = self._batch([text], add_special_tokens=False)[0]
+            if len(enc) + len(self._prefix) > self.max_tokens:
+                raise _PromptTooLong(len(enc) + len(self._prefix))
+            ids = self._prefix + enc.ids
+        if len(ids) > self.max_tokens:
+            raise _PromptTooLong(len(ids))
+        return ids
+
+
+def _lower_priority() -> None:
+    """A prompt worker yields the CPU to the engine thread and the event loop (Linux: per thread)."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except OSError:
+            pass
+
+
+class Prompts:
+    """OpenAI request bodies -> engine Requests.
+
+    Cheap checks (model name, prompt length in characters) run on the event loop; the chat
+    template, tokenization and the rest run in a small thread pool, never on the loop nor on the
+    engine thread. A prompt longer than context x the vocabulary's longest token (in characters)
+    cannot fit the context whatever it says, so it is refused before it is tokenized. At most
+    `max_waiting` requests wait for a worker (429 beyond), each for at most `wait_s` (then 503).
+    """
+
+    def __init__(self, engine: Engine, model_name: str, chat_template: bool, system: str | None,
+                 workers: int = 2, max_waiting: int = 64, wait_s: float = 10.0):
+        self.engine, self.model_name, self.chat_template, self.system = engine, model_name, chat_template, system
+        tok = engine.target.tokenizer
+        longest = max((len(t) for t in getattr(tok, "token_texts", ())), default=0)
+        # each token covers at most `longest` characters (a byte-level token's text has one character
+        # per byte; an SPM piece one per character), so more characters mean more tokens than fit
+        self.max_chars = engine.max_ctx * longest if longest else None
+        self.tok = _BoundedTokenizer(tok, engine.max_ctx)
+        self.spec_names = [s.name for s in engine.specs]
+        self.max_waiting, self.wait_s = max_waiting, wait_s
+        # one text per call: tokenizers' rayon threads would only spin beside the worker (0.82 vs
+        # 0.42 s of CPU for 850 k characters, measured) and escape its lower priority
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="specplug-prompt", initializer=_lower_priority)
+        self._free = asyncio.Semaphore(workers)
+        self._waiting = 0
+        self.rejected = 0  # requests refused for want of a worker (429 or 503)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def chat(self, body: ChatRequest) -> Request:
+        self._check_model(body)
+        msgs = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+                for m in body.messages]
+        system = None if any(m["role"] == "system" for m in msgs) else self.system
+        self._check_chars(sum(len(m["content"]) for m in msgs) + len(system or ""), "messages")
+        return await self._off_loop(self._chat, body, msgs, system)
+
+    async def completion(self, body: CompletionRequest) -> Request:
+        self._check_model(body)
+        p = body.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, list) and any(isinstance(x, (str, list)) for x in p):
+            raise APIError(400, "Only one prompt per request is supported (n=1, a single prompt)", "prompt")
+        if isinstance(p, str):
+            self._check_chars(len(p), "prompt")
+        elif len(p) > self.engine.max_ctx:
+            self._too_long(len(p), "prompt")
+        return await self._off_loop(self._completion, body, p)
+
+    def _check_model(self, body: _Sampling) -> None:
+        if body.model != self.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist; this server has `{self.model_name}`",
+                           "model", "model_not_found")
+
+    def _check_chars(self, n_chars: int, param: str) -> None:
+        if self.max_chars is not None and n_chars > self.max_chars:
+            raise APIError(400, f"This model's maximum context length is {self.engine.max_ctx} tokens; the prompt "
+                                f"has {n_chars} characters, more than that many tokens can hold "
+                                f"({self.max_chars})", param, "context_length_exceeded")
+
+    def _too_long(self, n_tokens: int, param: str):
+        raise APIError(400, f"This model's maximum context length is {self.engine.max_ctx} tokens; the prompt has "
+                            f"{n_tokens} tokens, which leaves no room to generate", param, "context_length_exceeded")
+
+    async def _off_loop(self, fn, *args) -> Request:
+        """fn(*args) in the pool, once a worker is free."""
+        if self._waiting >= self.max_waiting:
+            self.rejected += 1
+            raise APIError(429, f"The server is busy: {self._waiting} requests wait for their prompt to be "
+                                "prepared; retry later", code="queue_full", type_="server_busy",
+                           headers={"Retry-After": "1"})
+        self._waiting += 1
+        try:
+            await asyncio.wait_for(self._free.acquire(), self.wait_s)
+        except asyncio.TimeoutError:
+            self.rejected += 1
+            raise APIError(503, f"The server is busy: no prompt worker was free within {self.wait_s:g} s; retry "
+                                "later", code="prompt_workers_busy", type_="server_busy",
+                           headers={"Retry-After": str(max(1, math.ceil(self.wait_s)))}) from None
+        finally:
+            self._waiting -= 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._free.release()
+
+    # in the pool below
+    def _chat(self, body: ChatRequest, msgs: list[dict], system: str | None) -> Request:
+        from specplug.api import prompt_ids
+
+        try:
+            ids = prompt_ids(self.tok, msgs, self.chat_template, system)
+        except _PromptTooLong as exc:
+            self._too_long(exc.n_tokens, "messages")
+        except SpecplugError as exc:
+            raise APIError(400, str(exc), "messages") from None
+        return self._request(body, ids, body.max_completion_tokens or body.max_tokens, "messages")
+
+    def _completion(self, body: CompletionRequest, p: str | list[int]) -> Request:
+        if isinstance(p, str):
+            try:
+                ids = self.tok.encode(p)
+            except _PromptTooLong as exc:
+                self._too_long(exc.n_tokens, "prompt")
+        else:
+            vocab = self.engine.vocab
+            bad = next((t for t in p if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"Token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+            ids = list(p)
+        if not ids:
+            raise APIError(400, "The prompt is empty", "prompt")
+        return self._request(body, ids, body.max_tokens, "prompt")
+
+    def _request(self, body: _Sampling, ids: list[int], max_tokens: int | None, param: str) -> Request:
+        engine = self.engine
+        room = engine.max_ctx - 1 - len(ids)
+        if room < 1:
+            self._too_long(len(ids), param)
+        d = engine.sampling
+        sp = SamplingParams(temperature=d.temperature if body.temperature is None else body.temperature,
+                            top_k=d.top_k if body.top_k is None else max(0, body.top_k),
+                            top_p=d.top_p if body.top_p is None else body.top_p,
+                            min_p=d.min_p if body.min_p is None else body.min_p, seed=d.seed)
+        seed = body.seed
+        if seed is None and d.seed is None and not sp.greedy:
+            seed = secrets.randbits(62)  # OpenAI semantics: no seed, a different draw every time
+        speculators, n_max = None, None
+        spec = body.speculative
+        if spec is False:
+            speculators = ()
+        elif isinstance(spec, SpeculativeOptions):
+            n_max = spec.n_max
+            if spec.speculators is not None:
+                unknown = [n for n in spec.speculators if n not in self.spec_names]
+                if unknown:
+                    raise APIError(400, f"Unknown speculator {unknown[0]!r}; this server has "
+                                        f"{', '.join(map(repr, self.spec_names)) or 'none'}", "speculative.speculators")
+                speculators = tuple(spec.speculators)
+        return Request(ids, max_tokens if max_tokens is not None else room, sampling=sp, seed=seed,
+                       speculators=speculators, n_max=n_max, ignore_eos=body.ignore_eos)
+
+
 # --- the engine thread -----------------------------------------------------------------------------
 @dataclass
 class Job:
@@ -189,11 +446,21 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     handle: int | None = None
     cancelled: bool = False
-    error: str | None = None
+    error: tuple[int, str, str] | None = None  # (status, message, code) to answer instead of the result
+    closed: bool = False  # answered with an error by the watchdog: later engine events are dropped
     result: SequenceResult | None = None  # the engine's result, when it has finished
     t_submit: float = field(default_factory=time.perf_counter)
 
     def send(self, event: tuple) -> None:  # from the engine thread
+        if not self.closed:
+            self._put(event)
+
+    def fail(self, status: int, message: str, code: str) -> None:
+        """Answer with an error now, whatever the engine does with this request later."""
+        self.closed = True
+        self._put(("error", status, message, code))
+
+    def _put(self, event: tuple) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -204,20 +471,35 @@ class _Gone(Exception):
     """The client of a non-streaming request disconnected."""
 
 
-class EngineWorker:
-    """The thread that owns the engine. Other threads only put commands in its inbox."""
+class EngineDown(Exception):
+    """The engine died or stalled; the server answers 503 until it is restarted."""
 
-    def __init__(self, engine: Engine, max_queue: int, metrics: "Metrics | None" = None):
+
+class EngineWorker:
+    """The thread that owns the engine. Other threads only put commands in its inbox.
+
+    It also watches the engine: a step that raises (the engine's state is then unknown) or runs
+    longer than `step_timeout_s` ends its service. Every request in flight or queued is answered
+    with an error at once, new ones get 503, `failure` says why, and `on_failure(why)` is called
+    once (`serve` exits non-zero there, so that a supervisor restarts the process).
+    """
+
+    def __init__(self, engine: Engine, max_queue: int, metrics: "Metrics | None" = None,
+                 step_timeout_s: float | None = None, on_failure: Callable[[str], None] | None = None):
         self.engine = engine
         self.capacity = engine.n_parallel + max_queue
         self.metrics = metrics
+        self.step_timeout_s = step_timeout_s
+        self.on_failure = on_failure
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # outstanding, _jobs and failure
         self.outstanding = 0  # submitted and not yet finished
         self._jobs: dict[int, Job] = {}
         self._recent: deque[float] = deque(maxlen=32)  # durations of the last requests, for Retry-After
         self.thread: threading.Thread | None = None
         self.running = False
+        self.failure: str | None = None  # why the engine stopped serving, once it has
+        self._step_t0: float | None = None  # when the step now running began
 
     def start(self) -> None:
         """Run the engine loop in a new thread (tests, embedding the app elsewhere). `specplug serve`
@@ -231,8 +513,11 @@ class EngineWorker:
             self.thread.join(timeout)
 
     def try_submit(self, job: Job) -> bool:
-        """Queue a job unless `parallel + max_queue` requests are already in; False = full."""
+        """Queue a job unless `parallel + max_queue` requests are already in; False = full.
+        Raises EngineDown once the engine has failed."""
         with self._lock:
+            if self.failure is not None:
+                raise EngineDown(self.failure)
             if self.outstanding >= self.capacity:
                 return False
             self.outstanding += 1
@@ -252,9 +537,9 @@ class EngineWorker:
         mean = sum(self._recent) / len(self._recent) if self._recent else 1.0
         return max(1, min(60, math.ceil(mean * (self.waiting + 1) / self.engine.n_parallel)))
 
-    # engine thread only below
     def run(self, until=None) -> None:
-        """The engine loop, in the calling thread, until `stop()` (or `until()` turns true while idle).
+        """The engine loop, in the calling thread, until `stop()`, a failure of the engine (or until
+        `until()` turns true while idle).
 
         Run it in the thread that loaded the model: the kernels' OpenMP workers belong to the
         thread that started them, and with a second thread starting its own team libgomp sees
@@ -262,40 +547,84 @@ class EngineWorker:
         decoding step ~2.7x slower here (10.7 vs 4.0 ms on SmolLM2, measured).
         """
         self.running = True
+        if self.step_timeout_s:
+            threading.Thread(target=self._watch, name="specplug-watchdog", daemon=True).start()
         try:
             self._loop(until)
         finally:
             self.running = False
 
+    def _watch(self) -> None:
+        """Watchdog thread: the engine thread cannot notice its own stalled step."""
+        limit = self.step_timeout_s
+        while self.running and self.failure is None:
+            time.sleep(min(0.25, limit / 4))
+            t0 = self._step_t0
+            if t0 is not None and time.perf_counter() - t0 > limit:
+                self.fail(f"the engine stalled: a step has run for over {limit:g} s (step_timeout_s)", "engine_stalled")
+
+    def fail(self, why: str, code: str) -> None:
+        """End the engine's service (any thread): answer every request in flight and queued with
+        an error now, refuse new ones. Counted once, as a failure or a stall."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = why
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+        log.error("%s; every request in flight is answered with an error and new ones get 503", why)
+        if self.metrics is not None:
+            (self.metrics.engine_stalls if code == "engine_stalled" else self.metrics.engine_failures).inc()
+        for job in jobs:
+            job.fail(500, why, code)
+        self._drain(503, why, code)
+        if self.on_failure is not None:
+            self.on_failure(why)
+
+    def _drain(self, status: int, why: str, code: str) -> None:
+        """Answer the jobs still in the inbox, which were never added to the engine."""
+        while True:
+            try:
+                kind, job = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._done(job)
+                job.fail(status, why, code)
+
+    # engine thread only below
     def _loop(self, until) -> None:
         eng = self.engine
-        while True:
+        while self.failure is None:
             try:
                 cmd = self.inbox.get_nowait() if eng.has_work else self.inbox.get(timeout=0.25)
             except queue.Empty:
                 cmd = None
                 if until is not None and until():
-                    self._fail_all("the server is shutting down")
+                    self._shut_down("the server is shutting down")
                     return
             while cmd is not None:
                 if cmd[0] == "stop":
-                    self._fail_all("the server is shutting down")
+                    self._shut_down("the server is shutting down")
                     return
                 self._command(*cmd)
                 try:
                     cmd = self.inbox.get_nowait()
                 except queue.Empty:
                     cmd = None
-            if not eng.has_work:
+            if not eng.has_work or self.failure is not None:
                 continue
-            t0 = time.perf_counter()
+            self._step_t0 = t0 = time.perf_counter()
             try:
                 eng.step()
-            except Exception as exc:  # the target failed: answer every request in flight, keep serving
+            except Exception as exc:  # its state is unknown now: no further steps
                 log.exception("engine step failed")
-                self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
+                self.fail(f"the engine failed: {type(exc).__name__}: {exc}", "engine_failed")
+            finally:
+                self._step_t0 = None
             if self.metrics is not None:
                 self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        self._drain(503, self.failure, "engine_unavailable")
 
     def _command(self, kind: str, job: Job) -> None:
         if kind == "cancel":
@@ -307,19 +636,22 @@ class EngineWorker:
             job.send(("done", None))
             return
         try:
-            job.handle = self.engine.add(job.request, lambda ids: job.send(("tokens", ids)),
-                                         lambda res: self._finished(job, res))
+            handle = self.engine.add(job.request, lambda ids: job.send(("tokens", ids)),
+                                     lambda res: self._finished(job, res))
         except SpecplugError as exc:
             self._done(job)
-            job.send(("error", 400, str(exc)))
+            job.send(("error", 400, str(exc), None))
             return
-        self._jobs[job.handle] = job
+        job.handle = handle
+        with self._lock:
+            self._jobs[handle] = job
 
     def _finished(self, job: Job, res: SequenceResult) -> None:
-        self._jobs.pop(res.handle, None)
+        with self._lock:
+            self._jobs.pop(res.handle, None)
         self._done(job)
         if job.error is not None:
-            job.send(("error", 500, job.error))
+            job.send(("error", *job.error))
         else:
             job.send(("done", res))
 
@@ -328,19 +660,11 @@ class EngineWorker:
             self.outstanding -= 1
         self._recent.append(time.perf_counter() - job.t_submit)
 
-    def _fail_all(self, why: str) -> None:
+    def _shut_down(self, why: str) -> None:
         for job in list(self._jobs.values()):
-            job.error = why
+            job.error = (503, why, "shutting_down")
         self.engine.abort_all()
-        # jobs still in the inbox were never added
-        while True:
-            try:
-                kind, job = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
-                self._done(job)
-                job.send(("error", 503, why))
+        self._drain(503, why, "shutting_down")
 
 
 # --- metrics ---------------------------------------------------------------------------------------
@@ -358,7 +682,12 @@ class Metrics:
         self.step_seconds = Histogram("specplug_step_seconds", "Time per engine step (admissions + one verify)",
                                       registry=r, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
         self.rejected = Counter("specplug_rejected_requests", "Requests refused because the queue was full", registry=r)
+        self.engine_failures = Counter("specplug_engine_failures", "Engine steps that raised (the engine then stops "
+                                       "serving)", registry=r)
+        self.engine_stalls = Counter("specplug_engine_stalls", "Engine steps that ran over step_timeout_s (the engine "
+                                     "then stops serving)", registry=r)
         self._worker = worker
+        self.prompts: Prompts | None = None
         r.register(self)  # the engine-side figures are read at scrape time
 
     def collect(self):
@@ -367,6 +696,11 @@ class Metrics:
         yield GaugeMetricFamily("specplug_requests_running", "Requests in a sequence slot", value=eng.n_running)
         yield GaugeMetricFamily("specplug_requests_waiting", "Requests queued for a slot (queue depth)", value=w.waiting)
         yield GaugeMetricFamily("specplug_slots", "Sequence slots (parallel)", value=eng.n_parallel)
+        yield GaugeMetricFamily("specplug_engine_up", "1 while the engine serves, 0 once it died or stalled",
+                                value=0.0 if w.failure is not None else 1.0)
+        if self.prompts is not None:
+            yield CounterMetricFamily("specplug_prompt_rejected_requests", "Requests refused because no prompt worker "
+                                      "was free (429 / 503)", value=self.prompts.rejected)
         st = eng.stats
         yield CounterMetricFamily("specplug_target_forwards", "Decoding forwards of the target", value=st.target_forwards)
         yield CounterMetricFamily("specplug_emitted_tokens", "Tokens the target produced, stop tokens included",
@@ -439,16 +773,172 @@ class TextOut:
         return out
 
 
-# --- the app ---------------------------------------------------------------------------------------
+# --- answers: engine events -> OpenAI responses (whole or SSE) --------------------------------------
+class Answers:
+    """Submits a prepared Request to the engine worker and turns its events into the response."""
+
+    def __init__(self, worker: EngineWorker, metrics: Metrics, tokenizer, model_name: str, max_queue: int):
+        self.worker, self.metrics, self.tok, self.model_name, self.max_queue = (
+            worker, metrics, tokenizer, model_name, max_queue)
+
+    async def serve(self, request: HTTPRequest, body: _Sampling, req: Request, chat: bool):
+        worker = self.worker
+        job = Job(req, asyncio.get_running_loop())
+        try:
+            queued = worker.try_submit(job)
+        except EngineDown as exc:
+            raise engine_unavailable(str(exc)) from None
+        if not queued:
+            self.metrics.rejected.inc()
+            raise APIError(429, f"The server is busy: {worker.engine.n_parallel} requests running and "
+                                f"{self.max_queue} waiting; retry later", code="queue_full", type_="server_busy",
+                           headers={"Retry-After": str(worker.retry_after())})
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        out = TextOut(self.tok, stops)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        t_created = int(time.time())
+        if body.stream:
+            return StreamingResponse(self._stream(request, body, job, out, rid, t_created, chat),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._whole(request, job, out, rid, t_created, chat)
+
+    async def _next(self, job: Job, request: HTTPRequest, watch: bool) -> tuple:
+        """The next event of a job; with `watch`, cancel it when the client goes away."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=0.5 if watch else None)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.worker.cancel(job)
+                    raise _Gone from None
+
+    async def _result(self, job: Job, request: HTTPRequest, out: TextOut, watch: bool):
+        """Events until the end: yields text pieces, returns via StopAsyncIteration; the final
+        SequenceResult is left in job.result."""
+        first = True
+        while True:
+            ev = await self._next(job, request, watch)
+            if ev[0] == "error":
+                _, status, message, code = ev
+                raise APIError(status, message, code=code,
+                               type_="server_error" if status >= 500 else "invalid_request_error")
+            if ev[0] == "done":
+                job.result = ev[1]
+                tail = out.finish()
+                if tail:
+                    yield tail
+                return
+            if first and ev[1]:
+                self.metrics.ttft.observe(time.perf_counter() - job.t_submit)
+                first = False
+            text = out.push(ev[1])
+            if out.stopped and job.handle is not None:
+                self.worker.cancel(job)  # stop string: the engine stops at its next step; the result still comes
+            if text:
+                yield text
+
+    @staticmethod
+    def _finish_reason(job: Job, out: TextOut) -> str:
+        res = job.result
+        if out.stopped or res is None or res.finish_reason in ("stop", "abort"):
+            return "stop"
+        return "length"  # max_tokens, or the context filled up
+
+    def _usage(self, job: Job, out: TextOut) -> dict:
+        n = len(job.request.prompt_ids)
+        self.metrics.prompt_tokens.inc(n)
+        self.metrics.completion_tokens.inc(out.tokens)
+        return {"prompt_tokens": n, "completion_tokens": out.tokens, "total_tokens": n + out.tokens}
+
+    @staticmethod
+    def _spec_stats(job: Job) -> dict:
+        res = job.result
+        if res is None:
+            return {}
+        d = res.stats.to_dict()
+        return {**{k: d[k] for k in ("drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
+                                     "target_forwards")},
+                "by_speculator": {k: {"drafted_tokens": v.drafted_tokens, "accepted_tokens": v.accepted_tokens}
+                                  for k, v in res.stats.by_speculator.items() if v.drafts}}
+
+    async def _whole(self, request, job, out, rid, t_created, chat):
+        pieces = []
+        try:
+            async for text in self._result(job, request, out, True):
+                pieces.append(text)
+        except _Gone:  # nobody reads this answer; its slot is already being freed
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            self.worker.cancel(job)
+            raise
+        text = "".join(pieces)
+        choice = {"index": 0, "finish_reason": self._finish_reason(job, out), "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": t_created,
+                "model": self.model_name, "choices": [choice], "usage": self._usage(job, out),
+                "speculative_stats": self._spec_stats(job)}
+
+    async def _stream(self, request, body, job, out, rid, t_created, chat):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None = None, first: bool = False, **extra) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"id": rid, "object": kind, "created": t_created, "model": self.model_name, "choices": [choice],
+                    **extra}
+
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        try:
+            if chat:
+                yield _sse(chunk(None, first=True))
+            async for text in self._result(job, request, out, False):
+                yield _sse(chunk(text))
+            yield _sse(chunk(None, self._finish_reason(job, out), speculative_stats=self._spec_stats(job)))
+            u = self._usage(job, out)
+            if include_usage:
+                yield _sse({"id": rid, "object": kind, "created": t_created, "model": self.model_name,
+                            "choices": [], "usage": u})
+        except APIError as exc:
+            yield _sse(exc.body())
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away: free its slot
+            self.worker.cancel(job)
+            raise
+        yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def engine_unavailable(why: str) -> APIError:
+    return APIError(503, f"The engine is not serving: {why}; the server must be restarted", code="engine_unavailable",
+                    type_="server_error")
+
+
+# --- the app: routes --------------------------------------------------------------------------------
+DEFAULT_MAX_BODY_MB = 4.0
+
+
 def create_app(engine: Engine, model_name: str, *, max_queue: int = 64, api_key: str | None = None,
-               chat_template: bool = True, system: str | None = None, start: bool = True) -> FastAPI:
+               chat_template: bool = True, system: str | None = None, start: bool = True,
+               max_body_mb: float = DEFAULT_MAX_BODY_MB, step_timeout_s: float | None = None,
+               prompt_workers: int = 2, prompt_wait_s: float = 10.0,
+               on_failure: Callable[[str], None] | None = None) -> FastAPI:
     """The ASGI app serving `engine`. With `start`, the engine loop starts in a thread of its own with
     the app's lifespan; without, run `app.state.worker.run()` yourself (as `serve` does, in the
-    main thread), and the lifespan's end stops it."""
-    worker = EngineWorker(engine, max_queue)
+    main thread), and the lifespan's end stops it. Request bodies over `max_body_mb` get 413; an
+    engine step that raises or runs over `step_timeout_s` ends the engine's service (/health 503,
+    `on_failure(why)` called once; see EngineWorker)."""
+    worker = EngineWorker(engine, max_queue, step_timeout_s=step_timeout_s, on_failure=on_failure)
     worker.metrics = metrics = Metrics(worker)
-    tok = engine.target.tokenizer
-    spec_names = [s.name for s in engine.specs]
+    prompts = Prompts(engine, model_name, chat_template, system, prompt_workers, engine.n_parallel + max_queue,
+                      prompt_wait_s)
+    metrics.prompts = prompts
+    answers = Answers(worker, metrics, engine.target.tokenizer, model_name, max_queue)
     created = int(time.time())
 
     @asynccontextmanager
@@ -457,10 +947,10 @@ def create_app(engine: Engine, model_name: str, *, max_queue: int = 64, api_key:
             worker.start()
         yield
         worker.stop()
+        prompts.close()
 
     app = FastAPI(title="specplug", lifespan=lifespan)
-    app.state.worker = worker
-    app.state.metrics = metrics
+    app.state.worker, app.state.metrics, app.state.prompts = worker, metrics, prompts
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -483,11 +973,17 @@ def create_app(engine: Engine, model_name: str, *, max_queue: int = 64, api_key:
             metrics.requests.labels(path, str(response.status_code)).inc()
         return response
 
+    # outermost: a body over the limit is refused before anything reads it
+    app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 2 ** 20),
+                       on_refuse=lambda path: metrics.requests.labels(path, "413").inc())
+
     @app.get("/health")
     async def health():
-        alive = worker.running or not start
+        alive = worker.failure is None and (worker.running or not start)
         body = {"status": "ok" if alive else "error", "running": engine.n_running, "waiting": worker.waiting,
                 "slots": engine.n_parallel}
+        if not alive:
+            body["reason"] = worker.failure or "the engine loop is not running"
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
@@ -497,194 +993,19 @@ def create_app(engine: Engine, model_name: str, *, max_queue: int = 64, api_key:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "specplug", "speculators": spec_names}]}
-
-    def engine_request(body: _Sampling, ids: list[int], max_tokens: int | None, param: str) -> Request:
-        if body.model != model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server has `{model_name}`",
-                           "model", "model_not_found")
-        room = engine.max_ctx - 1 - len(ids)
-        if room < 1:
-            raise APIError(400, f"This model's maximum context length is {engine.max_ctx} tokens; the prompt has "
-                                f"{len(ids)} tokens, which leaves no room to generate", param, "context_length_exceeded")
-        d = engine.sampling
-        sp = SamplingParams(temperature=d.temperature if body.temperature is None else body.temperature,
-                            top_k=d.top_k if body.top_k is None else max(0, body.top_k),
-                            top_p=d.top_p if body.top_p is None else body.top_p,
-                            min_p=d.min_p if body.min_p is None else body.min_p, seed=d.seed)
-        seed = body.seed
-        if seed is None and d.seed is None and not sp.greedy:
-            seed = secrets.randbits(62)  # OpenAI semantics: no seed, a different draw every time
-        speculators, n_max = None, None
-        spec = body.speculative
-        if spec is False:
-            speculators = ()
-        elif isinstance(spec, SpeculativeOptions):
-            n_max = spec.n_max
-            if spec.speculators is not None:
-                unknown = [n for n in spec.speculators if n not in spec_names]
-                if unknown:
-                    raise APIError(400, f"Unknown speculator {unknown[0]!r}; this server has "
-                                        f"{', '.join(map(repr, spec_names)) or 'none'}", "speculative.speculators")
-                speculators = tuple(spec.speculators)
-        return Request(ids, max_tokens if max_tokens is not None else room, sampling=sp, seed=seed,
-                       speculators=speculators, n_max=n_max, ignore_eos=body.ignore_eos)
+                                            "owned_by": "specplug", "speculators": prompts.spec_names}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: HTTPRequest):
-        from specplug.api import prompt_ids
-
-        msgs = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-                for m in body.messages]
-        try:
-            ids = prompt_ids(tok, msgs, chat_template, None if any(m["role"] == "system" for m in msgs) else system)
-        except SpecplugError as exc:
-            raise APIError(400, str(exc), "messages") from None
-        req = engine_request(body, ids, body.max_completion_tokens or body.max_tokens, "messages")
-        return await _serve(request, body, req, "chat.completion", "chatcmpl")
+        if worker.failure is not None:
+            raise engine_unavailable(worker.failure)
+        return await answers.serve(request, body, await prompts.chat(body), chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HTTPRequest):
-        p = body.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]
-        if isinstance(p, list) and any(isinstance(x, (str, list)) for x in p):
-            raise APIError(400, "Only one prompt per request is supported (n=1, a single prompt)", "prompt")
-        if isinstance(p, str):
-            ids = tok.encode(p)
-        else:
-            vocab = engine.vocab
-            bad = next((t for t in p if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"Token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
-            ids = list(p)
-        if not ids:
-            raise APIError(400, "The prompt is empty", "prompt")
-        req = engine_request(body, ids, body.max_tokens, "prompt")
-        return await _serve(request, body, req, "text_completion", "cmpl")
-
-    async def _serve(request: HTTPRequest, body: _Sampling, req: Request, obj: str, prefix: str):
-        job = Job(req, asyncio.get_running_loop())
-        if not worker.try_submit(job):
-            metrics.rejected.inc()
-            raise APIError(429, f"The server is busy: {engine.n_parallel} requests running and {max_queue} waiting; "
-                                "retry later", code="queue_full", type_="server_busy",
-                           headers={"Retry-After": str(worker.retry_after())})
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        out = TextOut(tok, stops)
-        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        t_created = int(time.time())
-        chat = obj == "chat.completion"
-        if body.stream:
-            return StreamingResponse(_stream(request, body, job, out, rid, t_created, chat),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _whole(request, job, out, rid, t_created, chat)
-
-    async def _next(job: Job, request: HTTPRequest, watch: bool) -> tuple:
-        """The next event of a job; with `watch`, cancel it when the client goes away."""
-        while True:
-            try:
-                return await asyncio.wait_for(job.events.get(), timeout=0.5 if watch else None)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    worker.cancel(job)
-                    raise _Gone from None
-
-    async def _result(job: Job, request: HTTPRequest, out: TextOut, watch: bool):
-        """Events until the end: yields text pieces, returns via StopAsyncIteration; the final
-        SequenceResult is left in job.result."""
-        first = True
-        while True:
-            ev = await _next(job, request, watch)
-            if ev[0] == "error":
-                raise APIError(ev[1], ev[2], type_="server_error" if ev[1] >= 500 else "invalid_request_error")
-            if ev[0] == "done":
-                job.result = ev[1]
-                tail = out.finish()
-                if tail:
-                    yield tail
-                return
-            if first and ev[1]:
-                metrics.ttft.observe(time.perf_counter() - job.t_submit)
-                first = False
-            text = out.push(ev[1])
-            if out.stopped and job.handle is not None:
-                worker.cancel(job)  # stop string: the engine stops at its next step; the result still comes
-            if text:
-                yield text
-
-    def finish_reason(job: Job, out: TextOut) -> str:
-        res = job.result
-        if out.stopped or res is None or res.finish_reason in ("stop", "abort"):
-            return "stop"
-        return "length"  # max_tokens, or the context filled up
-
-    def usage(job: Job, out: TextOut) -> dict:
-        n = len(job.request.prompt_ids)
-        metrics.prompt_tokens.inc(n)
-        metrics.completion_tokens.inc(out.tokens)
-        return {"prompt_tokens": n, "completion_tokens": out.tokens, "total_tokens": n + out.tokens}
-
-    def spec_stats(job: Job) -> dict:
-        res = job.result
-        if res is None:
-            return {}
-        d = res.stats.to_dict()
-        return {**{k: d[k] for k in ("drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
-                                     "target_forwards")},
-                "by_speculator": {k: {"drafted_tokens": v.drafted_tokens, "accepted_tokens": v.accepted_tokens}
-                                  for k, v in res.stats.by_speculator.items() if v.drafts}}
-
-    async def _whole(request, job, out, rid, t_created, chat):
-        pieces = []
-        try:
-            async for text in _result(job, request, out, True):
-                pieces.append(text)
-        except _Gone:  # nobody reads this answer; its slot is already being freed
-            return Response(status_code=499)
-        except asyncio.CancelledError:
-            worker.cancel(job)
-            raise
-        text = "".join(pieces)
-        choice = {"index": 0, "finish_reason": finish_reason(job, out), "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": t_created,
-                "model": model_name, "choices": [choice], "usage": usage(job, out),
-                "speculative_stats": spec_stats(job)}
-
-    def sse(obj: dict) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-    async def _stream(request, body, job, out, rid, t_created, chat):
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: str | None, finish: str | None = None, first: bool = False, **extra) -> dict:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return {"id": rid, "object": kind, "created": t_created, "model": model_name, "choices": [choice], **extra}
-
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        try:
-            if chat:
-                yield sse(chunk(None, first=True))
-            async for text in _result(job, request, out, False):
-                yield sse(chunk(text))
-            yield sse(chunk(None, finish_reason(job, out), speculative_stats=spec_stats(job)))
-            u = usage(job, out)
-            if include_usage:
-                yield sse({"id": rid, "object": kind, "created": t_created, "model": model_name, "choices": [],
-                           "usage": u})
-        except APIError as exc:
-            yield sse(exc.body())
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away: free its slot
-            worker.cancel(job)
-            raise
-        yield "data: [DONE]\n\n"
+        if worker.failure is not None:
+            raise engine_unavailable(worker.failure)
+        return await answers.serve(request, body, await prompts.completion(body), chat=False)
 
     return app
 
@@ -693,15 +1014,32 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8080, *, max_queue: int = 64
           api_key: str | None = None, model_name: str | None = None, log_level: str = "info") -> int:
     """Load the config's target and speculators and serve them until SIGINT/SIGTERM; on a signal
     the server stops accepting, lets requests in flight finish for up to `drain_timeout`
-    seconds, then exits."""
+    seconds, then exits 0. When the engine fails (a step raises or runs over `step_timeout_s`),
+    requests in flight get an error, and the server stops and returns 3 so that a supervisor
+    restarts it (the speculator at fault is unknown, and the engine's state with it)."""
     import uvicorn
 
     from specplug.api import build_engine
 
     engine = build_engine(cfg)
     name = model_name or _model_name(cfg.model)
+    failed: list[str] = []
+
+    def on_failure(why: str) -> None:
+        failed.append(why)
+        server.should_exit = True  # answers in flight (errors now) are sent, then uvicorn stops
+        threading.Thread(target=exit_if_stuck, name="specplug-exit", daemon=True).start()
+
+    def exit_if_stuck() -> None:
+        # a stalled step keeps the main thread: once the HTTP side is done, do not wait for it
+        http.join(drain_timeout + 5)
+        time.sleep(2.0)
+        log.error("the engine thread is stuck in a step; exiting with status %d", EXIT_ENGINE_FAILED)
+        os._exit(EXIT_ENGINE_FAILED)
+
     app = create_app(engine, name, max_queue=max_queue, api_key=api_key, chat_template=cfg.chat, system=cfg.system,
-                     start=False)
+                     start=False, max_body_mb=cfg.max_body_mb, step_timeout_s=cfg.step_timeout_s,
+                     on_failure=on_failure)
     worker: EngineWorker = app.state.worker
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
     server = uvicorn.Server(config)
@@ -725,7 +1063,13 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8080, *, max_queue: int = 64
                 engine.n_parallel, max_queue, ", ".join(s.name for s in engine.specs) or "none")
     worker.run(until=lambda: not http.is_alive())
     http.join(drain_timeout + 5)
+    if failed:
+        log.error("exiting with status %d: %s", EXIT_ENGINE_FAILED, failed[0])
+        return EXIT_ENGINE_FAILED
     return 0 if server.started else 1
+
+
+EXIT_ENGINE_FAILED = 3  # `specplug serve`'s exit status when its engine died or stalled
 
 
 def _model_name(model: str) -> str:
