@@ -152,12 +152,15 @@ class Drafting:
     """Asks the speculators for drafts each step and prices them (see the module docstring).
 
     `call(spec, hook, **kw)` runs a hook guarded (None when it raised: the speculator is then
-    disabled); `disable(spec, why)` turns a speculator off for the run.
+    disabled); `disable(spec, why)` turns a speculator off for the run; `before_draft(spec)` runs
+    before each `draft` call.
     """
 
     def __init__(self, specs: Sequence[Speculator], cost: Callable[[int], float],
-                 call: Callable[..., Any], disable: Callable[[Speculator, str], None], vocab: int, max_ctx: int):
+                 call: Callable[..., Any], disable: Callable[[Speculator, str], None], vocab: int, max_ctx: int,
+                 before_draft: Callable[[Speculator], None] = lambda spec: None):
         self.specs, self.cost, self.call, self.disable = list(specs), cost, call, disable
+        self.before_draft = before_draft  # brings a speculator's context up to date (rows held back while paused)
         self.vocab, self.max_ctx = vocab, max_ctx
         self.t_row = 0.0  # measured seconds of a one-row target forward
         self._asked: list[_Asked] = []
@@ -183,6 +186,7 @@ class Drafting:
             reqs = self._requests(spec, seqs)
             if not reqs:
                 continue
+            self.before_draft(spec)
             t0 = time.perf_counter()
             res = self.call(spec, "draft", requests=reqs)
             seconds = time.perf_counter() - t0

@@ -31,6 +31,7 @@ from specplug.types import Batch, TargetInfo
 from specplug.verify import Verdict, verify
 
 log = logging.getLogger("specplug")
+BACKLOG_ROWS = 256  # a paused speculator's held-back rows are delivered at the latest at this many
 
 
 @dataclass
@@ -127,7 +128,9 @@ class Engine:
         self._next_handle = 0
         for s in self.specs:
             self.stats.speculators[s.name] = s.stats
-        self.drafting = Drafting(self.specs, self.model.verify_cost, self._call, self._disable, self.vocab, max_ctx)
+        self._backlog: dict[str, list[Batch]] = {}  # speculator -> decoding rows not yet delivered (see _tell_committed)
+        self.drafting = Drafting(self.specs, self.model.verify_cost, self._call, self._disable, self.vocab, max_ctx,
+                                 before_draft=self._deliver)
 
     # --- speculator calls, each guarded so a failing plugin cannot change the output -----------
     def _call(self, spec: Speculator, hook: str, **kw) -> Any:
@@ -162,7 +165,12 @@ class Engine:
 
     def _tell_committed(self, entries: list[tuple[int, int, int]], rows: torch.Tensor | None,
                         hidden: dict[int, torch.Tensor], is_prompt: bool) -> None:
-        """process_batch (after encode) on every speculator, for entries (token, pos, seq)."""
+        """process_batch (after encode) on every speculator, for entries (token, pos, seq).
+
+        A speculator paused for every running sequence (it will not be asked to draft next step)
+        gets its decoding rows later, in one batch before its next `draft` (or once it holds
+        BACKLOG_ROWS): the contract only needs each sequence's rows in position order, and one
+        batched encode/process_batch costs a fraction of one per step."""
         users = [s for s in self.specs if s.enabled and (s.caller.implements("process_batch")
                                                          or s.caller.implements("encode"))]
         if not users:
@@ -176,8 +184,28 @@ class Engine:
             if s.embeddings.final:
                 emb["final"] = hidden[n_layer] if rows is None else hidden[n_layer][rows]
             batch = Batch(tok, pos, seq, emb, is_prompt)
-            encoded = self._call(s, "encode", batch=batch) if emb else None
-            self._call(s, "process_batch", batch=batch, encoded=encoded)
+            if not is_prompt and self._dormant(s):
+                held = self._backlog.setdefault(s.name, [])
+                held.append(batch)
+                if sum(len(b) for b in held) < BACKLOG_ROWS:
+                    continue
+                batch = None
+            self._deliver(s, batch)
+
+    def _dormant(self, spec: Speculator) -> bool:
+        """Whether `spec` is paused for every running sequence it may draft for."""
+        return all(spec.state(q.slot).skip > 0 for q in self._active.values()
+                   if q.req.speculators is None or spec.name in q.req.speculators)
+
+    def _deliver(self, spec: Speculator, batch: Batch | None = None) -> None:
+        """encode + process_batch for what `spec` has been held back, then `batch`."""
+        held = self._backlog.pop(spec.name, [])
+        if batch is not None and (not held or batch.is_prompt == held[0].is_prompt):
+            held.append(batch)
+            batch = None
+        for b in ([_concat(held)] if held else []) + ([batch] if batch is not None else []):
+            encoded = self._call(spec, "encode", batch=b) if b.embeddings else None
+            self._call(spec, "process_batch", batch=b, encoded=encoded)
 
     # --- the step-driven API: add, step, abort -----------------------------------------------------
     def check_request(self, req: Request, label: Any = None) -> None:
@@ -329,6 +357,8 @@ class Engine:
         self.cache.clear(seq.slot)
         for s in self.specs:
             s.forget(seq.slot)
+            if s.name in self._backlog:  # every committed row is delivered before the sequence ends
+                self._deliver(s)
             self._call(s, "remove", seq_id=seq.slot, p0=0)
         self._free.append(seq.slot)
         gen = seq.tokens[len(seq.req.prompt_ids):]
@@ -463,6 +493,16 @@ class Engine:
             self._disable(d[0], f"its draft failed verification ({type(exc).__name__}: {exc})",
                           traceback.format_exc())
             return verify(logits[:1], [], None, q.sampling, q.gen)
+
+
+def _concat(batches: list[Batch]) -> Batch:
+    """One batch of the rows of several, in order (each sequence's rows stay in position order)."""
+    if len(batches) == 1:
+        return batches[0]
+    cat = torch.cat
+    emb = {k: cat([b.embeddings[k] for b in batches]) for k in batches[0].embeddings}
+    return Batch(cat([b.token_ids for b in batches]), cat([b.positions for b in batches]),
+                 cat([b.seq_ids for b in batches]), emb, batches[0].is_prompt)
 
 
 def _derived_seed(sp: SamplingParams, index: int) -> int:

@@ -73,7 +73,9 @@ def _ids(target, texts=PROMPTS):
 def test_greedy_output_equals_plain_with_parallel_sequences(tiny, trained, quant):
     target = _target(tiny, quant)
     spec = _mtp(target, trained, stop_below=0.0)
-    eng = assert_greedy_equal(target, [spec], _ids(target), max_tokens=40, n_parallel=3)
+    # unpriced: on the tiny target a head forward costs about a target step, so the host would pause it
+    eng = assert_greedy_equal(target, [speculator(spec, "MTP", cost_trim=False)], _ids(target), max_tokens=40,
+                              n_parallel=3)
     st = eng.stats.speculators["MTP"]
     assert st.drafted_tokens > 50 and 0 < st.accepted_tokens < st.drafted_tokens  # rejections happened
     assert not eng.stats.disabled
