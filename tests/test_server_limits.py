@@ -120,6 +120,8 @@ def test_a_50_mb_body_is_refused_at_once_with_bounded_memory(limited, chunked):
     httpx.post(url + "/v1/completions", json=SMALL, timeout=30)  # warm: first-request allocations
     with peak_rss() as mem:
         status, body, seconds = _post_big(url, 50 << 20, chunked)
+    print(f"\n50 MB body ({'chunked' if chunked else 'Content-Length'}): {status} after {seconds * 1000:.1f} ms, "
+          f"memory growth {mem['growth'] / 2 ** 20:.1f} MB")
     assert status == 413, body
     assert body["error"]["code"] == "request_too_large" and "--max-body-mb" in body["error"]["message"]
     assert seconds < 1.0, f"refused after {seconds:.2f} s"
