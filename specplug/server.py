@@ -3,8 +3,14 @@
 One engine thread owns the model and loops: take new requests and cancellations from its
 inbox, `Engine.add` / `Engine.abort` them, then `Engine.step()`; requests join the running
 batch between steps as slots free up. The HTTP side (FastAPI on uvicorn) never touches
-torch: it validates and tokenizes, hands the engine a `Request`, and receives committed token
-ids through an asyncio queue per request, which it turns into text (stop strings included).
+torch: it validates, has the prompt templated and tokenized in a small pool (`Prompts`), hands
+the engine a `Request`, and receives committed token ids through an asyncio queue per request,
+which it turns into text, stop strings included (`Answers`).
+
+No client can stall the others: bodies over `max_body_mb` get 413 unread (`BodyLimit`), a prompt
+with more characters than the context can hold is refused before tokenization, and the pool is
+bounded. The worker watches its engine: a step that raises or outruns `step_timeout_s` ends the
+engine's service (errors to every request, /health 503; `serve` exits 3 for a supervisor).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming with SSE or not),
 GET /v1/models, GET /health, GET /metrics (Prometheus). A request picks its speculation in the
