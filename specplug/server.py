@@ -721,15 +721,29 @@ class Metrics:
                                 "Tokens per forward when this speculator's draft was verified", labels=["speculator"])
         enabled = GaugeMetricFamily("specplug_spec_enabled", "1 while the speculator runs, 0 once disabled",
                                     labels=["speculator"])
+        hook_s = CounterMetricFamily("specplug_spec_hook_seconds", "Time in each hook of the speculator (every "
+                                     "sequence waits for it)", labels=["speculator", "hook"])
+        hook_calls = CounterMetricFamily("specplug_spec_hook_calls", "Calls of each hook of the speculator",
+                                         labels=["speculator", "hook"])
+        asked = CounterMetricFamily("specplug_spec_asked_steps", "Sequence-steps the speculator was asked to draft "
+                                    "(the others of spec_possible_steps: paused, or no draft could pay)",
+                                    labels=["speculator"])
+        possible = CounterMetricFamily("specplug_spec_possible_steps", "Sequence-steps the speculator could have "
+                                       "drafted for", labels=["speculator"])
         for s in eng.specs:
             ss = s.stats
+            for hook, sec in list(ss.hook_s.items()):
+                hook_s.add_metric([s.name, hook], sec)
+                hook_calls.add_metric([s.name, hook], ss.hook_calls.get(hook, 0))
+            asked.add_metric([s.name], ss.asked)
+            possible.add_metric([s.name], ss.seq_steps)
             drafted.add_metric([s.name], ss.drafted_tokens)
             accepted.add_metric([s.name], ss.accepted_tokens)
             drafts.add_metric([s.name], ss.drafts)
             rate.add_metric([s.name], ss.acceptance_rate)
             mal.add_metric([s.name], (ss.accepted_tokens + ss.drafts) / ss.drafts if ss.drafts else 0.0)
             enabled.add_metric([s.name], 1.0 if s.enabled else 0.0)
-        yield from (drafted, accepted, drafts, rate, mal, enabled)
+        yield from (drafted, accepted, drafts, rate, mal, enabled, hook_s, hook_calls, asked, possible)
 
 
 # --- text out: incremental detokenization and stop strings ------------------------------------------

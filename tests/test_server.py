@@ -321,7 +321,10 @@ def test_a_failing_speculator_is_disabled_and_the_text_unchanged(tiny_target):
             r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": t}], max_tokens=30,
                                           temperature=0)
             assert r.choices[0].message.content == ref[0]
-        assert 'specplug_spec_enabled{speculator="faulty"} 0.0' in httpx.get(url + "/metrics", timeout=10).text
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'specplug_spec_enabled{speculator="faulty"} 0.0' in metrics
+        assert 'specplug_spec_hook_calls_total{hook="draft",speculator="faulty"}' in metrics  # hook time per speculator
+        assert 'specplug_spec_hook_seconds_total{hook="draft",speculator="faulty"}' in metrics
     assert "faulty" in eng.stats.disabled
 
 
