@@ -1,5 +1,11 @@
-"""`specplug convert eagle3 DIR_OR_SAFETENSORS --target TARGET.gguf -o FILE.gguf`: import a public
-EAGLE-3 head in the layout the EAGLE / SpecForge / vLLM ecosystem publishes.
+"""`specplug convert eagle3 SOURCE --target TARGET.gguf -o FILE.gguf`; SOURCE picks the direction:
+- a folder or .safetensors file: import a public EAGLE-3 head (the layout below) as a specplug head;
+- a specplug eagle3 head file (.gguf): export it as llama.cpp's `eagle3` draft GGUF (`-md` of
+  `llama-server --spec-type draft-eagle3`); a llama.cpp `eagle3` GGUF: import it as a specplug head
+  (see specplug_eagle3.llamacpp; tensors keep their stored bits both ways, --weights is not used
+  unless a llama.cpp tensor has a type a head file cannot hold).
+
+Public heads, in the layout the EAGLE / SpecForge / vLLM ecosystem publishes:
 
 Expected: a folder with `config.json` and `model.safetensors` (or the .safetensors file with its
 config.json beside it) holding
@@ -40,12 +46,37 @@ def _files(source: Path) -> tuple[Path, list[Path]]:
 
 
 def convert(source: Path, target: Path, output: Path, weights: str = "f16") -> Path:
-    """Convert an EAGLE-3 checkpoint for `target` (a GGUF path or model name) into a specplug head file."""
+    """Convert an EAGLE-3 checkpoint for `target` (a GGUF path or model name) into a specplug head file,
+    or a specplug head to / from llama.cpp's eagle3 GGUF (by what `source` is; see the module doc)."""
+    source = Path(source)
+    if source.suffix == ".gguf":
+        from specplug_eagle3 import llamacpp
+
+        arch = _gguf_arch(source)
+        if arch == "specplug-head":
+            return llamacpp.export_llamacpp(source, target, output)
+        if arch == llamacpp.ARCH:
+            return llamacpp.import_llamacpp(source, target, output, weights)
+        raise SpecplugError(f"{source}: a GGUF of architecture {arch!r}; give a specplug eagle3 head (to export "
+                            f"to llama.cpp) or a llama.cpp eagle3 draft (to import)")
+    return _convert_checkpoint(source, target, output, weights)
+
+
+def _gguf_arch(path: Path) -> str | None:
+    from specplug.errors import ModelError
+    from specplug.runtime.gguf_file import GGUFFile
+
+    try:
+        return GGUFFile(path).metadata.get("general.architecture")
+    except ModelError as exc:
+        raise SpecplugError(str(exc)) from None
+
+
+def _convert_checkpoint(source: Path, target, output: Path, weights: str) -> Path:
     from safetensors.torch import load_file
 
     from specplug.engine import target_info
 
-    source = Path(source)
     config_path, files = _files(source)
     try:
         conf = json.loads(config_path.read_text())
