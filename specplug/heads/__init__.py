@@ -17,10 +17,27 @@ instead of drafting garbage:
 
 Tensors are named by the method; linear weights are stored Q8_0 (or F16/F32), vectors F32, and a
 draft-vocabulary map (e.g. `d2t`, draft row -> target token id) as I32.
+
+Drafting toolkit (each part usable on its own):
+
+    StateKeeper          committed rows per sequence in step, the newest state, `remove`, the position check
+    DraftLoop            the batched drafting loop over per-depth logits: picking, calibrated confidences,
+                         the stop rule (stop_below, and the host's `DraftRequest.break_even`)
+    ChainDrafter         a recursive pair head (MTP, Eagle3) built on both
+    ParallelHeadsDrafter parallel heads (Medusa-style: every depth from the newest state in one forward)
+    Calibrator, pick_tokens   confidences from outcomes; one token per row of logits
+    masks                which training rows a chain or parallel head is scored on
 """
 from specplug.heads.file import (HEAD_ARCH, HeadError, HeadFile, HeadMeta, layer_from_head, token_table_sha256,
                                  write_head)
 
-from specplug.heads.drafter import Calibrator, ChainDrafter, ChainHead, pick_tokens
+from specplug.heads.calibrate import Calibrator
+from specplug.heads.chain import ChainDrafter, ChainHead
+from specplug.heads.loop import DraftLoop
+from specplug.heads.parallel import ParallelHead, ParallelHeadsDrafter
+from specplug.heads.pick import pick_tokens
+from specplug.heads.state import StateKeeper, assert_draft_aligned, newest_state_position
 
-__all__ = ["Calibrator", "ChainDrafter", "ChainHead", "HEAD_ARCH", "HeadError", "HeadFile", "HeadMeta", "layer_from_head", "pick_tokens", "token_table_sha256", "write_head"]
+__all__ = ["Calibrator", "ChainDrafter", "ChainHead", "DraftLoop", "HEAD_ARCH", "HeadError", "HeadFile", "HeadMeta",
+           "ParallelHead", "ParallelHeadsDrafter", "StateKeeper", "assert_draft_aligned", "layer_from_head",
+           "newest_state_position", "pick_tokens", "token_table_sha256", "write_head"]

@@ -4,9 +4,11 @@ In step with the target: `encode` turns the tapped target states of committed ro
 features; `process_batch` writes every drafter layer's K/V of them at their positions (exact, so
 nothing is ever replayed); `remove(seq, p0)` drops positions >= p0. `draft` runs one batched forward
 of one block per sequence, [x_c, mask, ..., mask] at positions c.., attending to the context and
-bidirectionally inside the block, and returns block - 1 tokens with calibrated confidences (the
-cost-aware host then verifies the prefix worth its rows). A block longer than the host's n_max is
-cut to it.
+bidirectionally inside the block, and returns up to block - 1 tokens with calibrated confidences,
+walked by the toolkit's `DraftLoop`: a block longer than the host's n_max is cut to it, and the
+draft is cut after an end of turn or where the cumulative confidence falls below the host's
+break-even (`DraftRequest.break_even`: the host would trim those tokens). The position check and
+`remove` are the toolkit's `StateKeeper`.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Sequence
 import torch
 
 from specplug.errors import ConfigError
-from specplug.heads import Calibrator, HeadError, HeadFile, pick_tokens, token_table_sha256
+from specplug.heads import Calibrator, DraftLoop, HeadError, HeadFile, StateKeeper, token_table_sha256
 from specplug.hooks import hookimpl
 from specplug.runtime.layers import Backend
 from specplug.types import Batch, Draft, DraftRequest, EmbeddingRequest, TargetInfo, Verified
@@ -84,12 +86,15 @@ class DFlash:
             self.rt = DFlashRuntime(self.head, target, Backend.for_target(target), target.n_seq, target.max_ctx)
         except HeadError as exc:
             raise ConfigError(f"dflash: head: {exc}") from None
-        self.received = [0] * target.n_seq  # context positions [0, received) are in the drafter's cache
-        self.eot = frozenset(target.eot_ids)
-        self.vocab = target.vocab_size
-        self.out_device = target.device
+        # context positions [0, received) are in the drafter's cache
+        self.keeper = StateKeeper(target.n_seq, on_reset=lambda s: self.rt.cache.seq_rm(s, 0))
         self.calib = Calibrator(params.calibrate, depths=8)
-        self.gen = torch.Generator().manual_seed(0)
+        self.loop = DraftLoop(target, self.rt.d2t, params.temperature, 0.0, self.calib)
+
+    @property
+    def received(self) -> list[int]:
+        """Per sequence: context positions [0, received) are in the drafter's cache."""
+        return self.keeper.received
 
     @hookimpl
     def are_compatible(self, target: TargetInfo) -> str | None:
@@ -105,27 +110,16 @@ class DFlash:
 
     @hookimpl
     def process_batch(self, batch: Batch, encoded: torch.Tensor) -> None:
-        pos, seqs = batch.positions.tolist(), batch.seq_ids.tolist()
-        keep = []
-        for i, (p, s) in enumerate(zip(pos, seqs)):
-            if p != self.received[s] and p != 0:
-                self.received[s] = -1  # rows were missed: no drafts until the sequence restarts
-                continue
-            if p == 0:
-                self.rt.cache.seq_rm(s, 0)
-            keep.append(i)
-            self.received[s] = p + 1
+        keep, _ = self.keeper.receive(batch)
         if keep:
+            pos, seqs = batch.positions.tolist(), batch.seq_ids.tolist()
             idx = torch.tensor(keep, device=encoded.device)
             self.rt.add_context(encoded[idx], [pos[i] for i in keep], [seqs[i] for i in keep])
 
     @hookimpl
     def remove(self, seq_id: int, p0: int) -> None:
         self.rt.cache.seq_rm(seq_id, max(0, p0))
-        if p0 <= 0:
-            self.received[seq_id] = 0
-        elif self.received[seq_id] > p0:
-            self.received[seq_id] = -1
+        self.keeper.remove(seq_id, p0)
 
     @hookimpl
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft | None]:
@@ -133,33 +127,17 @@ class DFlash:
         for i, r in enumerate(requests):
             c = len(r.tokens) - 1
             size = min(self.block, r.n_max + 1, self.rt.cache.max_ctx - c)
-            if self.received[r.seq_id] != c or size < 2:
+            if size < 2 or not self.keeper.ready(r):
                 continue
             live.append(i)
             last.append(r.tokens[-1])
             starts.append(c)
             seqs.append(r.seq_id)
             sizes.append(size)
-        out: list[Draft | None] = [None] * len(requests)
         if not live:
-            return out
-        logits = self.rt.draft(last, starts, seqs, sizes)
-        toks, p_pick, full = pick_tokens(logits, self.rt.d2t, self.vocab, self.params.temperature, self.gen)
-        row = 0
-        for i, size in zip(live, sizes):
-            ids, conf, keys = [], [], []
-            for j in range(size - 1):
-                t, pj = toks[row + j], p_pick[row + j]
-                ids.append(t)
-                conf.append(self.calib.confidence(j, pj))
-                keys.append(self.calib.key(j, pj))
-                if t in self.eot:  # nothing follows the end of a turn
-                    break
-            probs = full[row:row + len(ids)].to(self.out_device) if full is not None else None
-            row += size - 1
-            self.calib.record(requests[i].seq_id, keys)
-            out[i] = Draft(tuple(ids), probs, tuple(conf))
-        return out
+            return [None] * len(requests)
+        logits = self.rt.draft(last, starts, seqs, sizes)  # [sum(size - 1), draft vocab]
+        return self.loop.run_block(requests, live, logits, [size - 1 for size in sizes])
 
     @hookimpl
     def verified(self, results: Sequence[Verified]) -> None:

@@ -1,0 +1,146 @@
+"""`ChainDrafter`: the speculator half every recursive "pair" head shares (MTP, Eagle3, and the like).
+
+Such a head reads, at position t, the pair [h(t-1), x_t]: a state derived from the target at
+the previous position (MTP: the pre-norm final state; Eagle3: three layer inputs fused by
+`encode`) and the embedding of the token at t. It drafts by recursion, feeding its own output
+state in place of h. What differs between methods is the head's forward (given as a
+`ChainHead`); the rest is built from the toolkit's parts: a `StateKeeper` (committed rows in
+step, the position check, `remove`) and a `DraftLoop` (picking, confidences, the stop rule).
+
+State per sequence:
+- `process_batch` receives committed rows (x_t, t, h_t) and queues the pairs [h(t-1), x_t]
+  (zeros before position 0); nothing runs yet.
+- `draft` runs, in one batched head forward for all sequences, the queued pairs plus the pair
+  of the last token (not yet in the target: [h(c-1), x_c]); that row's output gives the first
+  draft token. Each further draft token is one more batched forward over the sequences the
+  stop rule keeps, fed [own output state at t-1, drafted x_t]. The head's cache then holds
+  exact pairs up to c (`done`) and draft states after it, which the next `draft` (or `remove`)
+  drops.
+- `remove(seq, p0)` drops cache cells >= p0; `remove(seq, 0)` forgets the sequence.
+
+Confidence per draft token: the head's probability of the token, calibrated per draft depth
+and probability bucket from what `verified` reports (`Calibrator`). Drafting a sequence stops
+when the cumulative confidence falls below `stop_below` or below the host's break-even.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from specplug.heads.calibrate import Calibrator
+from specplug.heads.loop import DraftLoop, Picks
+from specplug.heads.state import StateKeeper
+from specplug.hooks import hookimpl
+from specplug.runtime.kv_cache import KVCache
+from specplug.types import Batch, Draft, DraftRequest, TargetInfo, Verified
+
+
+class ChainHead(Protocol):
+    """The head's inference form, with its own multi-sequence KV cache."""
+
+    cache: KVCache
+    d2t: torch.Tensor  # [draft vocab] int64: draft row -> target token id
+
+    def forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
+                seq_ids: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows (h(t-1) [n, d], x_t, t, seq) -> (output states [n, d] in row order, logits over the draft
+        vocabulary for `logits_rows`); every row's K/V go into the cache."""
+
+
+@dataclass
+class _SeqState:
+    done: int = 0  # head cache cells [0, done) hold exact pairs
+    pending: list = field(default_factory=list)  # (x_t, t, h(t-1)) for t in [done, received)
+
+
+class ChainDrafter:
+    """Hooks `process_batch`, `draft`, `verified`, `remove` for a `ChainHead`.
+
+    A subclass calls `setup(...)` in its constructor and implements `row_states(batch, encoded)`,
+    the per-row states [len(batch), d] that pair with the next token (it adds `are_compatible`,
+    `request_embeddings` and, where the method has one, `encode`).
+    """
+
+    def setup(self, head: ChainHead, target: TargetInfo, state_dim: int, temperature: float = 0.0,
+              stop_below: float = 0.15, calibrate: bool = True) -> None:
+        """head: the inference form; state_dim: width of the states h (zeros before position 0)."""
+        self.rt = head
+        self.zeros = torch.zeros(state_dim, device=target.device)
+        self.temperature, self.stop_below = temperature, stop_below
+        self.state = [_SeqState() for _ in range(target.n_seq)]
+        self.keeper = StateKeeper(target.n_seq, self._reset)
+        self.calib = Calibrator(calibrate)
+        self.loop = DraftLoop(target, head.d2t, temperature, stop_below, self.calib)
+
+    def row_states(self, batch: Batch, encoded: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    # --- keeping in step ----------------------------------------------------------------------------
+    @hookimpl
+    def process_batch(self, batch: Batch, encoded) -> None:
+        rows, prev = self.keeper.receive(batch, self.row_states(batch, encoded), with_prev=True)
+        if not rows:
+            return
+        tok, pos, seq = batch.token_ids.tolist(), batch.positions.tolist(), batch.seq_ids.tolist()
+        state = self.state
+        for i, hp in zip(rows, prev):
+            st = state[seq[i]]
+            if pos[i] >= st.done:
+                st.pending.append((tok[i], pos[i], hp))
+
+    @hookimpl
+    def remove(self, seq_id: int, p0: int) -> None:
+        if p0 > 0:
+            self.rt.cache.seq_rm(seq_id, p0)
+            st = self.state[seq_id]
+            st.done = min(st.done, p0)
+        self.keeper.remove(seq_id, p0)
+
+    def _reset(self, s: int) -> None:
+        self.rt.cache.seq_rm(s, 0)
+        self.state[s] = _SeqState()
+
+    # --- drafting -------------------------------------------------------------------------------------
+    @hookimpl
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft | None]:
+        rt, keeper, zeros = self.rt, self.keeper, self.zeros
+        h, tok, pos, seq, last, live = [], [], [], [], [], []
+        for i, r in enumerate(requests):
+            if r.n_max < 1 or not keeper.ready(r):
+                continue
+            st = self.state[r.seq_id]
+            c = len(r.tokens) - 1
+            rt.cache.seq_rm(r.seq_id, st.done)
+            for t, p, hp in st.pending:
+                h.append(zeros if hp is None else hp)  # zeros before position 0
+                tok.append(t)
+                pos.append(p)
+                seq.append(r.seq_id)
+            hl = keeper.last[r.seq_id]
+            h.append(zeros if hl is None else hl)
+            tok.append(r.tokens[-1])
+            pos.append(c)
+            seq.append(r.seq_id)
+            last.append(len(tok) - 1)
+            live.append(i)
+            st.pending, st.done = [], c + 1
+        if not live:
+            return [None] * len(requests)
+        states, logits = rt.forward(torch.stack(h), tok, pos, seq, last)
+        states = states[torch.tensor(last, device=states.device)]
+
+        def advance(depth: int, rows: list[int], tokens: list[int], reqs: list[int]) -> Picks:
+            nonlocal states
+            ids = [requests[i].seq_id for i in reqs]
+            positions = [len(requests[i].tokens) - 1 + depth for i in reqs]
+            states, logits = rt.forward(states[torch.tensor(rows, device=states.device)], tokens, positions, ids,
+                                        list(range(len(rows))))
+            return self.loop.pick(logits)
+
+        return self.loop.run(requests, live, self.loop.pick(logits), advance)
+
+    @hookimpl
+    def verified(self, results: Sequence[Verified]) -> None:
+        self.calib.verified(results)
