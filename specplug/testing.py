@@ -10,6 +10,13 @@ Helpers:
   speculator(obj, name, target, **policy)  an engine Speculator, checked and started as the host does
   assert_greedy_equal(target, specs, ...)  speculative greedy output == plain greedy output, and every
                                            speculator under test stayed enabled and had drafts verified
+Contract kit, for plugin authors (a speculator through every check the host makes):
+  speculator_contract   fixture: check_speculator bound to tiny_target
+  check_speculator(cls_or_factory, params, target=...)  start-up checks, greedy == plain, the sampled
+                                           tokens distributed as the target samples them, drafts
+                                           verified and the speculator never disabled -> ContractReport
+  sampled_like_target(target, results, sampling)  (p-value, line): were these answers sampled from the target?
+  chi_square(counts, probs), chi2_sf(stat, df)    Pearson's test (no scipy needed)
   repetitive_prompts(n), make_train_data(model, dir, prompts, taps=...)
                                            a training data set from a tiny target, for head tests
                                            (write the target with scale=1.5: its greedy answers
@@ -346,6 +353,220 @@ def assert_greedy_equal(target, specs, prompts: list[list[int]], max_tokens: int
 
 
 # ---------------------------------------------------------------------------------------------
+# statistics: is a sample distributed as the target samples?
+
+
+def chi2_sf(stat: float, df: int) -> float:
+    """P(X >= stat) for X chi-square with `df` degrees of freedom (scipy's chi2.sf, without scipy)."""
+    import torch
+
+    if df <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(max(stat, 0.0) / 2, dtype=torch.float64)))
+
+
+def chi_square(counts, probs) -> tuple[float, int, float]:
+    """Pearson's test that `counts` [k] were drawn from `probs` [k] (normalized here):
+    (statistic, degrees of freedom, p-value). A count in a cell of probability 0 is impossible:
+    statistic inf, p-value 0. Cells of probability 0 and no count are left out."""
+    import torch
+
+    counts = torch.as_tensor(counts, dtype=torch.float64).flatten()
+    probs = torch.as_tensor(probs, dtype=torch.float64).flatten()
+    probs = probs / probs.sum()
+    live = probs > 0
+    df = int(live.sum()) - 1
+    if float(counts[~live].sum()) > 0:
+        return float("inf"), df, 0.0
+    expected = probs[live] * counts.sum()
+    stat = float(((counts[live] - expected) ** 2 / expected).sum())
+    return stat, df, chi2_sf(stat, df)
+
+
+def target_pit(target, results, sampling, seed: int = 0):
+    """Where each generated token falls in the target's own sampling distribution given the
+    tokens before it (a randomized probability integral transform: u = P(X < x) + v * P(X = x)
+    with v uniform, tokens in id order). By the chain rule the u of all tokens of all answers are
+    independent and uniform on [0, 1) exactly when every token was sampled from the target at
+    `sampling`, whatever drafted it. Each answer is run again through the target in one forward.
+
+    `results`: SequenceResults (or (prompt_ids, token_ids) pairs) of a run with ignore_eos, so that
+    every emitted token is in token_ids. Returns (u [n] float64, impossible), `impossible` listing
+    (answer index, position, token id) of tokens the target's sampling gives probability 0."""
+    import torch
+
+    from specplug.sampling import target_probs
+
+    model = target.model
+    gen = torch.Generator().manual_seed(seed)
+    us, impossible = [], []
+    cache = None
+    for k, r in enumerate(results):
+        prompt, toks = (r.prompt_ids, r.token_ids) if hasattr(r, "token_ids") else r
+        if not toks:
+            continue
+        ids = list(prompt) + list(toks)
+        if cache is None or cache.max_ctx < len(ids):
+            cache = model.new_cache(1, max(512, len(ids)))
+        cache.clear(0)
+        rows = list(range(len(prompt) - 1, len(ids) - 1))
+        logits = model.forward(ids[:-1], list(range(len(ids) - 1)), [0] * (len(ids) - 1), cache, logits_rows=rows).logits
+        p = target_probs(logits.float().cpu(), sampling).double()  # [len(toks), vocab]
+        x = torch.tensor(toks, dtype=torch.long)[:, None]
+        px = p.gather(1, x)[:, 0]
+        below = p.cumsum(-1).gather(1, x)[:, 0] - px
+        us.append((below + torch.rand(len(toks), generator=gen, dtype=torch.float64) * px).clamp(0.0, 1.0 - 1e-12))
+        impossible += [(k, i, toks[i]) for i in (px <= 0).nonzero()[:, 0].tolist()]
+    return (torch.cat(us) if us else torch.zeros(0, dtype=torch.float64)), impossible
+
+
+def sampled_like_target(target, results, sampling, *, bins: int = 10, seed: int = 0) -> tuple[float, str]:
+    """(p-value, one line) of the test that `results` were sampled from the target at `sampling`
+    (target_pit, then a chi-square of its u over `bins` equal bins against the uniform). p-value 0
+    when a token the target's sampling cannot produce was emitted."""
+    import torch
+
+    u, impossible = target_pit(target, results, sampling, seed)
+    if impossible:
+        k, i, t = impossible[0]
+        return 0.0, (f"{len(impossible)} emitted token(s) have probability 0 under the target's sampling, "
+                     f"first token {t} at position {i} of answer {k}")
+    counts = torch.bincount((u * bins).long().clamp_max(bins - 1), minlength=bins)
+    stat, df, pv = chi_square(counts, torch.ones(bins))
+    return pv, f"chi-square {stat:.1f} on {df} degrees of freedom over {len(u)} tokens, p = {pv:.2g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the contract kit: a speculator through every check the host makes
+
+
+DEFAULT_CONTRACT_PROMPTS = (
+    "the cat sat on the mat and the cat sat on the mat and the cat sat on the",
+    "one two three four one two three four one two three four one two",
+    "a b c a b c a b c a b c a b c a b c",
+    "Write a short poem about the sea.",
+)
+CONTRACT_SAMPLING = dict(temperature=0.7, top_k=5)  # sampling settings of check_speculator's distribution test
+
+
+@dataclass
+class ContractReport:
+    """What check_speculator saw of one speculator (drafts verified and accepted per run)."""
+
+    name: str
+    greedy_drafts: int  # drafts verified in the greedy run
+    greedy_accepted_tokens: int
+    sampling_drafts: int
+    sampling_accepted_tokens: int
+    sampling_p_value: float
+    sampling_test: str  # the chi-square line
+
+
+class _HostLog:
+    """Collects the host's log records of one run (warnings, and the tracebacks it logs at debug)."""
+
+    def __init__(self):
+        import logging
+
+        self.records: list = []
+        self._logger = logging.getLogger("specplug")
+        self._handler = logging.Handler(logging.DEBUG)
+        self._handler.emit = self.records.append  # type: ignore[method-assign]
+
+    def __enter__(self):
+        import logging
+
+        self._level = self._logger.level
+        self._logger.setLevel(logging.DEBUG)
+        self._logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.removeHandler(self._handler)
+        self._logger.setLevel(self._level)
+
+    def text(self) -> str:
+        return "\n".join(r.getMessage() for r in self.records)
+
+
+def check_speculator(spec, params=None, *, target, prompts: Sequence[str | Sequence[int]] | None = None,
+                     max_tokens: int = 24, n_parallel: int = 4, sampling=None, samples_per_prompt: int = 12,
+                     alpha: float = 1e-3, name: str | None = None, **policy) -> ContractReport:
+    """Run a speculator through the host's checks on `target` (e.g. the `tiny_target` fixture) and
+    fail, with an AssertionError naming the rule, where it breaks one. Returns what it saw.
+
+    `spec`: a speculator class, built as the host builds it, `spec(params or spec.Params(), info)`,
+    or a factory `spec(info) -> instance`; a fresh instance for each run. Checks:
+      - start-up as the host does it: the class checks (Params fields, every @hookimpl a real
+        hook), the Params values, `are_compatible` and `request_embeddings`;
+      - greedy: the output equals plain greedy decoding for every prompt, run `n_parallel` at a time;
+      - sampling (`sampling`, default temperature 0.7, top_k 5): every prompt `samples_per_prompt`
+        times with its own seed; every emitted token is one the target's sampling can produce, and
+        the tokens are distributed as the target samples them (`sampled_like_target`, p >= alpha);
+      - in both runs the speculator was asked, had drafts verified, and was never disabled: every
+        result of `draft` passed specplug.contract.check_drafts and no hook raised (the host's
+        warning and any traceback are in the failure message).
+    `prompts`: texts (encoded with the target's tokenizer) or token id lists; the default mixes
+    repetitive texts (for lookup methods) with plain ones. `policy`: DraftPolicy fields, n_max,
+    n_min, p_min, ...; cost_trim defaults to False so that the speculator is asked every step (on a
+    tiny target drafting costs about a target step, and the host's pricing would pause it).
+    """
+    from specplug.engine import Request, target_info
+    from specplug.sampling import SamplingParams
+
+    tok = target.tokenizer
+    prompt_ids = [list(p) if not isinstance(p, str) else tok.encode(p) for p in (prompts or DEFAULT_CONTRACT_PROMPTS)]
+    sp = sampling if sampling is not None else SamplingParams(**CONTRACT_SAMPLING)
+    info = target_info(target, n_parallel, 512)
+    policy.setdefault("cost_trim", False)
+    name = name or getattr(spec, "__name__", type(spec).__name__)
+
+    def fresh():
+        if isinstance(spec, type) and hasattr(spec, "Params"):
+            inst = spec(params if params is not None else spec.Params(), info)
+        else:
+            inst = spec(info)
+        return speculator(inst, name, target=info, **policy)
+
+    def check_ran(eng, log: _HostLog, run: str):
+        (s,) = eng.specs
+        if not s.enabled:
+            raise AssertionError(f"{run}: the host disabled speculator {name!r}: {eng.stats.disabled.get(name)}\n"
+                                 f"host log:\n{log.text()}")
+        if s.stats.asked == 0:
+            raise AssertionError(f"{run}: speculator {name!r} was never asked to draft (does it implement `draft`?)")
+        if s.stats.drafts == 0:
+            raise AssertionError(f"{run}: speculator {name!r} never had a draft verified, so the run tests nothing "
+                                 "of it: give prompts it can draft for")
+
+    with _HostLog() as log:
+        plain, _ = greedy_outputs(target, [], prompt_ids, max_tokens, n_parallel=n_parallel)
+        got, eng = greedy_outputs(target, [fresh()], prompt_ids, max_tokens, n_parallel=n_parallel)
+    check_ran(eng, log, "greedy")
+    for i, (a, b) in enumerate(zip(plain, got)):
+        if a != b:
+            j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            raise AssertionError(f"greedy: with speculator {name!r} prompt {i}'s output differs from plain greedy "
+                                 f"decoding at token {j}:\nplain       {a}\nspeculative {b}")
+    (s,) = eng.specs
+    greedy = (s.stats.drafts, s.stats.accepted_tokens)
+
+    reqs = [Request(p, max_tokens, (i, k), seed=1000 * i + k)
+            for k in range(samples_per_prompt) for i, p in enumerate(prompt_ids)]
+    with _HostLog() as log:
+        eng = make_engine(target, [fresh()], n_parallel=n_parallel, sampling=sp, ignore_eos=True)
+        res = eng.run(reqs)
+    check_ran(eng, log, f"sampling ({sp})")
+    pv, line = sampled_like_target(target, res, sp)
+    if pv < alpha:
+        raise AssertionError(f"sampling ({sp}): with speculator {name!r} the emitted tokens are not distributed as "
+                             f"the target samples them: {line} (alpha {alpha:g})")
+    (s,) = eng.specs
+    return ContractReport(name, *greedy, s.stats.drafts, s.stats.accepted_tokens, pv, line)
+
+
+# ---------------------------------------------------------------------------------------------
 # fixtures
 
 
@@ -373,6 +594,15 @@ def tiny_target_info(tiny_target) -> TargetInfo:
 @pytest.fixture(name="make_engine")
 def _make_engine_fixture():
     return make_engine
+
+
+@pytest.fixture
+def speculator_contract(tiny_target):
+    """check_speculator on `tiny_target`: `speculator_contract(MySpec, MySpec.Params(...))` fails
+    naming the rule a speculator breaks, and returns a ContractReport."""
+    import functools
+
+    return functools.partial(check_speculator, target=tiny_target)
 
 
 # ---------------------------------------------------------------------------------------------

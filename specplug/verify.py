@@ -8,6 +8,11 @@ Greedy: accept while d_i equals the target's argmax. Stochastic (Leviathan et al
 Chen et al. rejection sampling): accept d_i with probability min(1, p(d_i) / q(d_i)); on a
 rejection draw from norm(max(0, p - q)); after a full acceptance draw the bonus from p.
 A token-only draft is a one-hot q. The output distribution equals sampling from p alone.
+
+Whatever the draft claims, a token the target gives zero probability is never accepted, and
+a drafted token that its own q gives no mass (or NaN) cannot have been sampled from q: it is
+rejected and the target's token drawn from p itself, so that position is still exactly p.
+(The host also refuses such drafts before verification: specplug.contract.)
 """
 from __future__ import annotations
 
@@ -40,19 +45,28 @@ def verify(target_logits: torch.Tensor, draft_ids: list[int], draft_probs: torch
     if draft_probs is not None:
         draft_probs = draft_probs.float().cpu()
     if g:
-        idx = torch.tensor(draft_ids)
-        p_d = p[torch.arange(g), idx]
-        q_d = torch.ones(g) if draft_probs is None else draft_probs[torch.arange(g), idx].float()
+        rows, idx = torch.arange(g), torch.tensor(draft_ids)
+        p_d = p[rows, idx]
         u = torch.rand(g, generator=gen)
-        ok = (u * q_d <= p_d).tolist()  # u < p/q without dividing by a zero q
+        # u < p/q without dividing, strictly: p = 0 never passes (u * q >= 0). A q_d that is not a
+        # positive number (a draft inconsistent with its own q) never passes either
+        if draft_probs is None:  # one-hot q
+            sane, ok = [True] * g, (u < p_d).tolist()
+        else:
+            q_d = draft_probs[rows, idx]
+            sane_t = torch.isfinite(q_d) & (q_d > 0)
+            sane, ok = sane_t.tolist(), (sane_t & (u * q_d < p_d)).tolist()
         for i in range(g):
             if not ok[i]:
+                if not sane[i]:  # no residual can be trusted: the target's own draw
+                    return Verdict(i, sample(p[i], gen))
                 if draft_probs is None:
                     residual = p[i].clone()
                     residual[draft_ids[i]] = 0.0
                 else:
-                    residual = (p[i] - draft_probs[i].float()).clamp_min_(0.0)
+                    residual = (p[i] - draft_probs[i]).clamp_min_(0.0)
                 total = float(residual.sum())
-                # total == 0 only if p == q exactly, where rejection has probability 0
-                return Verdict(i, sample(residual / total if total > 0 else p[i], gen))
+                # total == 0 only if p == q exactly, where rejection has probability 0; not finite
+                # only for a q holding NaN or inf (refused by the host before it gets here)
+                return Verdict(i, sample(residual / total if 0 < total < float("inf") else p[i], gen))
     return Verdict(g, sample(p[g], gen))
