@@ -235,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_train(sub)
     _register_convert(sub)
+    from specplug.heads.show import register as register_heads
+    from specplug.scaffold import register as register_plugin
+
+    register_heads(sub)
+    register_plugin(sub)
     for ep in entry_points(group=COMMANDS_GROUP):
         try:
             ep.load()(sub)

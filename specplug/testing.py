@@ -21,6 +21,9 @@ Contract kit, for plugin authors (a speculator through every check the host make
                                            a training data set from a tiny target, for head tests
                                            (write the target with scale=1.5: its greedy answers
                                            repeat tokens in runs, which a head can learn quickly)
+  greedy_outputs(target, specs, prompts)   the token ids generated for each prompt (greedy), and the engine
+  record_drafts(spec_or_engine)            a list that fills with every draft request and answer (DraftRecord)
+  tiny_q8_gguf, tiny_q8_target             fixtures: a Q8_0 tiny model (scale 1.5), loaded with quant gguf
 Test speculators used by the core's own tests: RandomDrafts, Oracle, Scripted, Faulty.
 """
 from __future__ import annotations
@@ -631,3 +634,59 @@ def make_train_data(model: str | Path, out_dir: str | Path, prompts: Sequence[st
                "--keep-overlap"])
     assert rc == 0, f"specplug train data failed with exit code {rc}"
     return out_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# observing drafts; a quantized tiny model for the gguf path
+
+
+@dataclass(frozen=True)
+class DraftRecord:
+    """One request of a `draft` call and what the speculator answered."""
+
+    seq_id: int
+    tokens: tuple[int, ...]  # the history (a copy)
+    n_max: int
+    break_even: tuple[float, ...]
+    draft: Draft | None
+
+
+def record_drafts(spec) -> list[DraftRecord]:
+    """Record every request a speculator is asked to draft for and its answer: pass the engine
+    `Speculator` from `speculator(...)` (or an Engine: all of its speculators), then run; the
+    returned list fills as the engine drafts. Uses the speculator's public hook caller only."""
+    specs = getattr(spec, "specs", None) or [spec]
+    log: list[DraftRecord] = []
+    for s in specs:
+        caller = getattr(s, "caller", None)
+        if caller is None:
+            raise TypeError(f"record_drafts needs an engine Speculator (wrap your object with "
+                            f"speculator(obj, ...) first) or an Engine, got {type(s).__qualname__}")
+        call = caller.call
+
+        def recording(hook, _call=call, **kw):
+            res = _call(hook, **kw)
+            if hook == "draft":
+                reqs = kw["requests"]
+                answers = list(res) if res is not None else [None] * len(reqs)
+                log.extend(DraftRecord(r.seq_id, tuple(r.tokens), r.n_max, tuple(r.break_even), d)
+                           for r, d in zip(reqs, answers))
+            return res
+
+        caller.call = recording
+    return log
+
+
+@pytest.fixture(scope="session")
+def tiny_q8_gguf(tmp_path_factory) -> Path:
+    """A tiny llama GGUF with Q8_0 matrices (the GGUF-kernel path, quant `gguf`), written with
+    scale=1.5: its greedy answers repeat tokens in runs, which a head learns in a few steps."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("specplug-q8") / "tiny-q8.gguf", tensor_type="Q8_0", scale=1.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_q8_target(tiny_q8_gguf):
+    """`tiny_q8_gguf` loaded on the GGUF-block kernels (quant `gguf`), as a default config runs a model."""
+    from specplug.runtime import load_target
+
+    return load_target(str(tiny_q8_gguf), device="cpu", dtype="float32", quant="gguf")

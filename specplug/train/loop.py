@@ -66,7 +66,7 @@ class LoopOptions:
     lr: float = 1e-3  # peak learning rate
     warmup: int = 100  # linear warm-up steps
     min_lr: float = 0.05  # final learning rate, as a fraction of lr (cosine decay)
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # AdamW weight decay
     clip: float = 1.0  # gradient norm clipping
     batch_tokens: int = 8192  # tokens per batch (sequences x padded length)
     max_len: int = 1280  # longer sequences keep their last max_len rows
@@ -74,10 +74,10 @@ class LoopOptions:
     val_every: int = 250  # validate every N steps (and at the end)
     val_tokens: int = 60000  # validation tokens per check (the first of the split)
     save_every: int = 250  # checkpoint every N steps
-    seed: int = 0
+    seed: int = 0  # seed of the batch order and the initialization
     limit_tokens: int = 0  # train on the first N tokens only (0 = all; for data-scaling runs)
     threads: int = 0  # CPU threads (0 = torch's choice)
-    device: str = "cpu"
+    device: str = "cpu"  # torch device to train on: cpu, cuda, cuda:1, ...
 
 
 def trainer_entry_points() -> dict:
@@ -101,18 +101,43 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def field_help(cls: type) -> dict[str, str]:
+    """Help text per field of an options dataclass: `field(metadata={"help": ...})`, else the comment
+    that ends the field's line in the class source (`unroll: int = 3  # recursive draft steps`)."""
+    import inspect
+    import io
+    import re
+    import tokenize
+
+    out = {f.name: str(f.metadata["help"]) for f in dataclasses.fields(cls) if "help" in f.metadata}
+    try:
+        src = inspect.getsource(cls)
+        toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
+    except (OSError, TypeError, tokenize.TokenError, IndentationError):
+        return out
+    lines = src.splitlines()
+    for t in toks:
+        if t.type == tokenize.COMMENT:
+            m = re.match(r"\s*(\w+)\s*:", lines[t.start[0] - 1])
+            if m and m.group(1) not in out:
+                out[m.group(1)] = t.string.lstrip("#").strip()
+    return out
+
+
 def _add_fields(p, cls: type, group: str) -> None:
     g = p.add_argument_group(group)
     hints = typing.get_type_hints(cls)
+    helps = field_help(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        text = (helps[f.name] + " " if f.name in helps else "") + f"(default {f.default})"
         if base is bool:
             g.add_argument(_flag(f.name), dest=f.name, type=lambda v: v.lower() in ("1", "true", "yes", "on"),
-                           default=f.default, metavar="BOOL", help=f"(default {f.default})")
+                           default=f.default, metavar="BOOL", help=text.replace("%", "%%"))
         else:
             g.add_argument(_flag(f.name), dest=f.name, type=base if base in (int, float, str) else str,
-                           default=f.default, help=f"(default {f.default})")
+                           default=f.default, help=text.replace("%", "%%"))
 
 
 def add_trainer_parsers(tsub) -> None:
