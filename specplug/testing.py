@@ -389,10 +389,11 @@ def chi_square(counts, probs) -> tuple[float, int, float]:
 
 def target_pit(target, results, sampling, seed: int = 0):
     """Where each generated token falls in the target's own sampling distribution given the
-    tokens before it (a randomized probability integral transform: u = P(X < x) + v * P(X = x)
-    with v uniform, tokens in id order). By the chain rule the u of all tokens of all answers are
-    independent and uniform on [0, 1) exactly when every token was sampled from the target at
-    `sampling`, whatever drafted it. Each answer is run again through the target in one forward.
+    tokens before it (a randomized probability integral transform: u = P(X before x) + v * P(X = x)
+    with v uniform, tokens ordered from the most probable, ties by id). By the chain rule the u of
+    all tokens of all answers are independent and uniform on [0, 1) exactly when every token was
+    sampled from the target at `sampling`, whatever drafted it. Each answer is run again through
+    the target in one forward.
 
     `results`: SequenceResults (or (prompt_ids, token_ids) pairs) of a run with ignore_eos, so that
     every emitted token is in token_ids. Returns (u [n] float64, impossible), `impossible` listing
@@ -414,11 +415,16 @@ def target_pit(target, results, sampling, seed: int = 0):
             cache = model.new_cache(1, max(512, len(ids)))
         cache.clear(0)
         rows = list(range(len(prompt) - 1, len(ids) - 1))
-        logits = model.forward(ids[:-1], list(range(len(ids) - 1)), [0] * (len(ids) - 1), cache, logits_rows=rows).logits
+        n = len(ids) - 1
+        logits = model.forward(ids[:-1], list(range(n)), [0] * n, cache, logits_rows=rows).logits
         p = target_probs(logits.float().cpu(), sampling).double()  # [len(toks), vocab]
         x = torch.tensor(toks, dtype=torch.long)[:, None]
         px = p.gather(1, x)[:, 0]
-        below = p.cumsum(-1).gather(1, x)[:, 0] - px
+        # tokens ordered most probable first, so a bias toward likely tokens (over-acceptance)
+        # gathers u near 0 instead of spreading it over the vocabulary
+        sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(p.shape[1]).expand_as(order))
+        below = sorted_p.cumsum(-1).gather(1, rank.gather(1, x))[:, 0] - px
         us.append((below + torch.rand(len(toks), generator=gen, dtype=torch.float64) * px).clamp(0.0, 1.0 - 1e-12))
         impossible += [(k, i, toks[i]) for i in (px <= 0).nonzero()[:, 0].tolist()]
     return (torch.cat(us) if us else torch.zeros(0, dtype=torch.float64)), impossible

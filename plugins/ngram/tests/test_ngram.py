@@ -666,3 +666,15 @@ def test_dynamic_cache_path_is_explicit_and_reported(tmp_path, monkeypatch):
     assert eng.stats.notes["NgramCache"] == f"dynamic n-gram cache ({sum(len(t) for t in spec.dynamic.values())} " \
                                             f"n-grams) saved to {where}"
     assert str(where) in eng.stats.summary()
+
+
+# ---------------------------------------------------------------------------------------------
+# the host's contract (specplug.testing's kit): greedy output equals plain decoding, sampled tokens
+# are distributed as the target samples them, drafts verified, never disabled by the host
+
+
+@pytest.mark.parametrize("cls,params", [(NgramSimple, NgramSimple.Params(n=2, ngram_min=1, m=4)),
+                                        (NgramMod, NgramMod.Params(n=2, m=4, pool_bits=12))])
+def test_keeps_the_host_contract(cls, params, speculator_contract):
+    report = speculator_contract(cls, params)
+    assert report.sampling_drafts > 0
