@@ -73,6 +73,8 @@ class ChainDrafter:
         self.keeper = StateKeeper(target.n_seq, self._reset)
         self.calib = Calibrator(calibrate)
         self.loop = DraftLoop(target, head.d2t, temperature, stop_below, self.calib)
+        # kept from before the toolkit's split, for subclasses that read them
+        self.eot, self.vocab, self.out_device, self.gen = self.loop.eot, target.vocab_size, target.device, self.loop.gen
 
     def row_states(self, batch: Batch, encoded: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -140,6 +142,9 @@ class ChainDrafter:
             return self.loop.pick(logits)
 
         return self.loop.run(requests, live, self.loop.pick(logits), advance)
+
+    def _pick(self, logits: torch.Tensor) -> Picks:
+        return self.loop.pick(logits)
 
     @hookimpl
     def verified(self, results: Sequence[Verified]) -> None:

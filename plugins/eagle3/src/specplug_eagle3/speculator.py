@@ -3,7 +3,8 @@
 The host taps the inputs of the head's three target layers; `encode` fuses them (fc: 3d -> d)
 once per committed batch; the decoder layer reads [embed(x_t); fused h(t-1)] and recurses on
 its own output state. Keeping its cache in step with the target, batching, confidences and
-calibration come from `specplug.heads.ChainDrafter`.
+calibration come from `specplug.heads.ChainDrafter` (the toolkit's `StateKeeper` and `DraftLoop`:
+no head forward for a token the host's `DraftRequest.break_even` says it would trim).
 """
 from __future__ import annotations
 

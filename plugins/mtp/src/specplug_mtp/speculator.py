@@ -2,7 +2,9 @@
 
 The head reads [h(t-1), x_t] with h the target's final state, and recurses on its own output;
 keeping its cache in step with the target, batching, confidences and their calibration come
-from `specplug.heads.ChainDrafter` (see there).
+from `specplug.heads.ChainDrafter` (see there), built on the toolkit's `StateKeeper` and
+`DraftLoop`: a draft stops before a head forward whose token the host would trim (its
+`DraftRequest.break_even`), or once the cumulative confidence is below `stop_below`.
 """
 from __future__ import annotations
 
