@@ -15,7 +15,8 @@ mixed between speculators) and in this order:
 
 Every hook is optional. Hooks must not modify tensors they are given, and must not keep
 the embedding tensors of a batch beyond what their own state needs (they are per batch,
-never accumulated for the whole prompt by the host). An exception from any hook, or a
+never accumulated for the whole prompt by the host). (Not enforced: an in-place write to a
+batch's tensors is seen by the speculators called after it, though never by the text.) An exception from any hook, or a
 draft that breaks the rules in `draft`, disables that speculator for the rest of the run
 with a warning; the generated text is never affected.
 
@@ -29,7 +30,13 @@ What the host guarantees and enforces:
   `draft` per drafted token against the target's step, tells the drafter per position what a
   token must be worth (`DraftRequest.break_even`), calls no `draft` for a sequence where no
   token could pay (except sparse one-token probes), and pauses a speculator for a sequence
-  while its calls lose time (probes switch it back on). `cost_trim: false` turns this off.
+  while its calls lose time (probes switch it back on); its committed rows may then arrive
+  late, concatenated in one batch before its next `draft` (each sequence's rows still in
+  position order). `cost_trim: false` turns the pricing off.
+- `probs` are checked in one pass (finite, non-negative, rows summing to 1, the drafted token
+  given mass), and verification never accepts a token the target gives zero probability.
+- `specplug.testing.check_speculator` (fixture `speculator_contract`) runs a speculator class
+  through these checks on the tiny model.
 """
 from __future__ import annotations
 
