@@ -31,12 +31,18 @@ def _int_at_least(lo: int):
 _positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
+def threads_arg(text: str) -> int | str:
+    """An argparse type: `auto` or an integer >= 1."""
+    return "auto" if text == "auto" else _positive(text)
+
+
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known model name or path to a .gguf")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--quant", default="auto", help="auto (gguf for a quantized file on CPU, else none) | gguf | none | int8")
-    p.add_argument("--threads", type=_positive, default=None, help="CPU threads")
+    p.add_argument("--threads", type=threads_arg, default="auto",
+                   help="CPU threads: auto (default) = the cores this process may run on, or a count")
 
 
 def cmd_generate(args) -> int:
@@ -126,7 +132,7 @@ def cmd_bench_runtime(args) -> int:
     from specplug.bench_runtime import main as bench_main
     from specplug.runtime import load_target
 
-    target = load_target(args.model, args.device, args.dtype, args.quant, args.threads or 2)
+    target = load_target(args.model, args.device, args.dtype, args.quant, args.threads)
     bench_main(target.model, args.repeats, args.json, args.profile)
     return 0
 

@@ -42,7 +42,7 @@ class RunConfig:
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "float32"  # float32 | bfloat16 | float16
     quant: str = "auto"  # auto | gguf (the file's quantized blocks; CPU) | none (exact float weights) | int8
-    threads: int | None = None  # CPU threads; default: torch's choice
+    threads: int | str | None = "auto"  # CPU threads: auto = the cores this process may run on; null: torch's choice
     context: int = 2048  # positions per sequence
     parallel: int = 1  # sequences in flight at once
     max_tokens: int = 256
@@ -153,7 +153,8 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
     cfg = build_dataclass(RunConfig, data, "")
     for key, ok, rule in [("context", cfg.context >= 16, ">= 16"), ("parallel", cfg.parallel >= 1, ">= 1"),
                           ("max_tokens", cfg.max_tokens >= 1, ">= 1"), ("prefill_chunk", cfg.prefill_chunk >= 1, ">= 1"),
-                          ("threads", cfg.threads is None or cfg.threads >= 1, ">= 1 (or left out: torch's choice)"),
+                          ("threads", cfg.threads in (None, "auto") or isinstance(cfg.threads, int) and cfg.threads >= 1,
+                           ">= 1 or auto (the cores this process may run on)"),
                           ("max_body_mb", cfg.max_body_mb > 0, "> 0"),
                           ("step_timeout_s", cfg.step_timeout_s is None or cfg.step_timeout_s > 0, "> 0 (or null: no limit)")]:
         if not ok:

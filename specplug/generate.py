@@ -211,8 +211,11 @@ def _run_records(engine, cfg, records, output, stats_path, resume, resume_comman
 
 
 def _finish(engine, sink, stats_path: str | None) -> None:
+    import torch
+
     if sink is not None:
         sink.close()
+    engine.stats.threads = torch.get_num_threads() if engine.model.device.type == "cpu" else 0
     print(engine.stats.summary(), file=sys.stderr)
     _write_stats(engine, stats_path)
 

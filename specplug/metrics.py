@@ -92,6 +92,7 @@ class RunStats:
     speculators: dict[str, SpecStats] = field(default_factory=dict)
     disabled: dict[str, str] = field(default_factory=dict)  # speculator -> why it was turned off
     notes: dict[str, str] = field(default_factory=dict)  # speculator -> its own line for the summary (files it wrote, ...)
+    threads: int = 0  # CPU threads the target ran on (0: not a CPU target)
     time_target_s: float = 0.0
     time_speculators_s: float = 0.0
     time_total_s: float = 0.0
@@ -115,6 +116,7 @@ class RunStats:
             "speculators": {k: v.to_dict() for k, v in self.speculators.items()},
             "disabled": dict(self.disabled),
             "notes": dict(self.notes),
+            "threads": self.threads,
         }
 
     def summary(self) -> str:
@@ -122,7 +124,8 @@ class RunStats:
         t = d["time_s"]
         lines = [f"{d['generated_tokens']} tokens in {t['total']:.2f} s = {d['tok_s']:.1f} tok/s; "
                  f"{d['target_forwards']} target forwards, mean accepted length {d['mean_accepted_length']:.2f}; "
-                 f"time target {t['target']:.2f} s, speculators {t['speculators']:.2f} s, host {t['host']:.2f} s"]
+                 f"time target {t['target']:.2f} s, speculators {t['speculators']:.2f} s, host {t['host']:.2f} s"
+                 + (f"; {self.threads} CPU threads" if self.threads else "")]
         for name, s in d["speculators"].items():
             per = " ".join(f"{x:.2f}" for x in s["acceptance_per_position"][:8])
             lines.append(f"  {name}: {s['drafts']} drafts, {s['drafted_tokens']} drafted, {s['accepted_tokens']} accepted "

@@ -55,6 +55,7 @@ def cmd_bench(args) -> int:
 
 
 def _bench(args, cfg, path: Path, records: list[dict], out: Path) -> int:
+    import torch
     from tqdm import tqdm
 
     from specplug.bench.report import build_report, markdown_table, write_outputs
@@ -82,7 +83,7 @@ def _bench(args, cfg, path: Path, records: list[dict], out: Path) -> int:
     settings = {"config": str(args.config), "data": str(path), "categories": args.categories, "limit": args.limit,
                 "repeats": args.repeats, "max_tokens": cfg.max_tokens, "model": cfg.model,
                 "device": str(target.model.device), "quant": target.model.quant,
-                "threads": cfg.threads, "greedy": cfg.sampling.greedy}
+                "threads": torch.get_num_threads(), "greedy": cfg.sampling.greedy}
     report = build_report(results, variant_names, settings, peak_rss_mb())
     print(markdown_table(report))
     written = write_outputs(report, out)

@@ -11,7 +11,7 @@ from specplug.runtime.tokenizer import Tokenizer
 
 __all__ = ["GGUFFile", "ModelConfig", "KVCache", "ForwardOutput", "Transformer", "OutputHead", "TokenEmbeddings", "Tokenizer",
            "resolve_model",
-           "Target", "load_target"]
+           "Target", "load_target", "resolve_threads"]
 
 
 @dataclass
@@ -22,13 +22,28 @@ class Target:
     tokenizer: Tokenizer
 
 
+def resolve_threads(threads: int | str | None) -> int | None:
+    """`threads` as a count: "auto" = the cores in this process's affinity mask (what taskset, a
+    container's cpuset or a scheduler gave it), an int as given, None = leave torch's choice."""
+    import os
+
+    if threads == "auto":
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # no affinity masks (macOS, Windows)
+            return os.cpu_count() or 1
+    return threads
+
+
 def load_target(model: str, device: str = "auto", dtype: str = "float32", quant: str = "auto",
-                threads: int | None = None) -> Target:
-    """Resolve a model name or path, load weights and tokenizer; ModelError on any problem."""
+                threads: int | str | None = None) -> Target:
+    """Resolve a model name or path, load weights and tokenizer; ModelError on any problem.
+    `threads`: CPU threads for torch and the native kernels (see resolve_threads)."""
     import torch
 
-    if threads:
-        torch.set_num_threads(threads)
+    n = resolve_threads(threads)
+    if n:
+        torch.set_num_threads(n)
     path = resolve_model(model)
     m = Transformer.load(path, device=device, dtype=dtype, quant=quant)
     tok = Tokenizer.from_metadata(m.metadata, source=str(path))

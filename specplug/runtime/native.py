@@ -50,10 +50,12 @@ _LDFLAGS = ("-fopenmp",)
 
 
 def build_key() -> str:
-    """What the built kernels depend on: the source, the compiler flags, torch and Python versions.
+    """What the built kernels depend on: the sources (csrc/), the compiler flags, torch and Python versions.
     Each key gets its own build folder, so two installs (checkouts, virtual environments) never
     rebuild each other's kernels."""
-    h = hashlib.sha256(_SRC.read_bytes())
+    h = hashlib.sha256()
+    for src in sorted(f for f in _SRC.parent.iterdir() if f.suffix in (".cpp", ".h")):  # kernels and headers
+        h.update(src.name.encode() + src.read_bytes())
     h.update(json.dumps([_CFLAGS, _LDFLAGS, torch.__version__, sys.version_info[:2], platform.machine()]).encode())
     return h.hexdigest()[:16]
 

@@ -32,6 +32,8 @@ def cmd_data(args) -> int:
 
 
 def _data(args, files) -> int:
+    import torch
+
     from specplug.api import prompt_ids
     from specplug.runtime import load_target
     from specplug.train.datagen import generate_dataset, parse_taps
@@ -57,13 +59,14 @@ def _data(args, files) -> int:
           file=sys.stderr)
     settings = {"command": " ".join(sys.argv), "seed": args.seed, "chat": True, "system": args.system,
                 "max_prompt_tokens": args.max_prompt_tokens, "parallel": args.parallel, "limit": args.limit,
-                "code": args.code, "threads": args.threads}
+                "code": args.code, "threads": torch.get_num_threads()}
     man = generate_dataset(target, chosen, Path(args.output), taps, args.max_tokens, args.parallel, args.topk,
                            args.context, args.shard_prompts, settings, sources, ids_of)
     t = man["totals"]
     g = man.get("generation", {})
     print(f"specplug: {args.output}: {t['sequences']} sequences, {t['tokens']} tokens ({t['answer_tokens']} generated) "
-          f"in {t['shards']} shards; generation took {g.get('seconds', 0) / 60:.1f} min", file=sys.stderr)
+          f"in {t['shards']} shards; generation took {g.get('seconds', 0) / 60:.1f} min on {torch.get_num_threads()} "
+          "CPU threads", file=sys.stderr)
     return 0
 
 
@@ -90,6 +93,8 @@ def cmd_train(args) -> int:
 
 
 def register(sub) -> None:
+    from specplug.cli import threads_arg
+
     p = sub.add_parser("train", help="make training data from the target, or train a speculator head")
     tsub = p.add_subparsers(dest="train_command", required=True, metavar="{data," + ",".join(_trainer_names()) + "}")
 
@@ -112,7 +117,8 @@ def register(sub) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default="auto")
     d.add_argument("--quant", default="auto")
-    d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--threads", type=threads_arg, default="auto",
+                   help="CPU threads: auto (default) = the cores this process may run on, or a count")
     d.set_defaults(func=cmd_data)
 
     from specplug.train.loop import add_trainer_parsers

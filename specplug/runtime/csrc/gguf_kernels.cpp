@@ -11,9 +11,13 @@
 // count. Each output value is reduced by one thread in one fixed order. That is what makes
 // verifying k drafted tokens in one forward give bit-identical results to decoding them
 // one at a time, so speculative decoding stays exactly lossless.
+//
+// Work is spread over the threads in chunks claimed dynamically (chunk_pool.h), so a step
+// finishes with the cores that actually run when another process takes one of them.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "chunk_pool.h"
 
 #include <cmath>
 #include <cstdint>
@@ -26,6 +30,18 @@ constexpr int NC = 8;   // output columns per weight tile
 constexpr int RT = 4;   // activation rows per pass over a tile (more spills registers)
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 2  // software prefetch distance in weight tiles (0: off)
+#endif
+// The work of one chunk (chunk_pool.h), in bytes of weights (or cache, or activations) it
+// reads. Small enough that the threads end a call within a fraction of a microsecond of each
+// other and that a descheduled thread's share is taken over in fine pieces; large enough that
+// claims cost little: 16 KB is ~0.6 us of a one-row matmul and a claim on the thread's own
+// counter ~10 ns. Measured on 2 idle cores, one-row and four-row matmuls of SmolLM2's shapes:
+// 16 KB and 32 KB within 1-3% of the static split (at::parallel_for) they replace; with a single
+// shared counter instead of per-thread shares, 64 KB chunks were 3-10% slower (the counter's
+// cache line bounced between cores, and the threads ended up to a chunk apart).
+// Prefill rows make a tile heavier: then a chunk is one tile.
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES 16384
 #endif
 
 inline float hsum(__m256 v) {
@@ -108,7 +124,8 @@ std::vector<torch::Tensor> quantize_each_row(int64_t M, int64_t K, const Row& ro
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = d.data_ptr<float>();
   float* sp = s.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+  // at least 16 rows a chunk: decoding's few rows are quantized inline, with no dispatch at all
+  chunk_pool::parallel_for(M, std::max<int64_t>(16, CHUNK_BYTES / (4 * K)), [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(K);
     for (int64_t r = r0; r < r1; ++r) {
       const float* src = row(r, buf.data());
@@ -274,7 +291,8 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
     ldr = residual->stride(0);
   }
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, ntile, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t tile_work = (tile_bytes + nb * NC * 2 * (wmp ? 2 : 1)) * ((M + RT - 1) / RT);
+  chunk_pool::parallel_for(ntile, CHUNK_BYTES / tile_work, [&](int64_t t0, int64_t t1) {
     __m256 out[4];
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tq = qsp + t * tile_bytes;
@@ -282,8 +300,9 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
       const uint16_t* tm = wmp ? wmp + t * nb * NC : nullptr;
       // With one or two rows a tile's compute is short and the weight stream sets the pace: ask
       // for a later tile while this one computes. With more rows compute dominates and the
-      // prefetches only take load slots (measured: -8% time at 1 row, +7% at 4 rows).
-      if (PREFETCH_TILES > 0 && M <= 2 && t + PREFETCH_TILES < t1) {
+      // prefetches only take load slots (measured: -8% time at 1 row, +7% at 4 rows). Past the
+      // chunk's end too: a thread's next chunk is usually the next one of its share.
+      if (PREFETCH_TILES > 0 && M <= 2 && t + PREFETCH_TILES < ntile) {
         const char* nq = (const char*)(tq + PREFETCH_TILES * tile_bytes);
         for (int64_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(nq + off, _MM_HINT_T0);
         const char* nd = (const char*)(td + PREFETCH_TILES * nb * NC);
@@ -507,7 +526,10 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   const bool* vp = valid.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   const float fscale = (float)scale;
-  at::parallel_for(0, M * H, 1, [&](int64_t t0, int64_t t1) {
+  int64_t cells_seen = 0;  // an upper bound of the cells all rows attend to (holes not counted off)
+  for (int64_t r = 0; r < M; ++r) cells_seen += lp[r] + 1;
+  const int64_t task_work = std::max<int64_t>(1, cells_seen / M * D * 2 * (int64_t)sizeof(T));
+  chunk_pool::parallel_for(M * H, CHUNK_BYTES / task_work, [&](int64_t t0, int64_t t1) {
     std::vector<int32_t> cells(ctx);
     std::vector<float> sc(ctx + 8);
     int64_t last_r = -1, n = 0;
