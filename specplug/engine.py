@@ -175,14 +175,16 @@ class Engine:
                                                          or s.caller.implements("encode"))]
         if not users:
             return
-        tok, pos, seq = (torch.tensor(c, dtype=torch.long) for c in zip(*entries))
+        cols = [list(c) for c in zip(*entries)]
         n_layer = self.model.config.n_layer
         for s in users:
+            # each speculator gets tensors of its own: an in-place write reaches no other plugin
+            tok, pos, seq = (torch.tensor(c, dtype=torch.long) for c in cols)
             emb = {}
             for layer in s.embeddings.layers:
-                emb[layer] = hidden[layer] if rows is None else hidden[layer][rows]
+                emb[layer] = _own(hidden[layer], rows, len(users))
             if s.embeddings.final:
-                emb["final"] = hidden[n_layer] if rows is None else hidden[n_layer][rows]
+                emb["final"] = _own(hidden[n_layer], rows, len(users))
             batch = Batch(tok, pos, seq, emb, is_prompt)
             if not is_prompt and self._dormant(s):
                 held = self._backlog.setdefault(s.name, [])
@@ -493,6 +495,14 @@ class Engine:
             self._disable(d[0], f"its draft failed verification ({type(exc).__name__}: {exc})",
                           traceback.format_exc())
             return verify(logits[:1], [], None, q.sampling, q.gen)
+
+
+def _own(h: torch.Tensor, rows: torch.Tensor | None, n_users: int) -> torch.Tensor:
+    """The rows of hidden state `h` as a tensor of one speculator's own (an index selection is a
+    new tensor; the whole of `h` is copied when several speculators receive it)."""
+    if rows is not None:
+        return h[rows]
+    return h.clone() if n_users > 1 else h
 
 
 def _concat(batches: list[Batch]) -> Batch:

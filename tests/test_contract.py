@@ -258,9 +258,6 @@ class Recorder:
             self.seen[(q, p)] = (t, h)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 26 item 2 (engine): the engine hands every plugin the same "
-                                        "token id, position and (at times) hidden-state tensors, so one "
-                                        "plugin's in-place write reaches the plugins after it")
 @pytest.mark.parametrize("mode", sorted(HARMLESS))
 def test_a_plugin_writing_its_batch_does_not_change_what_other_plugins_see(mode, tiny_target):
     prompt = tiny_target.tokenizer.encode(PROMPTS[0])

@@ -182,7 +182,10 @@ def test_stochastic_run_is_reproducible_with_a_seed(tiny_target, prompts, plain)
     vocab = tiny_target.model.config.vocab_size
     outs = []
     for _ in range(2):
-        eng = make_engine(tiny_target, [RandomDrafts(vocab, seed=2)], sampling=sp, n_parallel=2)
+        # unpriced: priced drafting decides from measured times, and which drafts are verified
+        # changes how the sampling stream is consumed (the distribution is the same, the text not)
+        eng = make_engine(tiny_target, [speculator(RandomDrafts(vocab, seed=2), cost_trim=False)], sampling=sp,
+                          n_parallel=2)
         outs.append([r.token_ids for r in eng.run([Request(p, 20) for p in prompts[:4]])])
     assert outs[0] == outs[1]
     assert outs[0] != [p[:20] for p in plain[:4]]  # it really sampled
