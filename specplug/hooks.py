@@ -15,8 +15,8 @@ mixed between speculators) and in this order:
 
 Every hook is optional. Hooks must not modify tensors they are given, and must not keep
 the embedding tensors of a batch beyond what their own state needs (they are per batch,
-never accumulated for the whole prompt by the host). (Not enforced: an in-place write to a
-batch's tensors is seen by the speculators called after it, though never by the text.) An exception from any hook, or a
+never accumulated for the whole prompt by the host). Each speculator gets batch tensors of
+its own, so a write reaches no other plugin. An exception from any hook, or a
 draft that breaks the rules in `draft`, disables that speculator for the rest of the run
 with a warning; the generated text is never affected.
 
