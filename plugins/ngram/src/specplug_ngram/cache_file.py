@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -36,7 +35,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specplug.errors import PluginError
-from specplug.outputs import OutputWriteError, describe_os_error
+from specplug.outputs import OutputWriteError, describe_os_error, replacing
 
 MAGIC = b"SPNGCACH"
 VERSION = 1
@@ -165,16 +164,6 @@ def build_tables(docs: Sequence[np.ndarray], n_min: int, n_max: int, vocab_size:
     return tables
 
 
-def _file_mode(path: Path) -> int:
-    """The mode of the file being replaced, else what a plain open() would create under the umask."""
-    try:
-        return path.stat().st_mode & 0o777
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
 class CacheWriteError(PluginError, OutputWriteError):
     """Saving a cache failed on the disk: a PluginError (the speculator's dynamic cache warns on it)
     and an OutputWriteError (`ngram-cache build` exits 1 on it)."""
@@ -193,26 +182,15 @@ def save_tables(path: str | os.PathLike, tables: dict[int, Table], vocab_size: i
     payload = b"".join(chunks)
     head = _HEAD.pack(MAGIC, VERSION, vocab_size, fingerprint, n_min, n_max, len(payload))
     digest = hashlib.sha256(head + payload).digest()
-    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), _file_mode(path))  # mkstemp makes 0600; give the usual permissions
+        with replacing(path, "ngram-cache") as tmp, open(tmp, "wb") as f:  # readers see the old file or the new
             f.write(head + digest)
             f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a mix
-        tmp = None
-    except OSError as e:
+    except OutputWriteError as e:
+        raise CacheWriteError(f"ngram-cache: cannot save {path} ({e})") from None
+    except OSError as e:  # the folder could not be made
         raise CacheWriteError(f"ngram-cache: cannot save {path}: {describe_os_error(e)}") from None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def _fail(path: Path, problem: str) -> PluginError:
