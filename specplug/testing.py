@@ -24,6 +24,8 @@ Contract kit, for plugin authors (a speculator through every check the host make
   greedy_outputs(target, specs, prompts)   the token ids generated for each prompt (greedy), and the engine
   record_drafts(spec_or_engine)            a list that fills with every draft request and answer (DraftRecord)
   tiny_q8_gguf, tiny_q8_target             fixtures: a Q8_0 tiny model (scale 1.5), loaded with quant gguf
+  check_native_step(rt)                    a chain head's one-call native step (PairStep) agrees with its
+                                           Python form, picks its own argmax, and is batch-invariant
 Test speculators used by the core's own tests: RandomDrafts, Oracle, Scripted, Faulty.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Sequence
 
 import numpy as np
 import pytest
+import torch
 
 from specplug.hooks import hookimpl
 from specplug.types import Draft, DraftRequest, TargetInfo
@@ -353,6 +356,49 @@ def assert_greedy_equal(target, specs, prompts: list[list[int]], max_tokens: int
             raise AssertionError(f"speculator {s.name!r} never had a draft verified, so the equality tests nothing "
                                  "of it (pass allow_unverified=True if the test expects this)")
     return eng
+
+
+def check_native_step(rt, seed: int = 0) -> dict:
+    """For a chain head's inference form `rt` whose `native_step` is set (`specplug.heads.PairStep`):
+    its one-call step agrees with its Python form on the same kernels (`rt.native_step = None`) to
+    float tolerance; `forward_pick`'s greedy picks are exactly the argmax (through d2t) of the logits
+    that step returns, with the softmax probability; and a row's result never depends on the other
+    rows of its batch (bitwise). Uses sequences 0 and 1 of rt's cache and clears them. Returns the
+    largest differences seen, for the test's report."""
+    assert rt.native_step is not None, "the head has no native step here (not on the gguf kernels?)"
+    g = torch.Generator().manual_seed(seed)
+    d, vocab = rt.native_step.norm_a.numel(), rt.native_step.table.shape[0]
+    seqs, pos = [0, 0, 0, 1, 1], [0, 1, 2, 0, 1]
+    h = torch.randn(len(seqs), d, generator=g)
+    toks = torch.randint(0, vocab, (len(seqs),), generator=g).tolist()
+    rows = [2, 4]
+
+    def clear():
+        for s in (0, 1):
+            rt.cache.seq_rm(s, 0)
+
+    clear()
+    out_n, logits_n = rt.forward(h, toks, pos, seqs, rows)
+    clear()
+    saved, rt.native_step = rt.native_step, None
+    try:
+        out_p, logits_p = rt.forward(h, toks, pos, seqs, rows)
+    finally:
+        rt.native_step = saved
+    clear()
+    states, ids, probs = rt.forward_pick(h, toks, pos, seqs, rows)
+    assert torch.equal(states, out_n), "forward_pick's states differ from forward's"
+    assert ids == rt.d2t[logits_n.argmax(-1)].tolist(), (ids, rt.d2t[logits_n.argmax(-1)].tolist())
+    torch.testing.assert_close(torch.tensor(probs), torch.softmax(logits_n, -1).max(-1).values, rtol=1e-4, atol=1e-6)
+    clear()
+    alone, logits_alone = rt.forward(h[3:], toks[3:], pos[3:], seqs[3:], [1])
+    clear()
+    assert torch.equal(alone, out_n[3:]) and torch.equal(logits_alone[0], logits_n[1]), "not batch-invariant"
+    scale = lambda t: float(t.abs().max())  # noqa: E731
+    diff = {"states": float((out_n - out_p).abs().max()) / scale(out_p),
+            "logits": float((logits_n - logits_p).abs().max()) / scale(logits_p)}
+    assert diff["states"] < 0.02 and diff["logits"] < 0.02, f"native step differs from the Python form: {diff}"
+    return diff
 
 
 # ---------------------------------------------------------------------------------------------

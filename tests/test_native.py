@@ -261,3 +261,22 @@ def test_token_embeddings_gather_equals_the_dequantized_table(tmp_path, ttype):
     assert torch.equal(m.embed.dense(), full) and m.embed.shape == full.shape and len(m.embed) == vocab
     with pytest.raises(IndexError, match="out of range"):
         m.embed[torch.tensor([vocab])]
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q4_0", "Q8_0"])
+def test_embedding_rows_gathered_natively_equal_the_gguf_dequantizer(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from specplug.heads.pairstep import _EMBED_TYPES
+    from specplug.runtime.model import TokenEmbeddings
+
+    w = torch.randn(50, 64, generator=torch.Generator().manual_seed(3)).numpy()
+    raw = quantize(w.astype(np.float32), GGMLQuantizationType[qtype])
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(50, -1)
+    table = TokenEmbeddings(raw, qtype, (50, 64), torch.device("cpu"), torch.float32)
+    ids = [7, 0, 49, 7, 23]
+    got = native.kernels().embed_rows(torch.from_numpy(raw), _EMBED_TYPES[qtype], torch.tensor(ids), 64)
+    assert torch.equal(got, table[ids])  # bit for bit: the same single float32 product per value
+    with pytest.raises(RuntimeError, match="outside the embedding table"):
+        native.kernels().embed_rows(torch.from_numpy(raw), _EMBED_TYPES[qtype], torch.tensor([50]), 64)

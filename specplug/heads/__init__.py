@@ -25,6 +25,8 @@ Drafting toolkit (each part usable on its own):
                          the stop rule (stop_below, and the host's `DraftRequest.break_even`)
     ChainDrafter         a recursive pair head (MTP, Eagle3) built on both
     ParallelHeadsDrafter parallel heads (Medusa-style: every depth from the newest state in one forward)
+    PairStep             a pair head's whole greedy draft step (embedding, layer, output head, top-1) in one
+                         native call on the GGUF kernels
     Calibrator, pick_tokens   confidences from outcomes; one token per row of logits
     masks                which training rows a chain or parallel head is scored on
 """
@@ -34,10 +36,11 @@ from specplug.heads.file import (HEAD_ARCH, HeadError, HeadFile, HeadMeta, layer
 from specplug.heads.calibrate import Calibrator
 from specplug.heads.chain import ChainDrafter, ChainHead
 from specplug.heads.loop import DraftLoop
+from specplug.heads.pairstep import PairStep
 from specplug.heads.parallel import ParallelHead, ParallelHeadsDrafter
 from specplug.heads.pick import pick_tokens
 from specplug.heads.state import StateKeeper, assert_draft_aligned, newest_state_position
 
 __all__ = ["Calibrator", "ChainDrafter", "ChainHead", "DraftLoop", "HEAD_ARCH", "HeadError", "HeadFile", "HeadMeta",
-           "ParallelHead", "ParallelHeadsDrafter", "StateKeeper", "assert_draft_aligned", "layer_from_head",
+           "PairStep", "ParallelHead", "ParallelHeadsDrafter", "StateKeeper", "assert_draft_aligned", "layer_from_head",
            "newest_state_position", "pick_tokens", "token_table_sha256", "write_head"]

@@ -48,6 +48,9 @@ class ChainHead(Protocol):
         """Rows (h(t-1) [n, d], x_t, t, seq) -> (output states [n, d] in row order, logits over the draft
         vocabulary for `logits_rows`); every row's K/V go into the cache."""
 
+    # Optional: `native_step` (not None) and `forward_pick(h_prev, token_ids, positions, seq_ids, logits_rows)`
+    # -> (states, target ids, probabilities): the greedy step in one native call (`specplug.heads.PairStep`).
+
 
 @dataclass
 class _SeqState:
@@ -130,18 +133,28 @@ class ChainDrafter:
             st.pending, st.done = [], c + 1
         if not live:
             return [None] * len(requests)
-        states, logits = rt.forward(torch.stack(h), tok, pos, seq, last)
+        states, picks = self._step(torch.stack(h), tok, pos, seq, last)
         states = states[torch.tensor(last, device=states.device)]
 
         def advance(depth: int, rows: list[int], tokens: list[int], reqs: list[int]) -> Picks:
             nonlocal states
             ids = [requests[i].seq_id for i in reqs]
             positions = [len(requests[i].tokens) - 1 + depth for i in reqs]
-            states, logits = rt.forward(states[torch.tensor(rows, device=states.device)], tokens, positions, ids,
-                                        list(range(len(rows))))
-            return self.loop.pick(logits)
+            states, picks = self._step(states[torch.tensor(rows, device=states.device)], tokens, positions, ids,
+                                       list(range(len(rows))))
+            return picks
 
-        return self.loop.run(requests, live, self.loop.pick(logits), advance)
+        return self.loop.run(requests, live, picks, advance)
+
+    def _step(self, h: torch.Tensor, tok: list[int], pos: list[int], seq: list[int],
+              rows: list[int]) -> tuple[torch.Tensor, Picks]:
+        """One head forward and the picks of `rows`: greedy picks come out of the head's own native
+        step when it has one (`forward_pick`, see `specplug.heads.PairStep`), else from its logits."""
+        if self.temperature == 0 and getattr(self.rt, "native_step", None) is not None:
+            states, ids, probs = self.rt.forward_pick(h, tok, pos, seq, rows)
+            return states, (ids, probs, None)
+        states, logits = self.rt.forward(h, tok, pos, seq, rows)
+        return states, self.loop.pick(logits)
 
     def _pick(self, logits: torch.Tensor) -> Picks:
         return self.loop.pick(logits)

@@ -14,8 +14,8 @@ from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
 from specplug.runtime import load_target
-from specplug.testing import (assert_greedy_equal, greedy_outputs, make_engine, make_train_data, repetitive_prompts,
-                              speculator, write_tiny_gguf)
+from specplug.testing import (assert_greedy_equal, check_native_step, greedy_outputs, make_engine, make_train_data,
+                              repetitive_prompts, speculator, write_tiny_gguf)
 from specplug.train.loop import LoopOptions, train
 from specplug.types import Batch, DraftRequest
 from specplug_eagle3.head import Eagle3Runtime
@@ -297,3 +297,10 @@ def test_a_public_eagle3_checkpoint_drafts_the_same_tokens_after_conversion(tiny
         from specplug_eagle3.convert import convert
 
         convert(ck, tiny, work / "x.gguf")
+
+
+def test_native_step_agrees_with_the_python_form_and_picks_its_own_argmax(tiny, trained):
+    spec = _eagle(_target(tiny, "gguf"), trained)
+    assert spec.rt.native_step is not None  # the gguf kernels run the whole step in one call
+    check_native_step(spec.rt)
+    assert _eagle(_target(tiny, "none"), trained).rt.native_step is None  # torch (and CUDA): the Python form

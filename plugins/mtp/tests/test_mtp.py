@@ -11,8 +11,8 @@ from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
 from specplug.runtime import load_target
-from specplug.testing import assert_greedy_equal, greedy_outputs, make_train_data, repetitive_prompts, speculator, \
-    write_tiny_gguf
+from specplug.testing import assert_greedy_equal, check_native_step, greedy_outputs, make_train_data, \
+    repetitive_prompts, speculator, write_tiny_gguf
 from specplug.train.loop import LoopOptions, train
 from specplug_mtp.head import MTPRuntime
 from specplug_mtp.speculator import MTP
@@ -239,3 +239,10 @@ def test_interrupted_training_resumes_to_the_same_head(data, work, monkeypatch):
     for name in a.gguf.tensors:
         assert torch.equal(a.tensor(name), b.tensor(name)), name
     assert (work / "resumed.train" / "training.png").is_file()
+
+
+def test_native_step_agrees_with_the_python_form_and_picks_its_own_argmax(tiny, trained):
+    spec = _mtp(_target(tiny, "gguf"), trained)
+    assert spec.rt.native_step is not None  # the gguf kernels run the whole step in one call
+    check_native_step(spec.rt)
+    assert _mtp(_target(tiny, "none"), trained).rt.native_step is None  # torch (and CUDA): the Python form

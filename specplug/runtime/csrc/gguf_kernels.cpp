@@ -579,6 +579,22 @@ torch::Tensor apply(const Lin& l, const std::vector<torch::Tensor>& xa, const c1
               : matmul_impl<false>(xa, l.qs, l.d, c10::nullopt, opt(l.bias), residual, l.n_out);
 }
 
+// The layer after its attention input is quantized (xq): qkv, RoPE and the cache write, attention,
+// o with the residual x, then the FFN.
+torch::Tensor layer_rest(const torch::Tensor& x, const std::vector<torch::Tensor>& xq, const Lin& qkv, const Lin& o,
+                         const Lin& gu, const Lin& down, const c10::optional<torch::Tensor>& q_norm,
+                         const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc,
+                         const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid,
+                         const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t Hkv, double scale,
+                         const c10::optional<torch::Tensor>& limit) {
+  auto h = apply(qkv, xq, c10::nullopt);
+  rope_store(h, seq, pos, cos, sin, H, Hkv, q_norm, k_norm, eps, kc, vc);
+  auto a = attention(h, kc, vc, seq, pos, valid, H, scale, limit);
+  auto x1 = apply(o, quantize_rows(a, c10::nullopt, 0.0), x);
+  auto g = apply(gu, quantize_rows(x1, opt(gu.norm), eps), c10::nullopt);
+  return apply(down, silu_mul_quantize(g), x1);
+}
+
 // A whole llama decoder layer on the native kernels, the same calls in the same order as the
 // Python DecoderLayer makes them (so results are bit-identical to it), in one call from Python:
 // x + o(attention(rope(qkv(norm(x))))), then + down(silu(gate) * up)(norm(.)).
@@ -592,12 +608,145 @@ torch::Tensor layer_forward(const torch::Tensor& x, const std::vector<torch::Ten
                             const torch::Tensor& sin, int64_t H, int64_t Hkv, double scale,
                             const c10::optional<torch::Tensor>& limit) {
   const Lin qkv = unpack(qkv_w, qkv_n), o = unpack(o_w, o_n), gu = unpack(gu_w, gu_n), down = unpack(down_w, down_n);
-  auto h = apply(qkv, quantize_rows(x, opt(qkv.norm), eps), c10::nullopt);
-  rope_store(h, seq, pos, cos, sin, H, Hkv, q_norm, k_norm, eps, kc, vc);
-  auto a = attention(h, kc, vc, seq, pos, valid, H, scale, limit);
-  auto x1 = apply(o, quantize_rows(a, c10::nullopt, 0.0), x);
-  auto g = apply(gu, quantize_rows(x1, opt(gu.norm), eps), c10::nullopt);
-  return apply(down, silu_mul_quantize(g), x1);
+  return layer_rest(x, quantize_rows(x, opt(qkv.norm), eps), qkv, o, gu, down, q_norm, k_norm, eps, kc, vc, seq, pos,
+                    valid, cos, sin, H, Hkv, scale, limit);
+}
+
+// Token embedding rows gathered from the table as the file stores it ([vocab, bytes per row] of
+// GGML type `type`: F32 0, F16 1, Q4_0 2, Q8_0 8), dequantized to float32 with the same single
+// float32 product per value that gguf's dequantizer computes (so exactly its values).
+void embed_rows_into(const torch::Tensor& raw, int64_t type, const torch::Tensor& ids, int64_t d, float* out) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.stride(1) == 1,
+              "the embedding table must be [vocab, bytes per row] uint8");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.is_contiguous(), "token ids must be contiguous int64");
+  const int64_t V = raw.size(0), ld = raw.stride(0), n = ids.numel();
+  const int64_t need = type == 0 ? 4 * d : type == 1 ? 2 * d : type == 2 ? d / 32 * 18 : type == 8 ? d / 32 * 34 : -1;
+  TORCH_CHECK(need > 0 && d % 32 == 0 && raw.size(1) == need, "embedding rows of GGML type ", type, " and width ", d,
+              " are not ", raw.size(1), " bytes (supported: F32, F16, Q4_0, Q8_0)");
+  const uint8_t* base = raw.data_ptr<uint8_t>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < V, "token id ", ip[r], " is outside the embedding table of ", V, " rows");
+    const uint8_t* row = base + ip[r] * ld;
+    float* y = out + r * d;
+    if (type == 0) {
+      std::memcpy(y, row, 4 * d);
+    } else if (type == 1) {
+      for (int64_t k = 0; k < d; ++k) y[k] = _cvtsh_ss(((const uint16_t*)row)[k]);
+    } else {
+      const int64_t bs = type == 8 ? 34 : 18;
+      for (int64_t b = 0; b < d / 32; ++b) {
+        const uint8_t* blk = row + b * bs;
+        const float sc = _cvtsh_ss(*(const uint16_t*)blk);
+        float* yb = y + b * 32;
+        if (type == 8) {
+          for (int k = 0; k < 32; ++k) yb[k] = sc * (float)((const int8_t*)(blk + 2))[k];
+        } else {  // Q4_0: low nibbles are values 0..15, high nibbles 16..31, each (q - 8) * d
+          for (int k = 0; k < 16; ++k) {
+            yb[k] = sc * (float)((blk[2 + k] & 0x0F) - 8);
+            yb[k + 16] = sc * (float)((blk[2 + k] >> 4) - 8);
+          }
+        }
+      }
+    }
+  }
+}
+
+torch::Tensor embed_rows(const torch::Tensor& raw, int64_t type, const torch::Tensor& ids, int64_t d) {
+  auto out = torch::empty({ids.numel(), d}, torch::kFloat32);
+  embed_rows_into(raw, type, ids, d, out.data_ptr<float>());
+  return out;
+}
+
+inline void rms_scale_into(const float* x, const float* w, int64_t K, float eps, float* y) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  const __m256 sc = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / (float)K + eps));
+  for (int64_t k = 0; k < K; k += 8)
+    _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), sc), _mm256_loadu_ps(w + k)));
+}
+
+// One draft step of a "pair" head (specplug.heads.PairStep), for n rows (token x_t at position t
+// of a sequence, with the state h(t-1) it pairs with), in one call:
+//   e    = embed(x_t)                                  gathered from the file's blocks
+//   pair = [norm_a(first); norm_b(second)]             first/second = (h, e) if h_first else (e, h)
+//   with proj (MTP):    x = proj(pair); out = layer(x)                    the usual decoder layer
+//   without (Eagle3):   out = layer(h, attention input = pair)            qkv reads pair, residual h
+//   for each of `rows`: logits = lm(lm_norm(out)); top-1 (through d2t when given) and its softmax
+//   probability; the logits themselves too when want_logits.
+// Returns {out [n, d], ids [m] int64, probs [m] float32, logits [m, V] or empty}.
+std::vector<torch::Tensor> pair_head_step(
+    const torch::Tensor& emb_raw, int64_t emb_type, const torch::Tensor& tokens, const torch::Tensor& h,
+    const torch::Tensor& norm_a, const torch::Tensor& norm_b, bool h_first, double pair_eps,
+    const std::vector<torch::Tensor>& proj_w, int64_t proj_n, const std::vector<torch::Tensor>& qkv_w, int64_t qkv_n,
+    const std::vector<torch::Tensor>& o_w, int64_t o_n, const std::vector<torch::Tensor>& gu_w, int64_t gu_n,
+    const std::vector<torch::Tensor>& down_w, int64_t down_n, const c10::optional<torch::Tensor>& q_norm,
+    const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc,
+    const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, const torch::Tensor& cos,
+    const torch::Tensor& sin, int64_t H, int64_t Hkv, double scale, const std::vector<torch::Tensor>& lm_w,
+    int64_t lm_n, double lm_eps, const torch::Tensor& rows, const torch::Tensor& d2t, bool want_logits) {
+  check_cpu_f32(h, "h");
+  const int64_t n = h.size(0), d = h.size(1);
+  TORCH_CHECK(tokens.numel() == n, "one token per row of h");
+  TORCH_CHECK(norm_a.numel() == d && norm_b.numel() == d && norm_a.is_contiguous() && norm_b.is_contiguous() &&
+                  norm_a.scalar_type() == torch::kFloat32 && norm_b.scalar_type() == torch::kFloat32,
+              "the pair norms must be float32 vectors of the state width");
+  auto e = embed_rows(emb_raw, emb_type, tokens, d);
+  const float *ep = e.data_ptr<float>(), *hp = h.data_ptr<float>(), *wa = norm_a.data_ptr<float>(),
+              *wb = norm_b.data_ptr<float>();
+  const int64_t ldh = h.stride(0);
+  const float feps = (float)pair_eps;
+  auto pair = quantize_each_row(n, 2 * d, [&](int64_t r, float* buf) -> const float* {
+    const float* first = h_first ? hp + r * ldh : ep + r * d;
+    const float* second = h_first ? ep + r * d : hp + r * ldh;
+    rms_scale_into(first, wa, d, feps, buf);
+    rms_scale_into(second, wb, d, feps, buf + d);
+    return buf;
+  });
+  const Lin qkv = unpack(qkv_w, qkv_n), o = unpack(o_w, o_n), gu = unpack(gu_w, gu_n), down = unpack(down_w, down_n);
+  torch::Tensor out;
+  if (proj_w.size() == 5 && proj_w[0].numel() > 0) {
+    auto x = apply(unpack(proj_w, proj_n), pair, c10::nullopt);
+    out = layer_rest(x, quantize_rows(x, opt(qkv.norm), eps), qkv, o, gu, down, q_norm, k_norm, eps, kc, vc, seq,
+                     pos, valid, cos, sin, H, Hkv, scale, c10::nullopt);
+  } else {
+    out = layer_rest(h.contiguous(), pair, qkv, o, gu, down, q_norm, k_norm, eps, kc, vc, seq, pos, valid, cos, sin,
+                     H, Hkv, scale, c10::nullopt);
+  }
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1, "rows must be a 1-D int64 tensor");
+  const int64_t m = rows.numel();
+  auto ids = torch::empty({m}, torch::kInt64);
+  auto probs = torch::empty({m}, torch::kFloat32);
+  torch::Tensor logits;
+  if (m > 0) {
+    const Lin lm = unpack(lm_w, lm_n);
+    logits = apply(lm, quantize_rows(out.index_select(0, rows), opt(lm.norm), lm_eps), c10::nullopt);
+    const int64_t V = lm_n;
+    const bool mapped = d2t.numel() > 0;
+    TORCH_CHECK(!mapped || (d2t.numel() == V && d2t.scalar_type() == torch::kInt64 && d2t.is_contiguous()),
+                "d2t must be an int64 vector with one entry per output row");
+    const float* lp = logits.data_ptr<float>();
+    const int64_t* dp = mapped ? d2t.data_ptr<int64_t>() : nullptr;
+    for (int64_t r = 0; r < m; ++r) {
+      const float* l = lp + r * V;
+      int64_t best = 0;
+      float mx = l[0];
+      for (int64_t j = 1; j < V; ++j)
+        if (l[j] > mx) mx = l[j], best = j;  // the first of equal maxima, as torch's max
+      const __m256 mv = _mm256_set1_ps(mx);
+      __m256 acc = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= V; j += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(l + j), mv)));
+      float sum = hsum(acc);
+      for (; j < V; ++j) sum += std::exp(l[j] - mx);
+      ids.data_ptr<int64_t>()[r] = mapped ? dp[best] : best;
+      probs.data_ptr<float>()[r] = 1.0f / sum;
+    }
+  }
+  return {out, ids, probs, want_logits && m > 0 ? logits : torch::empty({0})};
 }
 
 }  // namespace
@@ -614,4 +763,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "RoPE (and q/k norm) in place, k/v into the cache", nogil);
   m.def("attention", &attention, "causal attention over each row's sequence", nogil);
   m.def("layer_forward", &layer_forward, "a whole decoder layer in one call", nogil);
+  m.def("embed_rows", &embed_rows, "token embedding rows from the file's blocks", nogil);
+  m.def("pair_head_step", &pair_head_step, "one draft step of a pair head, top-1 included", nogil);
 }

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write_head
+from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
@@ -136,6 +137,10 @@ class Eagle3Runtime:
         self.embed = target.token_embeddings
         self.rope = Rope(cfg.head_dim, cfg.rope_base, dev)
         self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim)
+        # the whole step in one native call where the kernels run it (None on torch/CUDA)
+        self.native_step = PairStep.build(embed=self.embed, norm_a=self.input_norm, norm_b=self.hidden_norm,
+                                          h_first=False, eps=cfg.eps, layer=self.layer, lm=self.lm, lm_eps=cfg.eps,
+                                          rope=self.rope, cache=self.cache, backend=backend, d2t=self.d2t)
 
     @torch.inference_mode()
     def fuse(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -146,6 +151,9 @@ class Eagle3Runtime:
     @torch.inference_mode()
     def forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
                 seq_ids: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.native_step is not None:
+            out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True)
+            return out, logits
         cfg = self.cfg
         dev, dt = self.backend.device, self.backend.dtype
         h = h_prev.to(dev, dt).contiguous()
@@ -155,3 +163,10 @@ class Eagle3Runtime:
         out = self.layer(step.rows(h), step, 0, attn_in=step.rows(x_in.contiguous()))
         logits = self.lm.norm_linear(step.select(out, logits_rows), cfg.eps).float() if logits_rows else None
         return step.entries(out), logits
+
+    def forward_pick(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
+                     seq_ids: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, list[int], list[float]]:
+        """`forward` with the greedy pick of `logits_rows` made in the same native call: (states, target
+        ids, their probabilities). Only where `native_step` is set."""
+        out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows)
+        return out, ids, probs

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.heads import HeadFile, HeadMeta, layer_from_head, write_head
+from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
@@ -129,12 +130,20 @@ class MTPRuntime:
         self.rope = Rope(cfg.head_dim, cfg.rope_base, dev)
         self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim)
         self.target_eps = target.rms_eps
+        # the whole step in one native call where the kernels run it (None on torch/CUDA)
+        self.native_step = PairStep.build(embed=self.embed, norm_a=self.hnorm, norm_b=self.enorm, h_first=True,
+                                          eps=cfg.eps, layer=self.layer, lm=self.lm, lm_eps=self.target_eps,
+                                          rope=self.rope, cache=self.cache, backend=backend, proj=self.proj,
+                                          d2t=self.d2t)
 
     @torch.inference_mode()
     def forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
                 seq_ids: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows (h(t-1) [n, d], x_t, t, seq) -> (output states [n, d], logits over the draft vocabulary
         for `logits_rows` [len, draft vocab], or None); K/V of every row go into the cache."""
+        if self.native_step is not None:
+            out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True)
+            return out, logits
         cfg = self.cfg
         dev, dt = self.backend.device, self.backend.dtype
         emb = self.embed[torch.as_tensor(list(token_ids), dtype=torch.long, device=self.embed.device)].to(dev, dt)
@@ -143,3 +152,10 @@ class MTPRuntime:
         out = self.layer(step.rows(self.proj(x_in.contiguous())), step, 0)
         logits = self.lm.norm_linear(step.select(out, logits_rows), self.target_eps).float() if logits_rows else None
         return step.entries(out), logits
+
+    def forward_pick(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
+                     seq_ids: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, list[int], list[float]]:
+        """`forward` with the greedy pick of `logits_rows` made in the same native call: (states, target
+        ids, their probabilities). Only where `native_step` is set."""
+        out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows)
+        return out, ids, probs

@@ -1,0 +1,104 @@
+"""`PairStep`: a pair head's whole draft step in one native call (the GGUF kernels, CPU).
+
+A pair head (MTP, Eagle3; see `ChainDrafter`) reads, per row, the token x_t at position t and a
+state h(t-1). One draft step for all live rows is, in `pair_head_step` (csrc/gguf_kernels.cpp):
+
+    e    = embed(x_t)                                  rows gathered from the file's own blocks
+    pair = [norm_a(first); norm_b(second)]             (first, second) = (h, e) or (e, h)
+    MTP-like (proj given):   out = layer(proj(pair))            a standard decoder layer
+    Eagle3-like (no proj):   out = layer(h, attention input = pair)
+    for the asked rows:      top-1 of lm(lm_norm(out)) (through d2t) and its softmax probability
+
+with no torch operator and no Python object per row between the kernels: a drafted token costs
+the head's weight reads and little else. The same call can also return the logits, so a head
+computes the same values whether it picks greedily here or samples in Python.
+
+    step = PairStep.build(embed=target.token_embeddings, norm_a=..., norm_b=..., h_first=False, eps=cfg.eps,
+                          layer=layer, lm=lm, lm_eps=cfg.eps, rope=rope, cache=cache, backend=backend, d2t=d2t)
+    if step is not None:                               # None: not on the native kernels (CUDA, torch)
+        out, ids, probs, _ = step(h, token_ids, positions, seq_ids, rows=[...])
+
+Numerics: the pair's RMS norms are reduced in the kernels' order (not torch's), so values can
+differ from the torch form in the last bits; a head uses one form for all its forwards on a
+backend, and every kernel is batch-invariant as before.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from specplug.runtime import native
+from specplug.runtime.layers import Backend, DecoderLayer, Rope, Step
+from specplug.runtime.kv_cache import KVCache
+
+# GGML type ids of the embedding tables the kernel gathers from
+_EMBED_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8}
+
+
+def _embed_blocks(embed) -> tuple[torch.Tensor, int] | None:
+    """(table as [vocab, bytes per row] uint8, GGML type id) of a TokenEmbeddings table, or None."""
+    raw, qtype = getattr(embed, "_raw", None), getattr(embed, "_qtype", None)
+    if raw is None or qtype not in _EMBED_TYPES:
+        return None
+    with warnings.catch_warnings():  # a read-only memory map: the kernel only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(np.asarray(raw))
+    return (t if t.dtype == torch.uint8 else t.view(torch.uint8)), _EMBED_TYPES[qtype]
+
+
+class PairStep:
+    """One native call per draft step of a pair head (see the module docstring)."""
+
+    def __init__(self, table: torch.Tensor, table_type: int, norm_a: torch.Tensor, norm_b: torch.Tensor,
+                 h_first: bool, eps: float, layer: DecoderLayer, lm, lm_eps: float, rope: Rope, cache: KVCache,
+                 backend: Backend, proj=None, d2t: torch.Tensor | None = None):
+        self.k = native.kernels()
+        self.table, self.table_type = table, table_type
+        self.norm_a, self.norm_b = norm_a.float().contiguous(), norm_b.float().contiguous()
+        self.h_first, self.eps = h_first, float(eps)
+        self.layer, self.rope, self.cache, self.backend = layer, rope, cache, backend
+        empty = [torch.empty(0)] * 5
+        self.proj = proj.packed() if proj is not None else (empty, 0)
+        self.mats = tuple(v for m in (layer.qkv, layer.o, layer.gate_up, layer.down) for v in m.packed())
+        self.lm, self.lm_eps = lm.packed(), float(lm_eps)
+        self.d2t = torch.empty(0, dtype=torch.long) if d2t is None else d2t.long().contiguous()
+        S = layer.shape
+        self.H, self.Hkv, self.scale = S.n_head, S.n_head_kv, S.head_dim ** -0.5
+
+    @classmethod
+    def build(cls, *, embed, norm_a: torch.Tensor, norm_b: torch.Tensor, h_first: bool, eps: float,
+              layer: DecoderLayer, lm, lm_eps: float, rope: Rope, cache: KVCache, backend: Backend, proj=None,
+              d2t: torch.Tensor | None = None) -> "PairStep | None":
+        """The native step for these parts, or None where it cannot run (not the native backend, a
+        linear not on the GGUF kernels, an embedding table type the kernel does not gather)."""
+        if not backend.native or native.unavailable_reason():
+            return None
+        lins = [layer.qkv, layer.o, layer.gate_up, layer.down, lm] + ([proj] if proj is not None else [])
+        if not all(isinstance(m, native.QuantLinear) for m in lins) or lm.norm_weight is None:
+            return None
+        if layer.q_norm is not None or cache.k.dtype not in (torch.float16, torch.float32):
+            return None
+        blocks = _embed_blocks(embed)
+        if blocks is None:
+            return None
+        return cls(blocks[0], blocks[1], norm_a, norm_b, h_first, eps, layer, lm, lm_eps, rope, cache, backend, proj,
+                   d2t)
+
+    @torch.inference_mode()
+    def __call__(self, h: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+                 rows: Sequence[int], want_logits: bool = False
+                 ) -> tuple[torch.Tensor, list[int], list[float], torch.Tensor | None]:
+        """Rows (h(t-1) [n, d], x_t, t, seq) -> (output states [n, d], for each of `rows` the top-1 target
+        id and its probability, and with `want_logits` the logits [len(rows), draft vocab]).
+        Every row's K/V go into the cache."""
+        step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
+        c = self.cache
+        out, ids, probs, logits = self.k.pair_head_step(
+            self.table, self.table_type, torch.tensor(list(token_ids), dtype=torch.long), h.float().contiguous(),
+            self.norm_a, self.norm_b, self.h_first, self.eps, *self.proj, *self.mats, None, None, self.layer.eps,
+            c.k[0], c.v[0], step.seq, step.pos, c.valid, step.cos, step.sin, self.H, self.Hkv, self.scale, *self.lm,
+            self.lm_eps, torch.tensor(list(rows), dtype=torch.long), self.d2t, want_logits)
+        return out, ids.tolist(), probs.tolist(), (logits if want_logits and len(rows) else None)
