@@ -229,3 +229,38 @@ def test_data_identity_ignores_generation_timing(tiny_data, tmp_path):
     man["prompts_sha256"] = "0" * 64  # different content: a different identity
     (copy / "manifest.json").write_text(json.dumps(man))
     assert TrainData(copy, ["final"]).manifest_sha256 != a.manifest_sha256
+
+
+def test_token_shards_rebuild_the_same_data_set_by_prefill(tiny_q8, tiny_data, tmp_path, capsys):
+    """Export the tokens (a few bytes a token), rebuild taps and top-k by prefill: every shard tensor
+    is bit-identical to what generation recorded, and every token is the target's greedy choice."""
+    toks = tmp_path / "tokens"
+    assert main(["train", "tokens", str(tiny_data), "-o", str(toks)]) == 0
+    tman = json.loads((toks / "manifest.json").read_text())
+    assert tman["kind"] == "specplug-tokens" and len(tman["shards"]) == 3 and "path" not in tman["target"]
+    assert main(["train", "data", "--model", str(tiny_q8), "--from-tokens", str(toks), "-o", str(tmp_path / "re"),
+                 "--taps", "final,0,1", "--quant", "gguf", "--parallel", "3"]) == 0
+    assert "not the target's greedy choice: 0" in capsys.readouterr().err
+    old, new = (json.loads((d / "manifest.json").read_text()) for d in (tiny_data, tmp_path / "re"))
+    assert new["prompts"] == old["prompts"] and new["totals"] == old["totals"] and new["generation"]["disagree"] == 0
+    for a, b in zip(old["shards"], new["shards"]):
+        sa, sb = load_file(str(tiny_data / a["file"])), load_file(str(tmp_path / "re" / b["file"]))
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+    TrainData(tmp_path / "re", ["final", "0"], 0.1)  # the trainer reads it as it reads a generated one
+
+    # two token folders concatenate (how a data set grows); a damaged shard and another target are refused
+    assert main(["train", "data", "--model", str(tiny_q8), "--from-tokens", str(toks), str(toks),
+                 "-o", str(tmp_path / "twice"), "--taps", "final", "--quant", "gguf"]) == 0
+    twice = json.loads((tmp_path / "twice" / "manifest.json").read_text())
+    assert twice["totals"]["tokens"] == 2 * old["totals"]["tokens"] and len(twice["prompts"]) == 2 * len(old["prompts"])
+    other = write_tiny_gguf(tmp_path / "other.gguf", tensor_type="Q8_0", scale=1.5, seed=9)
+    assert main(["train", "data", "--model", str(other), "--from-tokens", str(toks), "-o", str(tmp_path / "x"),
+                 "--quant", "gguf"]) == 2
+    assert "not by the target other.gguf" in capsys.readouterr().err
+    shard = toks / tman["shards"][1]["file"]
+    shard.write_bytes(shard.read_bytes()[:-7] + b"damaged")
+    assert main(["train", "data", "--model", str(tiny_q8), "--from-tokens", str(toks), "-o", str(tmp_path / "y"),
+                 "--quant", "gguf"]) == 2
+    assert "sha256 differs from the manifest's" in capsys.readouterr().err

@@ -20,8 +20,16 @@ def cmd_data(args) -> int:
         raise SpecplugError(f"--limit must be >= 1, got {args.limit}")
     if args.code < 0:
         raise SpecplugError(f"--code must be >= 0, got {args.code}")
-    if not args.prompts and not args.code:
-        raise SpecplugError("give prompt files (--prompts FILE ...) and/or --code N")
+    if args.from_tokens and (args.prompts or args.code):
+        raise SpecplugError("--from-tokens rebuilds a data set from tokens already generated; it takes no "
+                            "--prompts or --code")
+    if not args.prompts and not args.code and not args.from_tokens:
+        raise SpecplugError("give prompt files (--prompts FILE ...) and/or --code N, or --from-tokens DIR ...")
+    if args.from_tokens:
+        from specplug.train.tokens import read_tokens_manifest
+
+        for d in args.from_tokens:
+            read_tokens_manifest(d)  # every folder checked before the model loads
     files = [read_prompt_file(p) for p in args.prompts]  # every file checked before the model loads
     out = Path(args.output)
     if out.exists() and not out.is_dir():
@@ -42,6 +50,16 @@ def _data(args, files) -> int:
     target = load_target(args.model, "cpu" if args.device == "auto" else args.device, "float32", args.quant,
                          args.threads)
     taps = parse_taps(args.taps, target.model.config.n_layer)
+    if args.from_tokens:
+        from specplug.train.tokens import rebuild_dataset
+
+        man = rebuild_dataset(target, args.from_tokens, Path(args.output), taps, args.topk, args.parallel,
+                              command=" ".join(sys.argv))
+        t, g = man["totals"], man["generation"]
+        print(f"specplug: {args.output}: {t['sequences']} sequences, {t['tokens']} tokens in {t['shards']} shards, "
+              f"rebuilt by prefill in {g['rebuild_seconds'] / 60:.1f} min; rows whose next token is not the "
+              f"target's greedy choice: {g['disagree']}", file=sys.stderr)
+        return 0
     tok = target.tokenizer
     ids_of = lambda text: prompt_ids(tok, text, True, args.system)  # noqa: E731
     flt = OverlapFilter(tok.encode, eval_texts()) if not args.keep_overlap else None
@@ -86,6 +104,21 @@ def _select(prompts, source: str, args, flt, ids_of, rng: random.Random, sources
     return kept
 
 
+@exit_1_on_write_error
+def cmd_tokens(args) -> int:
+    from specplug.train.tokens import export_tokens
+
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise SpecplugError(f"-o {out} is a file; give a folder for the token shards")
+    man = export_tokens(args.data, out)
+    size = sum((out / s["file"]).stat().st_size for s in man["shards"])
+    t = man["totals"]
+    print(f"specplug: {out}: {t.get('sequences')} sequences, {t.get('tokens')} tokens in {len(man['shards'])} "
+          f"token shards, {size / 1e6:.1f} MB", file=sys.stderr)
+    return 0
+
+
 def cmd_train(args) -> int:
     from specplug.train.loop import run_trainer
 
@@ -96,7 +129,7 @@ def register(sub) -> None:
     from specplug.cli import threads_arg
 
     p = sub.add_parser("train", help="make training data from the target, or train a speculator head")
-    tsub = p.add_subparsers(dest="train_command", required=True, metavar="{data," + ",".join(_trainer_names()) + "}")
+    tsub = p.add_subparsers(dest="train_command", required=True, metavar="{data,tokens," + ",".join(_trainer_names()) + "}")
 
     d = tsub.add_parser("data", help="the target answers prompts; tokens, hidden states and top-k into shards")
     d.add_argument("--model", default="smollm2-135m", help="known model name or path to a .gguf (the target)")
@@ -119,7 +152,16 @@ def register(sub) -> None:
     d.add_argument("--quant", default="auto")
     d.add_argument("--threads", type=threads_arg, default="auto",
                    help="CPU threads: auto (default) = the cores this process may run on, or a count")
+    d.add_argument("--from-tokens", nargs="+", default=None, metavar="DIR",
+                   help="rebuild a data set by prefill from tokens-only folders (`specplug train tokens`), "
+                        "concatenated in order, instead of generating")
     d.set_defaults(func=cmd_data)
+
+    k = tsub.add_parser("tokens", help="export a data set's tokens as small token shards (to commit, or to move); "
+                                       "`train data --from-tokens` rebuilds taps and top-k from them")
+    k.add_argument("data", metavar="DATA", help="a data set folder of `specplug train data`")
+    k.add_argument("-o", "--output", required=True, metavar="DIR", help="folder for the token shards")
+    k.set_defaults(func=cmd_tokens)
 
     from specplug.train.loop import add_trainer_parsers
 

@@ -104,18 +104,23 @@ class DataGenerator:
         self.stop = frozenset(target.tokenizer.eot_ids)
         self.cache = self.model.new_cache(parallel, context)
         self.generated = 0  # answer tokens so far (for the progress bar)
+        self.disagree = 0  # rows of known sequences whose next token is not the target's greedy choice
 
-    def run(self, prompts: list[tuple[int, list[int]]], on_done) -> None:
-        """Generate for (prompt index, prompt ids) in order; on_done(index, arrays) as each finishes."""
+    def run(self, prompts: list[tuple], on_done) -> None:
+        """Generate for (prompt index, prompt ids) in order; on_done(index, arrays) as each finishes.
+        An entry (prompt index, all ids, prompt length) is a sequence whose answer is already known
+        (a rebuild from tokens): it is read by prefill like a prompt, and its rows are recorded the
+        same way (the kernels are batch-invariant, so exactly as when it was generated)."""
         pending = list(reversed(prompts))
         slots: dict[int, _Seq] = {}
         free = list(range(self.parallel))[::-1]
         while pending or slots:
             while pending and free:
-                index, ids = pending.pop()
+                index, ids, *known = pending.pop()
                 slot = free.pop()
                 self.cache.clear(slot)
-                slots[slot] = _Seq(index, list(ids), len(ids), taps={t: [] for t in self.taps})
+                plen = known[0] if known else len(ids)
+                slots[slot] = _Seq(index, list(ids), plen, final=bool(known), taps={t: [] for t in self.taps})
             self._step(slots)
             for slot in [s for s, q in slots.items() if q.final and q.fed == len(q.tokens)]:
                 q = slots.pop(slot)
@@ -126,9 +131,11 @@ class DataGenerator:
         toks, pos, sids, logit_rows, spans = [], [], [], [], []
         budget = self.chunk  # prompt rows read per forward, on top of one row per decoding sequence
         for slot, q in slots.items():
-            n = 1 if q.fed >= q.prompt_len else min(q.prompt_len - q.fed, max(1, budget))
-            if q.fed < q.prompt_len:
+            if q.final or q.fed < q.prompt_len:  # known tokens (a prompt, or a whole known sequence): prefill
+                n = min((len(q.tokens) if q.final else q.prompt_len) - q.fed, max(1, budget))
                 budget -= n
+            else:
+                n = 1
             a = len(toks)
             toks += q.tokens[q.fed:q.fed + n]
             pos += range(q.fed, q.fed + n)
@@ -153,6 +160,9 @@ class DataGenerator:
             if k:
                 q.topk_ids.append(top_ids[j:j + k].to(torch.int32))
                 q.topk_lp.append(top_lp[j:j + k].to(torch.float16))
+            if k and q.final:  # a known sequence: the target's greedy choice after each row is the next token
+                nxt_rows = range(q.fed + d0 + 1, q.fed + n + 1)
+                self.disagree += sum(1 for b, p in zip(best[j:j + k], nxt_rows) if p < len(q.tokens) and b != q.tokens[p])
             q.fed += n
             if k and q.fed == len(q.tokens) and not q.final:
                 nxt = best[j + k - 1]
