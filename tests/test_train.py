@@ -250,6 +250,25 @@ def test_token_shards_rebuild_the_same_data_set_by_prefill(tiny_q8, tiny_data, t
             assert torch.equal(sa[k], sb[k]), k
     TrainData(tmp_path / "re", ["final", "0"], 0.1)  # the trainer reads it as it reads a generated one
 
+    # a partial data set, exported and rebuilt, resumes generation with the command that made it
+    part = tmp_path / "part-tokens"
+    part.mkdir()
+    pman = {**tman, "shards": tman["shards"][:2]}
+    for sh in pman["shards"]:
+        (part / sh["file"]).write_bytes((toks / sh["file"]).read_bytes())
+    (part / "manifest.json").write_text(json.dumps(pman))
+    assert main(["train", "data", "--model", str(tiny_q8), "--from-tokens", str(part), "-o", str(tmp_path / "p"),
+                 "--taps", "final,0,1", "--quant", "gguf"]) == 0
+    assert main(["train", "data", "--model", str(tiny_q8), "--prompts", str(tiny_data.with_name("data-prompts.jsonl")),
+                 "-o", str(tmp_path / "p"), "--taps", "final,0,1", "--max-tokens", "24", "--parallel", "4",
+                 "--shard-prompts", "16", "--keep-overlap"]) == 0
+    assert "resuming" in capsys.readouterr().err
+    resumed = json.loads((tmp_path / "p" / "manifest.json").read_text())
+    assert resumed["totals"] == old["totals"]
+    last = old["shards"][2]["file"]
+    sa, sb = load_file(str(tiny_data / last)), load_file(str(tmp_path / "p" / last))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
     # two token folders concatenate (how a data set grows); a damaged shard and another target are refused
     assert main(["train", "data", "--model", str(tiny_q8), "--from-tokens", str(toks), str(toks),
                  "-o", str(tmp_path / "twice"), "--taps", "final", "--quant", "gguf"]) == 0

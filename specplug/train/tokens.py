@@ -11,6 +11,10 @@ data set can grow across machines and sessions as token shards (about 1.5 MB per
                                                          rebuild a full data set by prefill (several token
                                                          folders concatenate: the way to grow one)
 
+A partial data set exported mid-generation keeps growing too: rebuild its one folder with the same
+--taps, then run the `specplug train data` command that made it (the manifest's settings.command)
+on the rebuilt folder; it resumes with the shards not yet generated.
+
 A token shard (numpy .npz, compressed): `tokens` [N] uint16 (int32 for vocabularies over 65536),
 `offsets` [S+1] int64, `prompt_lens` [S] int32, `prompt_index` [S] int64 (into the manifest's
 `prompts`). The manifest carries the generating target's identity (file sha256, token table) and
@@ -125,13 +129,17 @@ def rebuild_dataset(target, token_dirs: Sequence[str | Path], out_dir: str | Pat
                                 f"not by the target {Path(model.path).name} (sha256 {sha[:12]}); rebuild with "
                                 f"--model {t.get('file')}")
     # one prompt list over all folders; shards renumbered in order
-    prompts, sources, plan_shards = [], {}, []
+    # shard k of folder i becomes shard (planned shards of folders before i) + k: one folder rebuilt keeps its
+    # shard numbers, so `specplug train data` with the command that made it can resume the generation there
+    prompts, sources, plan_shards, shard_base = [], {}, [], 0
     for d, m in mans:
         base = len(prompts)
         prompts += m["prompts"]
         sources[str(d.name)] = m.get("sources", {})
         for sh in m["shards"]:
-            plan_shards.append((d, sh, base))
+            plan_shards.append((shard_base + int(sh["index"]), d, sh, base))
+        per = max(1, int(m.get("shard_prompts") or 1))
+        shard_base += max((len(m["prompts"]) + per - 1) // per, 1 + max(int(sh["index"]) for sh in m["shards"]))
     target_desc = {"path": str(model.path), "file": Path(model.path).name, "sha256": sha, "arch": cfg.arch,
                    "name": cfg.name, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
                    "token_table_sha256": table, "quant": model.quant}
@@ -156,7 +164,7 @@ def rebuild_dataset(target, token_dirs: Sequence[str | Path], out_dir: str | Pat
             manifest["generation"] = old.get("generation", {})
         done = {s["index"] for s in manifest["shards"]}
         write_json_atomic(mpath, manifest)
-        todo = [(k, d, sh, base) for k, (d, sh, base) in enumerate(plan_shards) if k not in done]
+        todo = [(k, d, sh, base) for k, d, sh, base in plan_shards if k not in done]
         gen = DataGenerator(target, taps, 1, parallel, topk, plan["context"], prefill_chunk=chunk)
         bar = tqdm(total=sum(sh["tokens"] for _, _, sh, _ in todo), unit="tok", unit_scale=True, file=sys.stderr,
                    desc=f"rebuild -> {out_dir.name}")
