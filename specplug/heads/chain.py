@@ -17,6 +17,11 @@ State per sequence:
   exact pairs up to c (`done`) and draft states after it, which the next `draft` (or `remove`)
   drops.
 - `remove(seq, p0)` drops cache cells >= p0; `remove(seq, 0)` forgets the sequence.
+- After a pause (the host delivers a paused speculator's rows in one batch before its next draft),
+  the head reads only the newest `catch_up` of the rows it missed: their cells are what it attends
+  to, older missed cells stay empty (attention skips empty cells). A head that drafts every step
+  reads 1-3 rows a draft and is unaffected; one paused for 64 steps pays 32 rows, not 64, to probe.
+  The first draft of a sequence reads every row (the prompt is context the head should see).
 
 Confidence per draft token: the head's probability of the token, calibrated per draft depth
 and probability bucket from what `verified` reports (`Calibrator`). Drafting a sequence stops
@@ -67,9 +72,12 @@ class ChainDrafter:
     """
 
     def setup(self, head: ChainHead, target: TargetInfo, state_dim: int, temperature: float = 0.0,
-              stop_below: float = 0.15, calibrate: bool = True) -> None:
-        """head: the inference form; state_dim: width of the states h (zeros before position 0)."""
+              stop_below: float = 0.15, calibrate: bool = True, catch_up: int | None = 32) -> None:
+        """head: the inference form; state_dim: width of the states h (zeros before position 0);
+        catch_up: at a draft after the sequence's first, the head reads at most this many of the
+        committed rows it has not read yet (the newest; None: all of them)."""
         self.rt = head
+        self.catch_up = catch_up
         self.zeros = torch.zeros(state_dim, device=target.device)
         self.temperature, self.stop_below = temperature, stop_below
         self.state = [_SeqState() for _ in range(target.n_seq)]
@@ -78,6 +86,10 @@ class ChainDrafter:
         self.loop = DraftLoop(target, head.d2t, temperature, stop_below, self.calib)
         # kept from before the toolkit's split, for subclasses that read them
         self.eot, self.vocab, self.out_device, self.gen = self.loop.eot, target.vocab_size, target.device, self.loop.gen
+
+    # True: `row_states` are raw (e.g. Eagle3's taps side by side) and the head's first forward of a draft
+    # transforms them itself (`forward(..., raw=True)`); its own output states feed the recursion
+    raw_states = False
 
     def row_states(self, batch: Batch, encoded: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -118,7 +130,10 @@ class ChainDrafter:
             st = self.state[r.seq_id]
             c = len(r.tokens) - 1
             rt.cache.seq_rm(r.seq_id, st.done)
-            for t, p, hp in st.pending:
+            pend = st.pending
+            if st.done > 0 and self.catch_up is not None and len(pend) > self.catch_up:
+                pend = pend[len(pend) - self.catch_up:]  # after a pause: older cells stay empty (not attended)
+            for t, p, hp in pend:
                 h.append(zeros if hp is None else hp)  # zeros before position 0
                 tok.append(t)
                 pos.append(p)
@@ -133,7 +148,7 @@ class ChainDrafter:
             st.pending, st.done = [], c + 1
         if not live:
             return [None] * len(requests)
-        states, picks = self._step(torch.stack(h), tok, pos, seq, last)
+        states, picks = self._step(torch.stack(h), tok, pos, seq, last, raw=self.raw_states)
         states = states[torch.tensor(last, device=states.device)]
 
         def advance(depth: int, rows: list[int], tokens: list[int], reqs: list[int]) -> Picks:
@@ -147,13 +162,15 @@ class ChainDrafter:
         return self.loop.run(requests, live, picks, advance)
 
     def _step(self, h: torch.Tensor, tok: list[int], pos: list[int], seq: list[int],
-              rows: list[int]) -> tuple[torch.Tensor, Picks]:
+              rows: list[int], raw: bool = False) -> tuple[torch.Tensor, Picks]:
         """One head forward and the picks of `rows`: greedy picks come out of the head's own native
-        step when it has one (`forward_pick`, see `specplug.heads.PairStep`), else from its logits."""
+        step when it has one (`forward_pick`, see `specplug.heads.PairStep`), else from its logits.
+        raw: `h` holds the states as `row_states` gave them, for a head that transforms them itself."""
+        kw = {"raw": True} if raw else {}
         if self.temperature == 0 and getattr(self.rt, "native_step", None) is not None:
-            states, ids, probs = self.rt.forward_pick(h, tok, pos, seq, rows)
+            states, ids, probs = self.rt.forward_pick(h, tok, pos, seq, rows, **kw)
             return states, (ids, probs, None)
-        states, logits = self.rt.forward(h, tok, pos, seq, rows)
+        states, logits = self.rt.forward(h, tok, pos, seq, rows, **kw)
         return states, self.loop.pick(logits)
 
     def _pick(self, logits: torch.Tensor) -> Picks:

@@ -3,6 +3,7 @@
 A pair head (MTP, Eagle3; see `ChainDrafter`) reads, per row, the token x_t at position t and a
 state h(t-1). One draft step for all live rows is, in `pair_head_step` (csrc/gguf_kernels.cpp):
 
+    h    = pre(h) for raw states                       (Eagle3's fc over its three taps: its encode)
     e    = embed(x_t)                                  rows gathered from the file's own blocks
     pair = [norm_a(first); norm_b(second)]             (first, second) = (h, e) or (e, h)
     MTP-like (proj given):   out = layer(proj(pair))            a standard decoder layer
@@ -54,7 +55,7 @@ class PairStep:
 
     def __init__(self, table: torch.Tensor, table_type: int, norm_a: torch.Tensor, norm_b: torch.Tensor,
                  h_first: bool, eps: float, layer: DecoderLayer, lm, lm_eps: float, rope: Rope, cache: KVCache,
-                 backend: Backend, proj=None, d2t: torch.Tensor | None = None):
+                 backend: Backend, proj=None, d2t: torch.Tensor | None = None, pre=None):
         self.k = native.kernels()
         self.table, self.table_type = table, table_type
         self.norm_a, self.norm_b = norm_a.float().contiguous(), norm_b.float().contiguous()
@@ -62,6 +63,8 @@ class PairStep:
         self.layer, self.rope, self.cache, self.backend = layer, rope, cache, backend
         empty = [torch.empty(0)] * 5
         self.proj = proj.packed() if proj is not None else (empty, 0)
+        self.empty = (empty, 0)
+        self.pre = pre.packed() if pre is not None else None
         self.mats = tuple(v for m in (layer.qkv, layer.o, layer.gate_up, layer.down) for v in m.packed())
         self.lm, self.lm_eps = lm.packed(), float(lm_eps)
         self.d2t = torch.empty(0, dtype=torch.long) if d2t is None else d2t.long().contiguous()
@@ -71,12 +74,12 @@ class PairStep:
     @classmethod
     def build(cls, *, embed, norm_a: torch.Tensor, norm_b: torch.Tensor, h_first: bool, eps: float,
               layer: DecoderLayer, lm, lm_eps: float, rope: Rope, cache: KVCache, backend: Backend, proj=None,
-              d2t: torch.Tensor | None = None) -> "PairStep | None":
+              d2t: torch.Tensor | None = None, pre=None) -> "PairStep | None":
         """The native step for these parts, or None where it cannot run (not the native backend, a
         linear not on the GGUF kernels, an embedding table type the kernel does not gather)."""
         if not backend.native or native.unavailable_reason():
             return None
-        lins = [layer.qkv, layer.o, layer.gate_up, layer.down, lm] + ([proj] if proj is not None else [])
+        lins = [layer.qkv, layer.o, layer.gate_up, layer.down, lm] + [m for m in (proj, pre) if m is not None]
         if not all(isinstance(m, native.QuantLinear) for m in lins) or lm.norm_weight is None:
             return None
         if layer.q_norm is not None or cache.k.dtype not in (torch.float16, torch.float32):
@@ -85,20 +88,22 @@ class PairStep:
         if blocks is None:
             return None
         return cls(blocks[0], blocks[1], norm_a, norm_b, h_first, eps, layer, lm, lm_eps, rope, cache, backend, proj,
-                   d2t)
+                   d2t, pre)
 
     @torch.inference_mode()
     def __call__(self, h: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
-                 rows: Sequence[int], want_logits: bool = False
+                 rows: Sequence[int], want_logits: bool = False, raw: bool = False
                  ) -> tuple[torch.Tensor, list[int], list[float], torch.Tensor | None]:
         """Rows (h(t-1) [n, d], x_t, t, seq) -> (output states [n, d], for each of `rows` the top-1 target
         id and its probability, and with `want_logits` the logits [len(rows), draft vocab]).
-        Every row's K/V go into the cache."""
+        raw: h is [n, pre's input width], put through `pre` first. Every row's K/V go into the cache."""
+        assert not raw or self.pre is not None, "raw states need a `pre` linear"
         step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
         c = self.cache
         out, ids, probs, logits = self.k.pair_head_step(
             self.table, self.table_type, torch.tensor(list(token_ids), dtype=torch.long), h.float().contiguous(),
-            self.norm_a, self.norm_b, self.h_first, self.eps, *self.proj, *self.mats, None, None, self.layer.eps,
+            *(self.pre if raw else self.empty), self.norm_a, self.norm_b, self.h_first, self.eps, *self.proj,
+            *self.mats, None, None, self.layer.eps,
             c.k[0], c.v[0], step.seq, step.pos, c.valid, step.cos, step.sin, self.H, self.Hkv, self.scale, *self.lm,
             self.lm_eps, torch.tensor(list(rows), dtype=torch.long), self.d2t, want_logits)
         return out, ids.tolist(), probs.tolist(), (logits if want_logits and len(rows) else None)

@@ -303,4 +303,43 @@ def test_native_step_agrees_with_the_python_form_and_picks_its_own_argmax(tiny, 
     spec = _eagle(_target(tiny, "gguf"), trained)
     assert spec.rt.native_step is not None  # the gguf kernels run the whole step in one call
     check_native_step(spec.rt)
+    # raw states (the three taps side by side) are fused inside the same call, exactly as `fuse` does
+    rt = spec.rt
+    raw = torch.randn(3, 3 * rt.cfg.n_embd, generator=torch.Generator().manual_seed(5))
+    rt.cache.seq_rm(0, 0)
+    a = rt.forward(raw, [5, 6, 7], [0, 1, 2], [0, 0, 0], [2], raw=True)
+    rt.cache.seq_rm(0, 0)
+    b = rt.forward(rt.fuse([raw]), [5, 6, 7], [0, 1, 2], [0, 0, 0], [2])
+    rt.cache.seq_rm(0, 0)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert _eagle(_target(tiny, "none"), trained).rt.native_step is None  # torch (and CUDA): the Python form
+
+
+def test_after_a_pause_the_head_reads_only_the_newest_missed_rows_and_stays_lossless(tiny, trained):
+    target = _target(tiny, "gguf")
+    spec = _eagle(target, trained, stop_below=0.0, catch_up=3, n_seq=1)
+    m, layers = target.model, spec.layers
+    toks = _ids(target, 1)[0] + list(range(40, 60))
+    p = len(_ids(target, 1)[0])
+
+    def deliver(a: int, b: int) -> None:  # committed rows [a, b) with their taps, as the host sends them
+        out = m.forward(toks[a:b], list(range(a, b)), [0] * (b - a), cache, taps=set(layers))
+        batch = Batch(torch.tensor(toks[a:b]), torch.arange(a, b), torch.zeros(b - a, dtype=torch.long),
+                      {li: out.hidden[li] for li in layers})
+        spec.process_batch(batch, spec.encode(batch))
+
+    def draft(n: int) -> None:
+        assert spec.draft([DraftRequest(0, toks[:n + 1], 2)])[0] is not None
+
+    cache = m.new_cache(1, 512)
+    deliver(0, p)
+    draft(p)  # the first draft of a sequence reads every row: the whole prompt is in the head's cache
+    assert spec.rt.cache.valid[0, :p + 1].all()
+    deliver(p, p + 12)  # a pause of 12 steps, delivered in one batch
+    draft(p + 12)  # rows p+1..p+11 were missed: it reads the newest 3 and the last token; 8 cells stay empty
+    valid = spec.rt.cache.valid[0]
+    assert valid[:p + 1].all() and not valid[p + 1:p + 9].any() and valid[p + 9:p + 13].all()
+    # and in the engine (pauses come from the host's pricing), output is plain greedy output
+    eng = assert_greedy_equal(target, [speculator(_eagle(target, trained, catch_up=2), "Eagle3")], _ids(target),
+                              max_tokens=40, n_parallel=3)
+    assert not eng.stats.disabled

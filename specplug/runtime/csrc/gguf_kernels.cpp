@@ -671,6 +671,7 @@ inline void rms_scale_into(const float* x, const float* w, int64_t K, float eps,
 
 // One draft step of a "pair" head (specplug.heads.PairStep), for n rows (token x_t at position t
 // of a sequence, with the state h(t-1) it pairs with), in one call:
+//   h    = pre(h) when pre is given                    (Eagle3's fc over the raw taps: its encode)
 //   e    = embed(x_t)                                  gathered from the file's blocks
 //   pair = [norm_a(first); norm_b(second)]             first/second = (h, e) if h_first else (e, h)
 //   with proj (MTP):    x = proj(pair); out = layer(x)                    the usual decoder layer
@@ -679,8 +680,8 @@ inline void rms_scale_into(const float* x, const float* w, int64_t K, float eps,
 //   probability; the logits themselves too when want_logits.
 // Returns {out [n, d], ids [m] int64, probs [m] float32, logits [m, V] or empty}.
 std::vector<torch::Tensor> pair_head_step(
-    const torch::Tensor& emb_raw, int64_t emb_type, const torch::Tensor& tokens, const torch::Tensor& h,
-    const torch::Tensor& norm_a, const torch::Tensor& norm_b, bool h_first, double pair_eps,
+    const torch::Tensor& emb_raw, int64_t emb_type, const torch::Tensor& tokens, const torch::Tensor& h_in,
+    const std::vector<torch::Tensor>& pre_w, int64_t pre_n, const torch::Tensor& norm_a, const torch::Tensor& norm_b, bool h_first, double pair_eps,
     const std::vector<torch::Tensor>& proj_w, int64_t proj_n, const std::vector<torch::Tensor>& qkv_w, int64_t qkv_n,
     const std::vector<torch::Tensor>& o_w, int64_t o_n, const std::vector<torch::Tensor>& gu_w, int64_t gu_n,
     const std::vector<torch::Tensor>& down_w, int64_t down_n, const c10::optional<torch::Tensor>& q_norm,
@@ -688,7 +689,11 @@ std::vector<torch::Tensor> pair_head_step(
     const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, const torch::Tensor& cos,
     const torch::Tensor& sin, int64_t H, int64_t Hkv, double scale, const std::vector<torch::Tensor>& lm_w,
     int64_t lm_n, double lm_eps, const torch::Tensor& rows, const torch::Tensor& d2t, bool want_logits) {
-  check_cpu_f32(h, "h");
+  check_cpu_f32(h_in, "h");
+  // raw states (Eagle3's three tapped layer inputs side by side) go through `pre` (its fc) first
+  const bool has_pre = pre_w.size() == 5 && pre_w[0].numel() > 0;
+  const torch::Tensor h = has_pre ? apply(unpack(pre_w, pre_n), quantize_rows(h_in, c10::nullopt, 0.0), c10::nullopt)
+                                  : h_in;
   const int64_t n = h.size(0), d = h.size(1);
   TORCH_CHECK(tokens.numel() == n, "one token per row of h");
   TORCH_CHECK(norm_a.numel() == d && norm_b.numel() == d && norm_a.is_contiguous() && norm_b.is_contiguous() &&

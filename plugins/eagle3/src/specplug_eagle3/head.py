@@ -140,7 +140,8 @@ class Eagle3Runtime:
         # the whole step in one native call where the kernels run it (None on torch/CUDA)
         self.native_step = PairStep.build(embed=self.embed, norm_a=self.input_norm, norm_b=self.hidden_norm,
                                           h_first=False, eps=cfg.eps, layer=self.layer, lm=self.lm, lm_eps=cfg.eps,
-                                          rope=self.rope, cache=self.cache, backend=backend, d2t=self.d2t)
+                                          rope=self.rope, cache=self.cache, backend=backend, d2t=self.d2t,
+                                          pre=self.fc)
 
     @torch.inference_mode()
     def fuse(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -150,10 +151,16 @@ class Eagle3Runtime:
 
     @torch.inference_mode()
     def forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
-                seq_ids: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                seq_ids: Sequence[int], logits_rows: Sequence[int],
+                raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows (h(t-1) [n, d] — or with `raw` the three taps side by side [n, 3d], fused here —, x_t, t,
+        seq) -> (output states [n, d], logits over the draft vocabulary for `logits_rows`)."""
         if self.native_step is not None:
-            out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True)
+            out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True,
+                                                 raw=raw)
             return out, logits
+        if raw:
+            h_prev = self.fuse([h_prev])
         cfg = self.cfg
         dev, dt = self.backend.device, self.backend.dtype
         h = h_prev.to(dev, dt).contiguous()
@@ -165,8 +172,9 @@ class Eagle3Runtime:
         return step.entries(out), logits
 
     def forward_pick(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
-                     seq_ids: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, list[int], list[float]]:
+                     seq_ids: Sequence[int], logits_rows: Sequence[int],
+                     raw: bool = False) -> tuple[torch.Tensor, list[int], list[float]]:
         """`forward` with the greedy pick of `logits_rows` made in the same native call: (states, target
         ids, their probabilities). Only where `native_step` is set."""
-        out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows)
+        out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, raw=raw)
         return out, ids, probs

@@ -1,7 +1,7 @@
 """`eagle3`: drafts with a trained (or imported) EAGLE-3 head.
 
-The host taps the inputs of the head's three target layers; `encode` fuses them (fc: 3d -> d)
-once per committed batch; the decoder layer reads [embed(x_t); fused h(t-1)] and recurses on
+The host taps the inputs of the head's three target layers; `encode` puts them side by side and
+the head's draft step fuses them (fc: 3d -> d) for the rows it reads; the decoder layer reads [embed(x_t); fused h(t-1)] and recurses on
 its own output state. Keeping its cache in step with the target, batching, confidences and
 calibration come from `specplug.heads.ChainDrafter` (the toolkit's `StateKeeper` and `DraftLoop`:
 no head forward for a token the host's `DraftRequest.break_even` says it would trim).
@@ -49,6 +49,7 @@ class Eagle3(ChainDrafter):
         temperature: float = 0.0  # 0 = greedy, token-only drafts; > 0 = sampled drafts with probs
         stop_below: float = 0.15  # stop drafting once the cumulative confidence is below this
         calibrate: bool = True  # learn confidences from verification outcomes
+        catch_up: int | None = 32  # after a pause, read at most this many missed rows (newest); null: all
 
         def __post_init__(self):
             if self.head is not None and (not isinstance(self.head, str) or not self.head.strip()):
@@ -59,6 +60,8 @@ class Eagle3(ChainDrafter):
                 raise ConfigError(f"eagle3: temperature must be >= 0, got {self.temperature!r}")
             if not isinstance(self.stop_below, (int, float)) or not 0 <= self.stop_below < 1:
                 raise ConfigError(f"eagle3: stop_below must be in [0, 1), got {self.stop_below!r}")
+            if self.catch_up is not None and (not isinstance(self.catch_up, int) or self.catch_up < 1):
+                raise ConfigError(f"eagle3: catch_up must be a row count >= 1 (or null for all), got {self.catch_up!r}")
 
     def __init__(self, params: "Eagle3.Params", target: TargetInfo):
         self.params = params
@@ -89,7 +92,8 @@ class Eagle3(ChainDrafter):
             rt = Eagle3Runtime(self.head, target, Backend.for_target(target), target.n_seq, target.max_ctx)
         except HeadError as exc:
             raise ConfigError(f"eagle3: head: {exc}") from None
-        self.setup(rt, target, target.n_embd, params.temperature, params.stop_below, params.calibrate)
+        self.setup(rt, target, 3 * target.n_embd, params.temperature, params.stop_below, params.calibrate,
+                   params.catch_up)
 
     @hookimpl
     def are_compatible(self, target: TargetInfo) -> str | None:
@@ -99,10 +103,15 @@ class Eagle3(ChainDrafter):
     def request_embeddings(self, target: TargetInfo) -> EmbeddingRequest:
         return EmbeddingRequest(layers=tuple(self.layers))
 
+    raw_states = True  # the states kept per row are the three taps side by side; the draft step fuses them
+
     @hookimpl
     def encode(self, batch: Batch) -> torch.Tensor:
-        """The fusion fc([low; mid; high]) of every committed row, once per committed batch."""
-        return self.rt.fuse([batch.embeddings[li] for li in self.layers])
+        """The three tapped layer inputs of every committed row side by side [n, 3d]. The fusion
+        fc([low; mid; high]) runs inside the head's draft step, for the rows the head reads only (after a
+        pause it reads the newest `catch_up` of them)."""
+        dev = self.zeros.device
+        return torch.cat([batch.embeddings[li].to(dev, torch.float32) for li in self.layers], -1)
 
     def row_states(self, batch: Batch, encoded: torch.Tensor | None) -> torch.Tensor:
         return encoded

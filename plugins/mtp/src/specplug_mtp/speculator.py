@@ -49,6 +49,7 @@ class MTP(ChainDrafter):
         temperature: float = 0.0  # 0 = greedy, token-only drafts; > 0 = sampled drafts with probs
         stop_below: float = 0.15  # stop drafting once the cumulative confidence is below this
         calibrate: bool = True  # learn confidences from verification outcomes
+        catch_up: int | None = 32  # after a pause, read at most this many missed rows (newest); null: all
         full_vocab: bool = False  # draft over the whole vocabulary instead of the head's draft vocabulary
 
         def __post_init__(self):
@@ -58,6 +59,8 @@ class MTP(ChainDrafter):
                 raise ConfigError(f"mtp: temperature must be >= 0, got {self.temperature!r}")
             if not isinstance(self.stop_below, (int, float)) or not 0 <= self.stop_below < 1:
                 raise ConfigError(f"mtp: stop_below must be in [0, 1), got {self.stop_below!r}")
+            if self.catch_up is not None and (not isinstance(self.catch_up, int) or self.catch_up < 1):
+                raise ConfigError(f"mtp: catch_up must be a row count >= 1 (or null for all), got {self.catch_up!r}")
 
     def __init__(self, params: "MTP.Params", target: TargetInfo):
         self.params = params
@@ -79,7 +82,8 @@ class MTP(ChainDrafter):
             raise ConfigError("mtp: the host gave no output head / embedding table in TargetInfo")
         self.backend = Backend.for_target(target)
         rt = MTPRuntime(self.head, target, self.backend, target.n_seq, target.max_ctx, params.full_vocab)
-        self.setup(rt, target, target.n_embd, params.temperature, params.stop_below, params.calibrate)
+        self.setup(rt, target, target.n_embd, params.temperature, params.stop_below, params.calibrate,
+                   params.catch_up)
 
     @hookimpl
     def are_compatible(self, target: TargetInfo) -> str | None:
