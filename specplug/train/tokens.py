@@ -72,7 +72,9 @@ def export_tokens(data_dir: str | Path, out_dir: str | Path) -> dict:
         keep = ("target", "settings", "sources", "prompts", "max_tokens", "context", "shard_prompts", "chat", "system",
                 "prompts_sha256", "generation")
         out = {"kind": TOKENS_KIND, "version": TOKENS_VERSION, **{k: man[k] for k in keep if k in man},
-               "shards": shards, "totals": dict(man.get("totals", {}))}
+               "shards": shards, "totals": {"shards": len(shards), "sequences": sum(x["sequences"] for x in shards),
+                                            "tokens": sum(x["tokens"] for x in shards),
+                                            "answer_tokens": sum(x["answer_tokens"] for x in shards)}}
         out["target"] = {k: v for k, v in out["target"].items() if k != "path"}  # a path of another machine
         write_json_atomic(out_dir / MANIFEST, out)
     return out
