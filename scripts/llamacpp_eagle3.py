@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from load_serve import free_port  # noqa: E402
 
 from specplug.api import build_engine, prompt_ids  # noqa: E402
-from specplug.bench.data import load_prompts  # noqa: E402
+from specplug.bench.data import dataset_path, read_jsonl_prompts  # noqa: E402
 from specplug.config import parse_config  # noqa: E402
 from specplug.engine import Request  # noqa: E402
 from specplug.runtime import load_target, resolve_model  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> int:
 
     model = str(resolve_model(args.model))
     target = load_target(model, "cpu", "float32", "auto", args.threads)
-    recs = load_prompts("mt_bench")[: args.questions]
+    recs = read_jsonl_prompts(dataset_path("mt_bench"))[: args.questions]
     prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": r["turns"][0]}], True) for r in recs]
 
     head = {"type": "eagle3", "n_max": args.specplug_n_max, **({"head": args.specplug_head} if args.specplug_head else {})}

@@ -219,9 +219,8 @@ class Drafting:
 
     def _requests(self, spec: Speculator, seqs: Sequence[Any]) -> list[DraftRequest]:
         priced = spec.policy.cost_trim
-        break_even = self.break_even(spec, len(seqs), spec.policy.n_max) if priced else ()
-        # positions where even a certain token cannot pay are not drafted
-        n_pay = next((i for i, b in enumerate(break_even) if b >= 1.0), len(break_even))
+        break_even: tuple[float, ...] | list[float] | None = None  # computed once a sequence is not paused
+        n_pay = 0
         reqs = []
         for q in seqs:
             if q.req.speculators is not None and spec.name not in q.req.speculators:
@@ -236,6 +235,10 @@ class Drafting:
             if st.skip > 0:  # paused: dead drafts, or calls that did not pay
                 st.skip -= 1
                 continue
+            if break_even is None:
+                break_even = self.break_even(spec, len(seqs), spec.policy.n_max) if priced else ()
+                # positions where even a certain token cannot pay are not drafted
+                n_pay = next((i for i, b in enumerate(break_even) if b >= 1.0), len(break_even))
             advice = break_even[:n_max]
             if priced and n_pay == 0:
                 # no token can pay at the drafting cost measured so far: a one-token probe (its cost

@@ -128,7 +128,8 @@ class Engine:
         self._next_handle = 0
         for s in self.specs:
             self.stats.speculators[s.name] = s.stats
-        self._backlog: dict[str, list[Batch]] = {}  # speculator -> decoding rows not yet delivered (see _tell_committed)
+        self._backlog: dict[str, list[_Held]] = {}  # speculator -> decoding rows not yet delivered (see _tell_committed)
+        self._backlog_rows: dict[str, int] = {}
         self.drafting = Drafting(self.specs, self.model.verify_cost, self._call, self._disable, self.vocab, max_ctx,
                                  before_draft=self._deliver)
 
@@ -175,24 +176,31 @@ class Engine:
                                                          or s.caller.implements("encode"))]
         if not users:
             return
-        cols = [list(c) for c in zip(*entries)]
-        n_layer = self.model.config.n_layer
         for s in users:
-            # each speculator gets tensors of its own: an in-place write reaches no other plugin
-            tok, pos, seq = (torch.tensor(c, dtype=torch.long) for c in cols)
-            emb = {}
-            for layer in s.embeddings.layers:
-                emb[layer] = _own(hidden[layer], rows, len(users))
-            if s.embeddings.final:
-                emb["final"] = _own(hidden[n_layer], rows, len(users))
-            batch = Batch(tok, pos, seq, emb, is_prompt)
             if not is_prompt and self._dormant(s):
-                held = self._backlog.setdefault(s.name, [])
-                held.append(batch)
-                if sum(len(b) for b in held) < BACKLOG_ROWS:
+                # held as references (the step's own tensors, which no plugin received: others got copies
+                # or index selections); the batch is built at delivery, so a paused speculator costs a
+                # list append per step
+                self._backlog.setdefault(s.name, []).append(_Held(entries, rows, hidden))
+                n = self._backlog_rows[s.name] = self._backlog_rows.get(s.name, 0) + len(entries)
+                if n < BACKLOG_ROWS:
                     continue
                 batch = None
+            else:
+                batch = self._batch(s, entries, rows, hidden, is_prompt, len(users))
             self._deliver(s, batch)
+
+    def _batch(self, spec: Speculator, entries: list[tuple[int, int, int]], rows: torch.Tensor | None,
+               hidden: dict[int, torch.Tensor], is_prompt: bool, n_users: int = 1) -> Batch:
+        """The Batch of committed entries for `spec`: tensors of its own (an in-place write reaches no
+        other plugin) holding the taps it asked for."""
+        tok, pos, seq = (torch.tensor(c, dtype=torch.long) for c in zip(*entries))
+        emb = {}
+        for layer in spec.embeddings.layers:
+            emb[layer] = _own(hidden[layer], rows, n_users)
+        if spec.embeddings.final:
+            emb["final"] = _own(hidden[self.model.config.n_layer], rows, n_users)
+        return Batch(tok, pos, seq, emb, is_prompt)
 
     def _dormant(self, spec: Speculator) -> bool:
         """Whether `spec` is paused for every running sequence it may draft for."""
@@ -202,10 +210,21 @@ class Engine:
     def _deliver(self, spec: Speculator, batch: Batch | None = None) -> None:
         """encode + process_batch for what `spec` has been held back, then `batch`."""
         held = self._backlog.pop(spec.name, [])
-        if batch is not None and (not held or batch.is_prompt == held[0].is_prompt):
-            held.append(batch)
-            batch = None
-        for b in ([_concat(held)] if held else []) + ([batch] if batch is not None else []):
+        self._backlog_rows.pop(spec.name, None)
+        batches = []
+        if held:  # one batch of all held decoding rows (tensors made once, by concatenation: its own)
+            n_layer = self.model.config.n_layer
+            keys = [(layer, layer) for layer in spec.embeddings.layers] + \
+                ([("final", n_layer)] if spec.embeddings.final else [])
+            emb = {k: torch.cat([h.hidden[li] if h.rows is None else h.hidden[li][h.rows] for h in held])
+                   for k, li in keys}
+            tok, pos, seq = (torch.tensor(c, dtype=torch.long) for c in zip(*(e for h in held for e in h.entries)))
+            batches.append(Batch(tok, pos, seq, emb, False))
+        if batch is not None and batches and not batch.is_prompt:
+            batches = [_concat([batches[0], batch])]
+        elif batch is not None:
+            batches.append(batch)
+        for b in batches:
             encoded = self._call(spec, "encode", batch=b) if b.embeddings else None
             self._call(spec, "process_batch", batch=b, encoded=encoded)
 
@@ -495,6 +514,16 @@ class Engine:
             self._disable(d[0], f"its draft failed verification ({type(exc).__name__}: {exc})",
                           traceback.format_exc())
             return verify(logits[:1], [], None, q.sampling, q.gen)
+
+
+@dataclass
+class _Held:
+    """Committed decoding rows held back for a paused speculator: the step's entries (token, position,
+    sequence), the committed rows of its forward (None: all) and its hidden states, by reference."""
+
+    entries: list[tuple[int, int, int]]
+    rows: torch.Tensor | None
+    hidden: dict[int, torch.Tensor]
 
 
 def _own(h: torch.Tensor, rows: torch.Tensor | None, n_users: int) -> torch.Tensor:
