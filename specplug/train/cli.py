@@ -25,6 +25,12 @@ def cmd_data(args) -> int:
                             "--prompts or --code")
     if not args.prompts and not args.code and not args.from_tokens:
         raise SpecplugError("give prompt files (--prompts FILE ...) and/or --code N, or --from-tokens DIR ...")
+    if args.ray is not None:
+        if args.from_tokens:
+            raise SpecplugError("--ray makes new shards; rebuild --from-tokens on one machine (it is one prefill pass)")
+        from specplug.cluster import require_ray
+
+        require_ray()  # before the model loads
     if args.from_tokens:
         from specplug.train.tokens import read_tokens_manifest
 
@@ -78,13 +84,19 @@ def _data(args, files) -> int:
     settings = {"command": " ".join(sys.argv), "seed": args.seed, "chat": True, "system": args.system,
                 "max_prompt_tokens": args.max_prompt_tokens, "parallel": args.parallel, "limit": args.limit,
                 "code": args.code, "threads": torch.get_num_threads()}
+    pool = None
+    if args.ray is not None:
+        pool = {"address": args.ray, "workers": args.ray_workers,
+                "threads": 1 if args.threads == "auto" else int(args.threads)}
+        settings["threads"] = pool["threads"]
+        settings["ray"] = {"address": args.ray, "workers": args.ray_workers}
     man = generate_dataset(target, chosen, Path(args.output), taps, args.max_tokens, args.parallel, args.topk,
-                           args.context, args.shard_prompts, settings, sources, ids_of)
+                           args.context, args.shard_prompts, settings, sources, ids_of, ray_pool=pool)
     t = man["totals"]
     g = man.get("generation", {})
+    where = "Ray workers" if pool else f"{torch.get_num_threads()} CPU threads"
     print(f"specplug: {args.output}: {t['sequences']} sequences, {t['tokens']} tokens ({t['answer_tokens']} generated) "
-          f"in {t['shards']} shards; generation took {g.get('seconds', 0) / 60:.1f} min on {torch.get_num_threads()} "
-          "CPU threads", file=sys.stderr)
+          f"in {t['shards']} shards; generation took {g.get('seconds', 0) / 60:.1f} min on {where}", file=sys.stderr)
     return 0
 
 
@@ -126,7 +138,7 @@ def cmd_train(args) -> int:
 
 
 def register(sub) -> None:
-    from specplug.cli import threads_arg
+    from specplug.cli import add_ray_args, threads_arg
 
     p = sub.add_parser("train", help="make training data from the target, or train a speculator head")
     tsub = p.add_subparsers(dest="train_command", required=True, metavar="{data,tokens," + ",".join(_trainer_names()) + "}")
@@ -155,6 +167,8 @@ def register(sub) -> None:
     d.add_argument("--from-tokens", nargs="+", default=None, metavar="DIR",
                    help="rebuild a data set by prefill from tokens-only folders (`specplug train tokens`), "
                         "concatenated in order, instead of generating")
+    add_ray_args(d, "the shards are made by a pool of Ray actors, each loading the target once with --threads "
+                    "threads (auto: 1 under --ray); -o must be storage every node mounts at the same path")
     d.set_defaults(func=cmd_data)
 
     k = tsub.add_parser("tokens", help="export a data set's tokens as small token shards (to commit, or to move); "

@@ -8,7 +8,9 @@ the final one included, is fed through the target, so every row has its taps and
 next-token distribution.
 
 Output DIR:
-  shard-00000.safetensors ...  one per `shard_prompts` prompts, written atomically when complete
+  shard-00000-<key>.safetensors ...  one per `shard_prompts` prompts, written atomically when complete;
+                               <key> derives from the shard's prompt ids, the recipe and the target,
+                               so a re-run (or a retried Ray worker) finds, and never replaces, it
   manifest.json                target (file sha256, sizes, token table hash), settings, prompt
                                sources and the overlap filter's counts, shards done, totals
 Tensors of a shard (N rows = the shard's sequences concatenated):
@@ -76,6 +78,39 @@ def tap_layer(tap: str, n_layer: int) -> int:
 def write_json_atomic(path: Path, obj) -> None:
     """Replace `path` with `obj` as JSON (temporary file, fsync, rename: specplug.outputs)."""
     write_atomic(path, json.dumps(obj, indent=1))
+
+
+def shard_name(plan: dict, target_sha256: str, index: int, prompts: list[dict]) -> str:
+    """A shard's file name from what decides its content: the recipe (taps, top-k, max tokens,
+    context, chat, system), the target file and the ids of its prompts."""
+    recipe = {k: v for k, v in plan.items() if k != "prompts_sha256"}
+    key = hashlib.sha256(json.dumps({"recipe": recipe, "target": target_sha256, "index": index, "prompts": prompts},
+                                    sort_keys=True).encode()).hexdigest()[:16]
+    return f"shard-{index:05d}-{key}.safetensors"
+
+
+def write_shard(out_dir: Path, name: str, index: int, tensors: dict[str, torch.Tensor]) -> dict:
+    """Write a shard atomically (unless a shard of that name, hence that content, exists) and
+    return its manifest record."""
+    from safetensors.torch import save_file
+
+    path = out_dir / name
+    if not path.is_file():
+        with replacing(path, "-o") as tmp:
+            save_file(tensors, str(tmp), metadata={"format": str(FORMAT_VERSION)})
+    return shard_record(out_dir, name, index)
+
+
+def shard_record(out_dir: Path, name: str, index: int) -> dict:
+    """The manifest record of a complete shard file (sizes read from its tensors, and its sha256)."""
+    from safetensors import safe_open
+
+    path = out_dir / name
+    with safe_open(str(path), "pt") as st:
+        offsets = st.get_tensor("offsets")
+        n_ans = int(st.get_tensor("answer_mask").sum())
+    return {"index": index, "file": name, "sequences": int(offsets.shape[0]) - 1, "tokens": int(offsets[-1]),
+            "answer_tokens": n_ans, "sha256": file_sha256(path)}
 
 
 @dataclass
@@ -204,18 +239,19 @@ def _concat(seqs: list[tuple[int, dict[str, torch.Tensor]]]) -> dict[str, torch.
 
 def generate_dataset(target, prompts: list[TrainPrompt], out_dir: Path, taps: list[str], max_tokens: int,
                      parallel: int, topk: int, context: int, shard_prompts: int, settings: dict,
-                     sources: dict, prompt_ids) -> dict:
+                     sources: dict, prompt_ids, ray_pool: dict | None = None) -> dict:
     """Generate (or resume) a data set in out_dir; returns the manifest. The folder is claimed
-    meanwhile (specplug.outputs; `specplug train data` claims it before the model loads)."""
+    meanwhile (specplug.outputs; `specplug train data` claims it before the model loads).
+    With `ray_pool` ({"address", "workers", "threads"}) the shards are made by Ray actors
+    (specplug.train.ray_data); the manifest is the same either way."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with claim(out_dir, "-o"):
         return _generate_dataset(target, prompts, out_dir, taps, max_tokens, parallel, topk, context, shard_prompts,
-                                 settings, sources, prompt_ids)
+                                 settings, sources, prompt_ids, ray_pool)
 
 
 def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel, topk, context, shard_prompts,
-                      settings, sources, prompt_ids) -> dict:
-    from safetensors.torch import save_file
+                      settings, sources, prompt_ids, ray_pool=None) -> dict:
     from tqdm import tqdm
 
     model, tok = target.model, target.tokenizer
@@ -241,8 +277,16 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
                                 f"use another -o DIR, or delete {out_dir} to start over")
         manifest["shards"] = [s for s in old.get("shards", []) if (out_dir / s["file"]).is_file()]
         manifest["generation"] = old.get("generation", {})
-    done = {s["index"] for s in manifest["shards"]}
     n_shards = (len(prompts) + shard_prompts - 1) // shard_prompts
+    shard_range = lambda k: range(k * shard_prompts, min(len(prompts), (k + 1) * shard_prompts))  # noqa: E731
+    names = {k: shard_name(plan, target_desc["sha256"], k, [prompt_list[i] for i in shard_range(k)])
+             for k in range(n_shards)}
+    done = {s["index"] for s in manifest["shards"]}
+    for k in range(n_shards):  # complete shards the manifest does not list yet (a run stopped after writing them)
+        if k not in done and (out_dir / names[k]).is_file():
+            manifest["shards"].append(shard_record(out_dir, names[k], k))
+            done.add(k)
+    manifest["shards"].sort(key=lambda s: s["index"])
     todo_shards = [k for k in range(n_shards) if k not in done]
     if not todo_shards:
         print(f"specplug: {out_dir}: all {n_shards} shards are already complete", file=sys.stderr)
@@ -252,8 +296,25 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
     for stale in out_dir.glob("*.tmp"):
         stale.unlink()
     write_json_atomic(mpath, manifest)  # settings and sources are on disk before the first shard
-    todo = [(i, prompt_ids(prompts[i].text)) for k in todo_shards
-            for i in range(k * shard_prompts, min(len(prompts), (k + 1) * shard_prompts))]
+    if ray_pool is not None:
+        from specplug.train.ray_data import generate_on_ray
+
+        jobs = [(k, names[k], [(i, prompt_ids(prompts[i].text)) for i in shard_range(k)]) for k in todo_shards]
+        recipe = {"taps": taps, "max_tokens": max_tokens, "parallel": parallel, "topk": topk, "context": context}
+        t0 = time.perf_counter()
+        generated = 0
+        for record, n_gen in generate_on_ray(ray_pool, target, recipe, out_dir, jobs):
+            manifest["shards"].append(record)
+            manifest["shards"].sort(key=lambda s: s["index"])
+            write_json_atomic(mpath, manifest)
+            generated += n_gen
+        for stale in out_dir.glob("*.tmp"):  # a worker killed while writing leaves its temporary file
+            stale.unlink()
+        g = manifest.setdefault("generation", {})
+        g["seconds"] = round(g.get("seconds", 0.0) + time.perf_counter() - t0, 1)
+        g["generated_tokens"] = g.get("generated_tokens", 0) + generated
+        return _finish(manifest, mpath)
+    todo = [(i, prompt_ids(prompts[i].text)) for k in todo_shards for i in shard_range(k)]
     gen = DataGenerator(target, taps, max_tokens, parallel, topk, context)
     results: dict[int, dict] = {}
     bar = tqdm(total=len(todo), unit="prompt", file=sys.stderr, desc=f"train data -> {out_dir.name}", smoothing=0.05)
@@ -270,16 +331,10 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
         bar.set_postfix_str(f"{gen.generated / dt:.0f} gen tok/s, {answered['tokens'] / dt:.0f} tok/s total")
         while state["shard"] is not None:
             k = state["shard"]
-            idx = range(k * shard_prompts, min(len(prompts), (k + 1) * shard_prompts))
+            idx = shard_range(k)
             if not all(i in results for i in idx):
                 break
-            tensors = _concat([(i, results.pop(i)) for i in idx])
-            name = f"shard-{k:05d}.safetensors"
-            with replacing(out_dir / name, "-o") as tmp:
-                save_file(tensors, str(tmp), metadata={"format": str(FORMAT_VERSION)})
-            n_ans = int(tensors["answer_mask"].sum())
-            manifest["shards"].append({"index": k, "file": name, "sequences": len(idx),
-                                       "tokens": int(tensors["tokens"].shape[0]), "answer_tokens": n_ans})
+            manifest["shards"].append(write_shard(out_dir, names[k], k, _concat([(i, results.pop(i)) for i in idx])))
             manifest["shards"].sort(key=lambda s: s["index"])
             write_json_atomic(mpath, manifest)
             state["shard"] = next(next_shard, None)

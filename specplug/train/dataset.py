@@ -35,9 +35,12 @@ class SeqBatch:
 
 
 def manifest_sha256(manifest: dict) -> str:
-    """The data set's identity for head recipes and checkpoints: the manifest without its timing
-    ("generation"), so two bit-identical generations of the same data hash the same."""
-    content = {k: v for k, v in manifest.items() if k != "generation"}
+    """The data set's identity for head recipes and checkpoints: the manifest's content, without how
+    it was made (timing in "generation", the command, threads and Ray pool in "settings", where the
+    target file lay), so two bit-identical generations of the same data hash the same, on one
+    machine or on a Ray cluster."""
+    content = {k: v for k, v in manifest.items() if k not in ("generation", "settings")}
+    content["target"] = {k: v for k, v in manifest.get("target", {}).items() if k != "path"}
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
