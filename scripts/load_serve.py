@@ -8,6 +8,8 @@ alternated over `--repeats` rounds (so a drift of the machine's speed hits all m
     specplug-spec   requests use the config's speculators
     llama-plain     llama-server (when --llama-server is given), same model file, same slots
     llama-spec      llama-server with --llama-spec-args (e.g. its n-gram speculator), if given
+    ray-plain       `specplug serve --ray --replicas N` (--ray-replicas N; a local Ray cluster, each
+    ray-spec        replica one engine with 1 thread), plain and with the config's speculators
 
 Every client streams chat completions of MT-bench first turns (`ignore_eos`, so every answer is
 exactly --max-tokens long) one after another; `--clients` of them run at once. The client is a
@@ -164,6 +166,10 @@ def mt_bench_prompts() -> list[str]:
     return [r["turns"][0] for r in read_jsonl_prompts(dataset_path("mt_bench"))]
 
 
+def _server_of(mode: str) -> str:
+    return mode.split("-")[0] if mode.startswith(("specplug", "ray")) else mode
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("config", help="a specplug YAML config (its speculators serve the -spec mode)")
@@ -173,6 +179,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="specplug-plain,specplug-spec,llama-plain,llama-spec")
+    ap.add_argument("--ray-replicas", type=int, default=2, help="replicas of the ray-* modes (add them to --modes)")
     ap.add_argument("--llama-server", help="path to a llama-server binary to measure beside specplug")
     ap.add_argument("--llama-spec-args", default="",
                     help="extra llama-server arguments for the llama-spec mode (e.g. '--spec-type ngram-simple')")
@@ -201,6 +208,11 @@ def main() -> int:
             servers["specplug"] = Server([sys.executable, "-m", "specplug.cli", "serve", args.config, "--port",
                                           str(port), "--parallel", str(par), "--max-queue", "1000",
                                           "--log-level", "warning"], f"http://127.0.0.1:{port}")
+        if any(m.startswith("ray") for m in modes):
+            port = free_port()
+            servers["ray"] = Server([sys.executable, "-m", "specplug.cli", "serve", args.config, "--port", str(port),
+                                     "--parallel", str(par), "--max-queue", "1000", "--ray", "--replicas",
+                                     str(args.ray_replicas), "--threads", "1"], f"http://127.0.0.1:{port}")
         if any(m.startswith("llama") for m in modes):
             port = free_port()
             base = [args.llama_server, "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-np", str(par),
@@ -215,8 +227,8 @@ def main() -> int:
         try:
             for rep in range(args.repeats):
                 for mode in modes:
-                    srv = servers["specplug" if mode.startswith("specplug") else mode]
-                    extra = {"speculative": False} if mode == "specplug-plain" else {}
+                    srv = servers[_server_of(mode)]
+                    extra = {"speculative": False} if mode in ("specplug-plain", "ray-plain") else {}
                     res = asyncio.run(load(srv.url, srv.model, prompts, args.clients, args.requests, args.max_tokens,
                                            extra))
                     res.update(mode=mode, parallel=par, repeat=rep)
@@ -238,7 +250,7 @@ def main() -> int:
     for (par, mode), rs in med.items():
         m = {k: statistics.median(r[k] for r in rs) for k in keys}
         errs = sum(r["errors"] for r in rs)
-        rss = report["rss_mb"].get(f"{'specplug' if mode.startswith('specplug') else mode}@{par}")
+        rss = report["rss_mb"].get(f"{_server_of(mode)}@{par}")  # (ray: the driver's only, not the replicas')
         report["medians"].append({"parallel": par, "mode": mode, "errors": errs, "rss_mb": rss, **m})
         print(f"{par:>8} {mode:<15} {m['tok_s']:7.1f} {m['ttft_p50'] * 1e3:7.0f}ms {m['ttft_p99'] * 1e3:7.0f}ms "
               f"{m['itl_p50'] * 1e3:6.1f}ms {m['itl_p99'] * 1e3:6.1f}ms {m['tpot_p50'] * 1e3:7.1f}ms {errs:>6} "

@@ -115,8 +115,20 @@ def cmd_serve(args) -> int:
     from specplug.server import serve
 
     overrides = {key: value for key, value in [("parallel", args.parallel), ("max_body_mb", args.max_body_mb),
-                                                ("step_timeout_s", args.step_timeout)] if value is not None}
+                                                ("step_timeout_s", args.step_timeout), ("threads", args.threads)]
+                 if value is not None}
+    if args.ray is None and args.replicas is not None:
+        raise SpecplugError("--replicas needs --ray (replicas are Ray Serve's)")
+    if args.ray is not None:
+        from specplug.cluster import require_ray
+
+        require_ray()
     cfg = load_config(args.config, overrides)
+    if args.ray is not None:
+        from specplug.serve_ray import serve_on_ray
+
+        return serve_on_ray(cfg, args.host, args.port, address=args.ray, replicas=args.replicas,
+                            max_queue=args.max_queue, api_key=args.api_key, model_name=args.served_model_name)
     return serve(cfg, args.host, args.port, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
                  api_key=args.api_key, model_name=args.served_model_name, log_level=args.log_level)
 
@@ -213,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ endpoints")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the config's model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="serve as a Ray Serve deployment on the cluster at ADDRESS (none: RAY_ADDRESS's, or a "
+                        "local one); replicas and autoscaling from the config's `ray:` section")
+    p.add_argument("--threads", type=threads_arg, default=None,
+                   help="CPU threads of the engine (each replica's, with --ray); overrides the config's `threads`")
+    p.add_argument("--replicas", type=_positive, default=None,
+                   help="with --ray: this many replicas (overrides the config's `ray:` replicas and autoscaling)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="plain generation (no speculators)")

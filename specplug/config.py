@@ -35,6 +35,24 @@ class SpeculatorConfig:
 
 
 @dataclass(frozen=True)
+class RayServeConfig:
+    """`ray:` in YAML: the replicas of `specplug serve --ray` (the `specplug[ray]` extra)."""
+
+    replicas: int = 1  # fixed replica count (`--replicas N` overrides it)
+    max_replicas: int | None = None  # set: autoscale between min_replicas and max_replicas instead
+    min_replicas: int = 1
+    target_ongoing_requests: float = 2.0  # autoscaling: requests per replica (running + queued) to aim at
+
+    def __post_init__(self):
+        if self.replicas < 1 or self.min_replicas < 1:
+            raise ValueError("replicas and min_replicas must be >= 1")
+        if self.max_replicas is not None and self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.target_ongoing_requests <= 0:
+            raise ValueError("target_ongoing_requests must be > 0")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A whole run. YAML keys = these field names."""
 
@@ -55,6 +73,7 @@ class RunConfig:
     step_timeout_s: float | None = 60.0  # serve: a longer engine step ends the server (exit 3); null: no limit
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculators: tuple[SpeculatorConfig, ...] = ()
+    ray: RayServeConfig = field(default_factory=RayServeConfig)  # serve --ray: replicas, autoscaling
 
 
 _SPEC_HOST_KEYS = {"type", "name"} | {f.name for f in dataclasses.fields(DraftPolicy)}
@@ -142,6 +161,7 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
         raise ConfigError(f"{source}: the top level must be a mapping (model:, speculators:, ...)")
     data = dict(data)
     sampling = build_dataclass(SamplingParams, data.pop("sampling", None), "sampling")
+    ray = build_dataclass(RayServeConfig, data.pop("ray", None), "ray")
     specs_raw = data.pop("speculators", None) or []
     if not isinstance(specs_raw, list):
         raise ConfigError("speculators must be a list of mappings, each with a `type:`")
@@ -159,7 +179,7 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
                           ("step_timeout_s", cfg.step_timeout_s is None or cfg.step_timeout_s > 0, "> 0 (or null: no limit)")]:
         if not ok:
             raise ConfigError(f"{key} must be {rule}, got {getattr(cfg, key)!r}")
-    return dataclasses.replace(cfg, sampling=sampling, speculators=specs)
+    return dataclasses.replace(cfg, sampling=sampling, speculators=specs, ray=ray)
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:

@@ -140,3 +140,35 @@ def test_cli_errors_exit_2_with_message(tmp_path, capsys):
 def test_shipped_examples_are_valid(path):
     cfg = load_config(path)
     assert cfg.speculators, f"{path.name} configures no speculator"
+
+
+def test_ray_section_of_the_config_is_checked():
+    cfg = parse_config({"ray": {"max_replicas": 4, "min_replicas": 2, "target_ongoing_requests": 6}})
+    assert (cfg.ray.replicas, cfg.ray.min_replicas, cfg.ray.max_replicas, cfg.ray.target_ongoing_requests) == (1, 2, 4, 6)
+    with pytest.raises(ConfigError, match="ray.replica.*did you mean 'replicas'"):
+        parse_config({"ray": {"replica": 2}})
+    with pytest.raises(ConfigError, match="max_replicas \\(1\\) must be >= min_replicas \\(2\\)"):
+        parse_config({"ray": {"min_replicas": 2, "max_replicas": 1}})
+
+
+@pytest.mark.parametrize("argv", [["train", "data", "--prompts", "p.jsonl", "-o", "out", "--ray"],
+                                  ["bench", "CFG", "--data", "mt_bench", "--ray", "auto"],
+                                  ["serve", "CFG", "--ray"]])
+def test_ray_flags_without_ray_installed_name_the_extra(argv, tmp_path, monkeypatch, capsys):
+    import sys
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("speculators:\n  - type: ngram-simple\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    assert main([str(cfg) if a == "CFG" else a for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "--ray needs Ray" in err and "pip install 'specplug[ray]'" in err and not (tmp_path / "out").exists()
+
+
+def test_replicas_without_ray_is_refused(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("speculators: []\n")
+    assert main(["serve", str(cfg), "--replicas", "2"]) == 2
+    assert "--replicas needs --ray" in capsys.readouterr().err

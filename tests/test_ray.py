@@ -127,3 +127,52 @@ def test_bench_on_ray_gives_each_prompt_the_single_process_result(cluster, tiny,
                  "--ray", "--ray-workers", "2"]) == 0
     rep = json.loads((tmp_path / "b" / "results.json").read_text())
     assert rep["settings"]["ray"]["workers"] == 2 and rep["mismatches"] == []
+
+
+def test_serve_with_two_replicas_answers_as_specplug_serve_does(cluster, tiny, tmp_path):
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+    from ray import serve
+
+    from specplug.api import build_engine
+    from specplug.config import load_config
+    from specplug.serve_ray import deploy
+    from specplug.server import create_app
+    from test_server import running
+
+    cfg_path = tmp_path / "serve.yaml"
+    cfg_path.write_text(f"model: {tiny}\nmax_tokens: 20\nthreads: 1\nparallel: 2\nray: {{replicas: 1}}\n"
+                        "speculators:\n  - type: ngram-simple\n")
+    cfg = load_config(cfg_path)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = deploy(cfg, "127.0.0.1", port, replicas=2, model_name="tiny")  # --replicas 2 over the YAML's 1
+    try:
+        texts = ["hello there the", "in the beginning was", "the the the", "onion", "a", "xyz 123"]
+        on_ray = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = [on_ray.chat.completions.create(model="tiny", messages=[{"role": "user", "content": t}],
+                                              max_tokens=20, temperature=0).choices[0].message.content for t in texts]
+        stream = on_ray.chat.completions.create(model="tiny", messages=[{"role": "user", "content": texts[0]}],
+                                                max_tokens=20, temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        with running(create_app(build_engine(cfg), "tiny")) as one:
+            ref = openai.OpenAI(base_url=one + "/v1", api_key="unused", max_retries=0, timeout=60)
+            want = [ref.chat.completions.create(model="tiny", messages=[{"role": "user", "content": t}],
+                                                max_tokens=20, temperature=0).choices[0].message.content for t in texts]
+        assert got == want and streamed == want[0]
+        import httpx
+
+        listed = httpx.get(url + "/replicas", timeout=30).json()["replicas"]
+        assert len(listed) == 2
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)}
+        by_replica = {s.labels["replica"]: s.value for s in fams["specplug_requests"].samples
+                      if s.name == "specplug_requests_total" and s.labels["endpoint"] == "/v1/chat/completions"}
+        assert set(by_replica) == {r["id"] for r in listed}  # every replica's metrics, labelled
+        assert sum(by_replica.values()) == len(texts) + 1 and all(v > 0 for v in by_replica.values())
+        for r in listed:  # and each replica's own endpoint
+            assert f'replica="{r["id"]}"' in httpx.get(r["metrics"], timeout=30).text
+    finally:
+        serve.shutdown()

@@ -83,6 +83,8 @@ class TrainData:
         if not shards:
             raise SpecplugError(f"{self.path}: the data set has no complete shard yet")
         self.manifest_sha256 = manifest_sha256(self.manifest)
+        self.legacy_manifest_sha256 = hashlib.sha256(json.dumps(  # the identity before 2026-11-25: all but timing
+            {k: v for k, v in self.manifest.items() if k != "generation"}, sort_keys=True).encode()).hexdigest()
         self.target = self.manifest["target"]
         self.taps_wanted = list(taps)
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("tokens", "topk_ids", "topk_logprobs")}

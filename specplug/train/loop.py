@@ -233,7 +233,8 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, r
     t_spent = 0.0
     if ckpt.is_file() and resume:
         state = torch.load(ckpt, weights_only=False)
-        if state["options"] != dataclasses.asdict(opts) or state["data"] != data.manifest_sha256:
+        known = (data.manifest_sha256, data.legacy_manifest_sha256)  # checkpoints from before the content-only hash
+        if state["options"] != dataclasses.asdict(opts) or state["data"] not in known:
             raise SpecplugError(f"{ckpt} was made with other method options or another data set; use --restart")
         trainer.module.load_state_dict(state["module"])
         optim.load_state_dict(state["optim"])
