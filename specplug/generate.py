@@ -215,7 +215,9 @@ def _finish(engine, sink, stats_path: str | None) -> None:
 
     if sink is not None:
         sink.close()
-    engine.stats.threads = torch.get_num_threads() if engine.model.device.type == "cpu" else 0
+    gov = getattr(engine.model, "governor", None)
+    engine.stats.threads = (gov.n_max if gov else torch.get_num_threads()) if engine.model.device.type == "cpu" else 0
+    engine.stats.threads_auto = gov.describe() if gov else ""
     print(engine.stats.summary(), file=sys.stderr)
     _write_stats(engine, stats_path)
 

@@ -93,6 +93,7 @@ class RunStats:
     disabled: dict[str, str] = field(default_factory=dict)  # speculator -> why it was turned off
     notes: dict[str, str] = field(default_factory=dict)  # speculator -> its own line for the summary (files it wrote, ...)
     threads: int = 0  # CPU threads the target ran on (0: not a CPU target)
+    threads_auto: str = ""  # under `threads: auto`: the counts the governor chose, and how often
     time_target_s: float = 0.0
     time_speculators_s: float = 0.0
     time_total_s: float = 0.0
@@ -117,6 +118,7 @@ class RunStats:
             "disabled": dict(self.disabled),
             "notes": dict(self.notes),
             "threads": self.threads,
+            **({"threads_auto": self.threads_auto} if self.threads_auto else {}),
         }
 
     def summary(self) -> str:
@@ -125,7 +127,7 @@ class RunStats:
         lines = [f"{d['generated_tokens']} tokens in {t['total']:.2f} s = {d['tok_s']:.1f} tok/s; "
                  f"{d['target_forwards']} target forwards, mean accepted length {d['mean_accepted_length']:.2f}; "
                  f"time target {t['target']:.2f} s, speculators {t['speculators']:.2f} s, host {t['host']:.2f} s"
-                 + (f"; {self.threads} CPU threads" if self.threads else "")]
+                 + (f"; {self.threads_auto or f'{self.threads} CPU threads'}" if self.threads else "")]
         for name, s in d["speculators"].items():
             per = " ".join(f"{x:.2f}" for x in s["acceptance_per_position"][:8])
             lines.append(f"  {name}: {s['drafts']} drafts, {s['drafted_tokens']} drafted, {s['accepted_tokens']} accepted "

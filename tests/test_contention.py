@@ -157,3 +157,91 @@ def test_run_summary_names_the_threads():
     assert "3 CPU threads" in RunStats(threads=3).summary()
     assert "CPU threads" not in RunStats().summary()
     assert RunStats(threads=3).to_dict()["threads"] == 3
+
+
+class _Clock:
+    """A fake perf_counter: a forward takes cost(threads, rows) seconds."""
+
+    def __init__(self, cost):
+        self.t, self.cost = 0.0, cost
+
+    def run(self, gov, rows: int) -> None:
+        gov.begin(rows)
+        self.t += self.cost(gov.threads, rows)
+        gov.end()
+
+
+@pytest.fixture
+def fake_time(monkeypatch):
+    from specplug.runtime import governor
+
+    clocks = []
+
+    def make(cost):
+        c = _Clock(cost)
+        monkeypatch.setattr(governor.time, "perf_counter", lambda: c.t)
+        monkeypatch.setattr(governor.torch, "set_num_threads", lambda n: None)
+        clocks.append(c)
+        return c
+
+    return make
+
+
+def test_governor_keeps_all_threads_when_they_are_faster_and_probes_less_and_less(fake_time):
+    from specplug.runtime.governor import ThreadGovernor
+
+    clock = fake_time(lambda n, rows: 1.0 / n)  # idle cores: 2 threads twice as fast
+    gov = ThreadGovernor(2)
+    for i in range(5000):
+        clock.run(gov, 1 + i % 3)
+    assert gov.current == 2 and gov.moves == 0
+    assert gov.forwards[1] / 5000 < 0.02  # probing at the slow count stays a small share
+    assert gov.period == gov.max_period
+
+
+def test_governor_moves_to_fewer_threads_under_load_and_back_when_it_lifts(fake_time):
+    from specplug.runtime.governor import ThreadGovernor
+
+    load = {"busy": True}
+    # a busy neighbour: 2 threads at 0.6x of 1 thread; idle: 2 threads at 1.5x
+    clock = fake_time(lambda n, rows: (1.0 if n == 1 else 1.6) if load["busy"] else (1.0 if n == 1 else 0.67))
+    gov = ThreadGovernor(2)
+    for _ in range(200):
+        clock.run(gov, 1)
+    assert gov.current == 1 and gov.moves == 1
+    load["busy"] = False
+    for _ in range(200):
+        clock.run(gov, 1)
+    assert gov.current == 2 and gov.moves == 2
+
+
+def test_governor_compares_steps_of_the_same_size(fake_time):
+    from specplug.runtime.governor import ThreadGovernor
+
+    # 1 thread is never faster, but the probes happen to see only cheap decode rows while the
+    # run phase saw expensive prefill chunks: comparing across sizes would wrongly move
+    clock = fake_time(lambda n, rows: rows * (1.0 / n))
+    gov = ThreadGovernor(2, period=8, probe=4)
+    for i in range(400):
+        clock.run(gov, 256 if gov.probing is None and i % 2 else 1)
+    assert gov.current == 2 and gov.moves == 0
+
+
+def test_threads_auto_runs_the_governor_and_the_summary_says_what_it_chose(tiny_q8_gguf):
+    from specplug.engine import Engine, Request
+    from specplug.metrics import RunStats
+    from specplug.runtime import load_target
+
+    if resolve_threads("auto") < 2:
+        pytest.skip("one core in the affinity mask: nothing to choose")
+    fixed = load_target(str(tiny_q8_gguf), "cpu", "float32", "gguf", 1)
+    ids = list(range(5, 25))
+    want = Engine(fixed, [], max_ctx=256).run([Request(ids, 60)])[0].token_ids
+    auto = load_target(str(tiny_q8_gguf), "cpu", "float32", "gguf", "auto")
+    gov = auto.model.governor
+    assert gov is not None and fixed.model.governor is None
+    gov.period = gov.base = gov.left = 4  # probe often: the count switches mid-run
+    got = Engine(auto, [], max_ctx=256).run([Request(ids, 60)])[0].token_ids
+    assert got == want and gov.probes > 3 and len(gov.forwards) == 2  # switching counts never changes a token
+    torch.set_num_threads(resolve_threads("auto"))
+    assert "auto: " in RunStats(threads=2, threads_auto=auto.model.governor.describe()).summary()

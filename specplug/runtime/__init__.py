@@ -38,7 +38,8 @@ def resolve_threads(threads: int | str | None) -> int | None:
 def load_target(model: str, device: str = "auto", dtype: str = "float32", quant: str = "auto",
                 threads: int | str | None = None) -> Target:
     """Resolve a model name or path, load weights and tokenizer; ModelError on any problem.
-    `threads`: CPU threads for torch and the native kernels (see resolve_threads)."""
+    `threads`: CPU threads for torch and the native kernels (see resolve_threads); "auto" on a
+    CPU with several cores also chooses the count online (specplug.runtime.governor)."""
     import torch
 
     n = resolve_threads(threads)
@@ -46,5 +47,9 @@ def load_target(model: str, device: str = "auto", dtype: str = "float32", quant:
         torch.set_num_threads(n)
     path = resolve_model(model)
     m = Transformer.load(path, device=device, dtype=dtype, quant=quant)
+    if threads == "auto" and n and n > 1 and m.device.type == "cpu":
+        from specplug.runtime.governor import ThreadGovernor
+
+        m.governor = ThreadGovernor(n)  # auto: the count that is fastest under the load of the moment
     tok = Tokenizer.from_metadata(m.metadata, source=str(path))
     return Target(m, tok)

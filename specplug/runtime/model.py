@@ -200,6 +200,7 @@ class Transformer:
             native.kernels()
         self.quant = quant
         self.backend = backend = Backend(device, dtype, quant)
+        self.governor = None  # a ThreadGovernor under `threads: auto` (specplug.runtime.governor)
 
         def t(name: str) -> torch.Tensor:
             return torch.from_numpy(gguf.tensor(name))
@@ -308,6 +309,16 @@ class Transformer:
         sequences and lengths mix freely and every row's result is independent of the rest
         of the batch.
         """
+        gov = self.governor
+        if gov is None:
+            return self._forward(token_ids, positions, seq_ids, cache, logits_rows, taps)
+        gov.begin(len(token_ids))
+        try:
+            return self._forward(token_ids, positions, seq_ids, cache, logits_rows, taps)
+        finally:
+            gov.end()
+
+    def _forward(self, token_ids, positions, seq_ids, cache, logits_rows, taps) -> ForwardOutput:
         cfg = self.config
         n = len(token_ids)
         assert n == len(positions) == len(seq_ids) and n > 0, (n, len(positions), len(seq_ids))
