@@ -10,6 +10,7 @@ must be storage every node mounts at the same path; the driver checks each file 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, Iterable, Iterator
 
 from specplug.errors import SpecplugError
@@ -48,11 +49,14 @@ def connect(address: str | None):
 
 def pool_size(ray, threads: int, workers: int | None) -> int:
     """Workers to start: `workers`, or as many `threads`-CPU actors as the cluster's CPUs hold."""
-    if workers is not None:
-        if workers < 1:
-            raise SpecplugError(f"--ray-workers must be >= 1, got {workers}")
-        return workers
+    if workers is not None and workers < 1:
+        raise SpecplugError(f"--ray-workers must be >= 1, got {workers}")
     cpus = int(ray.cluster_resources().get("CPU", 1))
+    if workers is not None:
+        if workers * threads > cpus:
+            print(f"specplug: warning: {workers} Ray workers x {threads} threads need {workers * threads} CPUs; the "
+                  f"cluster has {cpus}, so some workers wait for others to finish", file=sys.stderr)
+        return workers
     return max(1, cpus // max(1, threads))
 
 

@@ -37,6 +37,8 @@ def cmd_bench(args) -> int:
     from specplug.config import load_config
 
     overrides = {"max_tokens": args.max_tokens} if args.max_tokens else {}
+    if args.threads is not None:
+        overrides["threads"] = args.threads
     cfg = load_config(args.config, overrides)
     if not cfg.speculators:
         raise SpecplugError(f"{args.config}: `speculators:` is empty; the bench compares them with plain decoding")
@@ -118,7 +120,7 @@ def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
 
 
 def register(sub) -> None:
-    from specplug.cli import add_ray_args
+    from specplug.cli import add_ray_args, threads_arg
 
     p = sub.add_parser("bench", help="speculative vs plain decoding on real prompt sets")
     p.add_argument("config")
@@ -130,6 +132,8 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--chain", action="store_true", help="also bench all speculators chained together")
     p.add_argument("--out", default="bench-out", help="folder for results.json, results.md and plots")
+    p.add_argument("--threads", type=threads_arg, default=None,
+                   help="CPU threads (each worker's, with --ray); overrides the config's `threads`")
     add_ray_args(p, "the prompts are spread over Ray actors, each running every variant with the config's "
                     "threads (auto: 1 under --ray); per-prompt results are those of one process")
     p.set_defaults(func=cmd_bench)
