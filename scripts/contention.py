@@ -71,7 +71,8 @@ def decode_worker(model: str, threads: str, n_prompts: int, max_tokens: int) -> 
         res = engine.run([Request(ids, max_tokens=max_tokens, ignore_eos=True)])[0]
         tokens += len(res.token_ids) - 1
         seconds += res.stats.time_s - res.stats.time_prefill_s
-    return {"tok_s": tokens / seconds, "threads_used": torch.get_num_threads()}
+    gov = engine.model.governor  # threads: auto chooses the count online (specplug.runtime.governor)
+    return {"tok_s": tokens / seconds, "threads_used": gov.describe() if gov else torch.get_num_threads()}
 
 
 def run_decode(args, threads: str) -> dict:
