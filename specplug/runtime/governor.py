@@ -8,12 +8,17 @@ Which count wins depends on the load, and the load changes, so the governor meas
 
 It times every forward (wall clock) per row-count bucket (rows rounded up to a power of two, so a
 decode step is compared with decode steps and a prefill chunk with prefill chunks). After
-`period` forwards at the current count it runs a short probe of `probe` forwards at one thread
-fewer (or one more, alternately, once below the maximum) and moves there when the probe was
-faster by more than `margin` on the buckets both saw. A probe that loses doubles the period, up
-to `max_period`, so on an idle machine probing costs a few forwards in a thousand at a count
-that is ~1.5x slower there: ~0.3% of decode time. A move resets the period, so a change of load
-is followed within ~100 forwards.
+`period` forwards at the current count it may run a short probe of `probe` forwards at one
+thread fewer (or one more, alternately, once below the maximum) and moves there when the probe
+was faster by more than `margin` on the buckets both saw. A probe that loses doubles the period,
+up to `max_period`; a move resets it, so a change of load is followed within ~50 forwards.
+
+Probes cost time when they lose, so they run only where they may win:
+- down, only when the process got visibly fewer cores than it has threads during its forwards
+  (process CPU time over wall time, below threads - 0.35): on idle cores the kernels' threads
+  run all the time, so an idle machine never probes;
+- up, only when the kernel reports no other runnable task beside ours (/proc/stat's
+  procs_running, sampled over the last forwards before the probe), on Linux; elsewhere always.
 
 Results do not depend on the thread count (each output value is reduced by one thread in one
 fixed order), so switching changes timings only, never a token.
@@ -27,7 +32,7 @@ import torch
 
 
 class ThreadGovernor:
-    def __init__(self, n_max: int, period: int = 64, probe: int = 8, max_period: int = 1024, margin: float = 0.03,
+    def __init__(self, n_max: int, period: int = 16, probe: int = 6, max_period: int = 1024, margin: float = 0.03,
                  alpha: float = 0.2):
         assert n_max >= 2
         self.n_max, self.base, self.probe_len, self.max_period = n_max, period, probe, max_period
@@ -42,8 +47,11 @@ class ThreadGovernor:
         self.up_next = False  # alternate probing down and up when both are possible
         self.moves = 0
         self.probes = 0
+        self.skipped = 0  # probe points passed without a probe (it could not win)
         self.forwards: dict[int, int] = defaultdict(int)  # thread count -> forwards run with it
-        self._t0 = 0.0
+        self._t0 = self._c0 = 0.0
+        self.cpu = self.wall = 0.0  # process CPU seconds and wall seconds inside forwards since the last decision
+        self.others: list[int] = []  # other runnable tasks seen at the ends of the last forwards
         self._bucket = 0
         self._active = n_max
         torch.set_num_threads(n_max)
@@ -58,6 +66,7 @@ class ThreadGovernor:
         if want != self._active or want != torch.get_num_threads():  # (another target may have set it)
             torch.set_num_threads(want)
             self._active = want
+        self._c0 = time.process_time()
         self._t0 = time.perf_counter()
 
     def end(self) -> None:
@@ -65,9 +74,15 @@ class ThreadGovernor:
         b = self._bucket
         self.forwards[self._active] += 1
         if self.probing is None:
+            self.cpu += time.process_time() - self._c0
+            self.wall += dt
             old = self.ewma.get(b)
             self.ewma[b] = dt if old is None else old + self.alpha * (dt - old)
             self.left -= 1
+            if 0 < self.left <= 4 and self.current < self.n_max:
+                n = _runnable()
+                if n is not None:
+                    self.others.append(max(0, n - 1))  # this thread is running; the kernels' workers are parked
             if self.left <= 0:
                 self._start_probe()
             return
@@ -84,7 +99,14 @@ class ThreadGovernor:
         else:
             cand = down
         self.up_next = not self.up_next
-        if not 1 <= cand <= self.n_max:
+        cores_had = self.cpu / self.wall if self.wall else float(self.current)
+        others = sorted(self.others)[len(self.others) // 2] if self.others else 0
+        self.cpu = self.wall = 0.0
+        self.others.clear()
+        pointless = (cand < self.current and cores_had > self.current - 0.35) or (cand > self.current and others > 0)
+        if not 1 <= cand <= self.n_max or pointless:
+            self.skipped += 1
+            self.period = min(self.period * 2, self.max_period)
             self.left = self.period
             return
         self.probing, self.probe_left = cand, self.probe_len + 1
@@ -115,3 +137,15 @@ class ThreadGovernor:
         parts = [f"{n} thread{'s' * (n > 1)} for {100 * c / total:.0f}%"
                  for n, c in sorted(self.forwards.items(), key=lambda kv: -kv[1])]
         return "auto: " + (", ".join(parts) if parts else f"{self.n_max} threads") + " of forwards"
+
+
+def _runnable() -> int | None:
+    """Runnable tasks on the machine now (Linux /proc/stat procs_running), or None where unknown."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if line.startswith(b"procs_running"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
