@@ -237,7 +237,9 @@ def test_governor_compares_steps_of_the_same_size(fake_time):
     assert gov.probes > 3 and gov.current == 2 and gov.moves == 0
 
 
-def test_threads_auto_runs_the_governor_and_the_summary_says_what_it_chose(tiny_q8_gguf):
+def test_threads_auto_runs_the_governor_and_the_summary_says_what_it_chose(tiny_q8_gguf, monkeypatch):
+    from specplug.runtime import governor
+
     from specplug.engine import Engine, Request
     from specplug.metrics import RunStats
     from specplug.runtime import load_target
@@ -250,7 +252,9 @@ def test_threads_auto_runs_the_governor_and_the_summary_says_what_it_chose(tiny_
     auto = load_target(str(tiny_q8_gguf), "cpu", "float32", "gguf", "auto")
     gov = auto.model.governor
     assert gov is not None and fixed.model.governor is None
-    gov.period = gov.base = gov.left = 4  # probe often: the count switches mid-run
+    gov.period = gov.base = gov.left = 4  # probe often, whatever the load: the count switches mid-run
+    monkeypatch.setattr(governor.time, "process_time", lambda: 0.0)
+    monkeypatch.setattr(governor, "_runnable", lambda: 1)
     got = Engine(auto, [], max_ctx=256).run([Request(ids, 60)])[0].token_ids
     assert got == want and gov.probes > 3 and len(gov.forwards) == 2  # switching counts never changes a token
     torch.set_num_threads(resolve_threads("auto"))
