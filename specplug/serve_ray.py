@@ -140,6 +140,21 @@ def replica_app(cfg, model_name: str, max_queue: int, api_key: str | None):
     return app
 
 
+def deployment_options(cfg, replicas: int | None, max_queue: int) -> dict:
+    """Ray Serve deployment options from the config's `ray:` section (`--replicas` wins)."""
+    rc = cfg.ray
+    threads = 1 if cfg.threads in ("auto", None) else int(cfg.threads)
+    opts: dict = {"name": APP_NAME, "ray_actor_options": {"num_cpus": threads},
+                  # requests a replica takes: its slots plus its queue (beyond that its own 429s apply)
+                  "max_ongoing_requests": cfg.parallel + max_queue}
+    if replicas is not None or rc.max_replicas is None:
+        opts["num_replicas"] = replicas or rc.replicas
+    else:
+        opts["autoscaling_config"] = {"min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
+                                      "target_ongoing_requests": rc.target_ongoing_requests}
+    return opts
+
+
 def deploy(cfg, host: str = "127.0.0.1", port: int = 8000, *, address: str | None = "", replicas: int | None = None,
            max_queue: int = 64, api_key: str | None = None, model_name: str | None = None):
     """Start (or update) the deployment on the cluster; returns its base URL once every replica is up."""
@@ -153,14 +168,7 @@ def deploy(cfg, host: str = "127.0.0.1", port: int = 8000, *, address: str | Non
     threads = 1 if cfg.threads in ("auto", None) else int(cfg.threads)
     rcfg = dataclasses.replace(cfg, threads=threads)
     name = model_name or _model_name(cfg.model)
-    opts: dict = {"name": APP_NAME, "ray_actor_options": {"num_cpus": threads},
-                  # requests a replica takes: its slots plus its queue (beyond that its own 429s apply)
-                  "max_ongoing_requests": cfg.parallel + max_queue}
-    if replicas is not None or rc.max_replicas is None:
-        opts["num_replicas"] = replicas or rc.replicas
-    else:
-        opts["autoscaling_config"] = {"min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
-                                      "target_ongoing_requests": rc.target_ongoing_requests}
+    opts = deployment_options(cfg, replicas, max_queue)
     global _directory  # held while this driver runs: an actor nobody references is ended by Ray
     _directory = ray.remote(ReplicaDirectory).options(name=DIRECTORY, namespace=NAMESPACE, get_if_exists=True,
                                                       num_cpus=0).remote()

@@ -172,3 +172,16 @@ def test_replicas_without_ray_is_refused(tmp_path, capsys):
     cfg.write_text("speculators: []\n")
     assert main(["serve", str(cfg), "--replicas", "2"]) == 2
     assert "--replicas needs --ray" in capsys.readouterr().err
+
+
+def test_ray_section_becomes_the_serve_deployment_options():
+    from specplug.serve_ray import deployment_options
+
+    fixed = deployment_options(parse_config({"parallel": 4, "ray": {"replicas": 3}}), None, 16)
+    assert fixed["num_replicas"] == 3 and fixed["max_ongoing_requests"] == 20 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 1}  # threads auto: one per replica
+    auto = deployment_options(parse_config({"threads": 2, "ray": {"max_replicas": 5, "target_ongoing_requests": 8}}),
+                              None, 64)
+    assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 5, "target_ongoing_requests": 8}
+    assert "num_replicas" not in auto and auto["ray_actor_options"] == {"num_cpus": 2}
+    assert deployment_options(parse_config({"ray": {"max_replicas": 5}}), 2, 64)["num_replicas"] == 2  # --replicas wins
