@@ -134,8 +134,7 @@ def replica_app(cfg, model_name: str, max_queue: int, api_key: str | None):
         return JSONResponse({"replicas": [{"id": k, "metrics": v} for k, v in (await directory.all.remote()).items()],
                              "answered_by": replica})
 
-    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/metrics"]
-    app.add_api_route("/metrics", all_replicas, methods=["GET"])
+    app.state.metrics_view = all_replicas
     app.add_api_route("/replicas", replicas, methods=["GET"])
     return app
 

@@ -1006,8 +1006,12 @@ def create_app(engine: Engine, model_name: str, *, max_queue: int = 64, api_key:
             body["reason"] = worker.failure or "the engine loop is not running"
         return JSONResponse(body, status_code=200 if alive else 503)
 
+    app.state.metrics_view = None  # an async () -> Response that replaces this server's own (serve_ray's)
+
     @app.get("/metrics")
     async def prom():
+        if app.state.metrics_view is not None:
+            return await app.state.metrics_view()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
