@@ -66,7 +66,6 @@ def main() -> int:
                       str(args.shard_prompts), "--taps", "final,3,15,27"]
         modes = {"process x2": ["--threads", "2"], "ray 2x1": ["--threads", "1", "--ray", "auto", "--ray-workers", "2"]}
         bench = spl + ["bench", args.bench_config, *args.bench_args.split()]
-        bmodes = {"process x2": ["--threads", "2"], "ray 2x1": ["--threads", "1", "--ray", "auto", "--ray-workers", "2"]}
         for rep in range(args.repeats):
             for i, (mode, extra) in enumerate(modes.items() if rep % 2 == 0 else reversed(modes.items())):
                 out = tmp / f"data-{rep}-{i}"
@@ -77,7 +76,7 @@ def main() -> int:
                                        "tokens": tok, "tok_s": round(tok / dt, 1), "identity": manifest_sha256(man)})
                 shutil.rmtree(out)
                 print(f"train data {mode:<11} run {rep}: {tok / dt:7.1f} tok/s ({dt:.1f} s)", file=sys.stderr, flush=True)
-            for i, (mode, extra) in enumerate(bmodes.items() if rep % 2 == 0 else reversed(bmodes.items())):
+            for i, (mode, extra) in enumerate(modes.items() if rep % 2 == 0 else reversed(modes.items())):
                 out = tmp / f"bench-{rep}-{i}"
                 dt = run(bench + ["--out", str(out)] + extra, env)
                 n = len(json.loads((out / "results.json").read_text()).get("prompts", [])) or None

@@ -36,13 +36,14 @@ def threads_arg(text: str) -> int | str:
     return "auto" if text == "auto" else _positive(text)
 
 
-def add_ray_args(p: argparse.ArgumentParser, what: str) -> None:
-    """--ray [ADDRESS] and --ray-workers N (the `specplug[ray]` extra; specplug.cluster)."""
+def add_ray_args(p: argparse.ArgumentParser, what: str, workers: bool = True) -> None:
+    """--ray [ADDRESS] and (with `workers`) --ray-workers N (the `specplug[ray]` extra; specplug.cluster)."""
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help=f"run on a Ray cluster: ADDRESS (e.g. auto, or HEAD:6379), or none for RAY_ADDRESS's cluster "
                         f"or a local one; {what}")
-    p.add_argument("--ray-workers", type=_positive, default=None, metavar="N",
-                   help="Ray workers (default: the cluster's CPUs / threads per worker)")
+    if workers:
+        p.add_argument("--ray-workers", type=_positive, default=None, metavar="N",
+                       help="Ray workers (default: the cluster's CPUs / threads per worker)")
 
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -122,7 +123,7 @@ def cmd_serve(args) -> int:
     if args.ray is not None:
         from specplug.cluster import require_ray
 
-        require_ray()
+        require_ray()  # before the config's plugins load
     cfg = load_config(args.config, overrides)
     if args.ray is not None:
         from specplug.serve_ray import serve_on_ray
@@ -225,9 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ endpoints")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the config's model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="serve as a Ray Serve deployment on the cluster at ADDRESS (none: RAY_ADDRESS's, or a "
-                        "local one); replicas and autoscaling from the config's `ray:` section")
+    add_ray_args(p, "serve as a Ray Serve deployment, replicas and autoscaling from the config's `ray:` section",
+                 workers=False)
     p.add_argument("--threads", type=threads_arg, default=None,
                    help="CPU threads of the engine (each replica's, with --ray); overrides the config's `threads`")
     p.add_argument("--replicas", type=_positive, default=None,

@@ -47,6 +47,12 @@ def connect(address: str | None):
     return ray
 
 
+def worker_threads(threads) -> int:
+    """A Ray worker's CPU threads from a `threads` setting: `auto` (or none) means 1 under Ray, where
+    the cluster's CPUs are shared out among workers; a count as given."""
+    return 1 if threads in ("auto", None) else int(threads)
+
+
 def pool_size(ray, threads: int, workers: int | None) -> int:
     """Workers to start: `workers`, or as many `threads`-CPU actors as the cluster's CPUs hold."""
     if workers is not None and workers < 1:

@@ -141,8 +141,10 @@ def replica_app(cfg, model_name: str, max_queue: int, api_key: str | None):
 
 def deployment_options(cfg, replicas: int | None, max_queue: int) -> dict:
     """Ray Serve deployment options from the config's `ray:` section (`--replicas` wins)."""
+    from specplug.cluster import worker_threads
+
     rc = cfg.ray
-    threads = 1 if cfg.threads in ("auto", None) else int(cfg.threads)
+    threads = worker_threads(cfg.threads)
     opts: dict = {"name": APP_NAME, "ray_actor_options": {"num_cpus": threads},
                   # requests a replica takes: its slots plus its queue (beyond that its own 429s apply)
                   "max_ongoing_requests": cfg.parallel + max_queue}
@@ -164,10 +166,10 @@ def deploy(cfg, host: str = "127.0.0.1", port: int = 8000, *, address: str | Non
     from ray import serve
 
     rc = cfg.ray
-    threads = 1 if cfg.threads in ("auto", None) else int(cfg.threads)
+    opts = deployment_options(cfg, replicas, max_queue)
+    threads = opts["ray_actor_options"]["num_cpus"]
     rcfg = dataclasses.replace(cfg, threads=threads)
     name = model_name or _model_name(cfg.model)
-    opts = deployment_options(cfg, replicas, max_queue)
     global _directory  # held while this driver runs: an actor nobody references is ended by Ray
     _directory = ray.remote(ReplicaDirectory).options(name=DIRECTORY, namespace=NAMESPACE, get_if_exists=True,
                                                       num_cpus=0).remote()

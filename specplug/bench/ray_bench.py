@@ -53,7 +53,7 @@ def run_on_ray(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
     from specplug import cluster
 
     ray = cluster.connect(args.ray)
-    threads = 1 if cfg.threads in ("auto", None) else int(cfg.threads)
+    threads = cluster.worker_threads(cfg.threads)
     wcfg = dataclasses.replace(cfg, threads=threads)
     n = min(cluster.pool_size(ray, threads, args.ray_workers), max(1, len(records)))
     actor_cls = ray.remote(BenchWorker)

@@ -62,10 +62,9 @@ class ThreadGovernor:
 
     def begin(self, rows: int) -> None:
         self._bucket = 1 << max(0, int(rows) - 1).bit_length()
-        want = self.probing if self.probing is not None else self.current
-        if want != self._active or want != torch.get_num_threads():  # (another target may have set it)
-            torch.set_num_threads(want)
-            self._active = want
+        self._active = self.probing if self.probing is not None else self.current
+        if self._active != torch.get_num_threads():  # a switch (or another target set the count meanwhile)
+            torch.set_num_threads(self._active)
         self._c0 = time.process_time()
         self._t0 = time.perf_counter()
 

@@ -86,8 +86,9 @@ def _data(args, files) -> int:
                 "code": args.code, "threads": torch.get_num_threads()}
     pool = None
     if args.ray is not None:
-        pool = {"address": args.ray, "workers": args.ray_workers,
-                "threads": 1 if args.threads == "auto" else int(args.threads)}
+        from specplug.cluster import worker_threads
+
+        pool = {"address": args.ray, "workers": args.ray_workers, "threads": worker_threads(args.threads)}
         settings["threads"] = pool["threads"]
         settings["ray"] = {"address": args.ray, "workers": args.ray_workers}
     man = generate_dataset(target, chosen, Path(args.output), taps, args.max_tokens, args.parallel, args.topk,

@@ -310,9 +310,7 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
             generated += n_gen
         for stale in out_dir.glob("*.tmp"):  # a worker killed while writing leaves its temporary file
             stale.unlink()
-        g = manifest.setdefault("generation", {})
-        g["seconds"] = round(g.get("seconds", 0.0) + time.perf_counter() - t0, 1)
-        g["generated_tokens"] = g.get("generated_tokens", 0) + generated
+        _add_generation(manifest, time.perf_counter() - t0, generated)
         return _finish(manifest, mpath)
     todo = [(i, prompt_ids(prompts[i].text)) for k in todo_shards for i in shard_range(k)]
     gen = DataGenerator(target, taps, max_tokens, parallel, topk, context)
@@ -347,11 +345,15 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
               f"(the shard in progress is dropped). Run the same command again to resume.", file=sys.stderr)
         raise
     bar.close()
-    dt = time.perf_counter() - t0
-    g = manifest.setdefault("generation", {})
-    g["seconds"] = round(g.get("seconds", 0.0) + dt, 1)
-    g["generated_tokens"] = g.get("generated_tokens", 0) + gen.generated
+    _add_generation(manifest, time.perf_counter() - t0, gen.generated)
     return _finish(manifest, mpath)
+
+
+def _add_generation(manifest: dict, seconds: float, generated: int) -> None:
+    """Add a run's generation time and generated tokens to the manifest's (resumed runs add up)."""
+    g = manifest.setdefault("generation", {})
+    g["seconds"] = round(g.get("seconds", 0.0) + seconds, 1)
+    g["generated_tokens"] = g.get("generated_tokens", 0) + generated
 
 
 def _finish(manifest: dict, mpath: Path) -> dict:
