@@ -28,7 +28,7 @@ from pathlib import Path
 from specplug.api import build_engine, prompt_ids
 from specplug.bench.cli import select_prompts
 from specplug.bench.data import DATASETS, dataset_path, read_jsonl_prompts
-from specplug.config import load_config
+from specplug.config import load_config, target_args
 from specplug.engine import Request
 from specplug.runtime import load_target
 
@@ -104,7 +104,7 @@ def main() -> int:
     ap.add_argument("--n-max", type=int, default=16)
     args = ap.parse_args()
     cfg = load_config(args.config, {"max_tokens": args.max_tokens})
-    target = load_target(cfg.model, cfg.device, cfg.dtype, cfg.quant, cfg.threads)
+    target = load_target(cfg.model, **target_args(cfg))
     eng = build_engine(cfg, target, speculators=False)
     path = dataset_path(args.data) if args.data in DATASETS else args.data
     recs = select_prompts(read_jsonl_prompts(path), args.categories, args.limit, str(path))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specplug.config import RunConfig
+from specplug.config import RunConfig, target_args
 from specplug.engine import Engine, Speculator, target_info
 from specplug.errors import PluginError, SpecplugError
 from specplug.plugins import HookCaller, get_type, new_plugin_manager
@@ -60,7 +60,7 @@ def build_engine(cfg: RunConfig, target: Target | None = None, speculators: bool
     """Load the target (unless given) and build an Engine; speculators=False gives plain decoding.
     `cache`: a KV cache to share with engines that never run at the same time."""
     if target is None:
-        target = load_target(cfg.model, cfg.device, cfg.dtype, cfg.quant, cfg.threads)
+        target = load_target(cfg.model, **target_args(cfg))
     info = target_info(target, cfg.parallel, cfg.context)
     specs = build_speculators(cfg, info) if speculators else []
     return Engine(target, specs, n_parallel=cfg.parallel, max_ctx=cfg.context, sampling=cfg.sampling,

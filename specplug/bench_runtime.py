@@ -22,15 +22,24 @@ import numpy as np
 import torch
 
 VERIFY_K = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+VERIFY_K_CUDA = VERIFY_K + (48, 64)
 
 
-def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
+def _no_sync() -> None:
+    pass
+
+
+def _median_ms(fn, repeats: int, warmup: int = 2, sync=_no_sync) -> float:
+    """Median wall time of fn; `sync` waits for the device after each call (torch.cuda.synchronize
+    on CUDA, where a call only queues its kernels)."""
     for _ in range(warmup):
         fn()
+    sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -48,6 +57,19 @@ def run_bench(model, repeats: int = 20) -> dict:
     """Measure the runtime cost curve; returns the figures as a dict."""
     res: dict = {"model": str(model.path), "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
                  "quant": model.quant, "threads": torch.get_num_threads(), "repeats": repeats}
+    cuda = model.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else _no_sync
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    static = model.static
+    res["step"] = "eager" if static is None else (
+        f"static ({'compiled' if static.options.compile else 'eager'}"
+        f"{', cuda graphs' if cuda and static.options.cuda_graphs else ''}"
+        f"{f', fixed {static.options.fixed_rows} rows' if static.options.fixed_rows else ''})")
+
+    def median_ms(fn, n, warmup=2):
+        return _median_ms(fn, n, warmup, sync)
+
     cache = model.new_cache(4, 2048)
 
     def step(seqs, ctx, k=1, rows="all"):
@@ -59,29 +81,42 @@ def run_bench(model, repeats: int = 20) -> dict:
             cache.seq_rm(s, ctx)
 
     res["decode_ms"] = {}
-    for ctx in (128, 1024):
+    for ctx in (128, 512, 1024) if cuda else (128, 1024):
         cache.clear(0)
         _fill(model, cache, 0, ctx)
-        res["decode_ms"][str(ctx)] = round(_median_ms(lambda: step([0], ctx), repeats), 2)
+        res["decode_ms"][str(ctx)] = round(median_ms(lambda: step([0], ctx), repeats), 3 if cuda else 2)
     cache.clear(0)
     _fill(model, cache, 0, 512)
-    res["verify_ms"] = {str(k): round(_median_ms(lambda: step([0], 512, k), repeats), 2) for k in VERIFY_K}
+    res["verify_ms"] = {str(k): round(median_ms(lambda: step([0], 512, k), repeats), 3 if cuda else 2)
+                        for k in (VERIFY_K_CUDA if cuda else VERIFY_K)}
     t1 = res["verify_ms"]["1"]
     res["verify_ratio"] = {k: round(v / t1, 3) for k, v in res["verify_ms"].items()}
 
     def prefill():
         cache.clear(1)
         model.forward([9] * 512, list(range(512)), [1] * 512, cache, logits_rows=[511])
-    res["prefill_tok_s"] = round(512 / (_median_ms(prefill, max(3, repeats // 4), warmup=1) / 1e3), 1)
+    res["prefill_tok_s"] = round(512 / (median_ms(prefill, max(3, repeats // 4), warmup=1) / 1e3), 1)
 
     for s in range(4):
         cache.clear(s)
         _fill(model, cache, s, 128)
-    one = _median_ms(lambda: step([0], 128), repeats)
-    four = _median_ms(lambda: step([0, 1, 2, 3], 128), repeats)
+    one = median_ms(lambda: step([0], 128), repeats)
+    four = median_ms(lambda: step([0, 1, 2, 3], 128), repeats)
     res["batch4_ms"] = round(four, 2)
     res["batch1_ms"] = round(one, 2)
     res["batch4_vs_1"] = round(four / one, 3)
+    if cuda:  # 16 sequences x 1 token, in a cache of 16 short slots
+        del cache
+        cache = model.new_cache(16, 256)
+        for s in range(16):
+            _fill(model, cache, s, 128)
+        res["batch16_ms"] = round(median_ms(lambda: step(list(range(16)), 128), repeats), 3)
+        res["batch16_vs_1"] = round(res["batch16_ms"] / one, 3)
+        res["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    if static is not None:
+        res["graphs"] = static.graphs
+        res["compile_s"] = round(static.compile_s, 2)
+        res["capture_s"] = round(static.capture_s, 2)
     res["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return res
 
@@ -95,8 +130,14 @@ def format_report(res: dict) -> str:
              "  T(k) ms" + " ".join(f"{v:>7.2f}" for v in res["verify_ms"].values()),
              "  T(k)/T1" + " ".join(f"{v:>7.2f}" for v in res["verify_ratio"].values()),
              f"prefill 512: {res['prefill_tok_s']} tok/s",
-             f"batch 4 seq x 1 tok: {res['batch4_ms']} ms vs 1 x 1: {res['batch1_ms']} ms -> x{res['batch4_vs_1']}",
-             f"peak RSS: {res['peak_rss_mb']} MB"]
+             f"batch 4 seq x 1 tok: {res['batch4_ms']} ms vs 1 x 1: {res['batch1_ms']} ms -> x{res['batch4_vs_1']}"]
+    if "batch16_ms" in res:
+        lines.append(f"batch 16 seq x 1 tok: {res['batch16_ms']} ms -> x{res['batch16_vs_1']} of 1 x 1; "
+                     f"peak GPU memory {res['peak_gpu_mb']} MB")
+    if "graphs" in res:
+        lines.append(f"step: {res['step']}: {res['graphs']} shapes, compile {res['compile_s']} s, "
+                     f"CUDA graph capture {res['capture_s']} s")
+    lines.append(f"peak RSS: {res['peak_rss_mb']} MB")
     return "\n".join(lines)
 
 

@@ -46,13 +46,38 @@ def add_ray_args(p: argparse.ArgumentParser, what: str, workers: bool = True) ->
                        help="Ray workers (default: the cluster's CPUs / threads per worker)")
 
 
+def _compile_arg(text: str) -> bool | str:
+    value = {"auto": "auto", "on": True, "true": True, "off": False, "false": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}")
+    return value
+
+
+def add_step_args(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """--compile / --no-cuda-graphs / --step-rows: how the target steps (the static-shape step of
+    specplug.runtime.static). defaults=False: None unless given (they override a YAML config)."""
+    p.add_argument("--compile", type=_compile_arg, default="auto" if defaults else None,
+                   help="the static-shape compiled step: auto (on CUDA with torch weights), on (also CPU, quant none), off")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=True if defaults else None,
+                   help="with the static step on CUDA, run it compiled but without CUDA graphs")
+    p.add_argument("--step-rows", type=int, default=None,
+                   help="static step: make every forward this many rows (batch-invariant; rounded up to a bucket)")
+
+
+def step_overrides(args) -> dict:
+    """The YAML overrides given by add_step_args(defaults=False)."""
+    return {key: value for key, value in [("compile", args.compile), ("cuda_graphs", args.cuda_graphs),
+                                          ("step_rows", args.step_rows)] if value is not None}
+
+
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known model name or path to a .gguf")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
     p.add_argument("--quant", default="auto", help="auto (gguf for a quantized file on CPU, else none) | gguf | none | int8")
     p.add_argument("--threads", type=threads_arg, default="auto",
                    help="CPU threads: auto (default) = the cores this process may run on, or a count")
+    add_step_args(p, defaults=True)
 
 
 def cmd_generate(args) -> int:
@@ -61,6 +86,7 @@ def cmd_generate(args) -> int:
 
     sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     cfg = RunConfig(model=args.model, device=args.device, dtype=args.dtype, quant=args.quant, threads=args.threads,
+                    compile=args.compile, cuda_graphs=args.cuda_graphs, step_rows=args.step_rows,
                     context=args.context, max_tokens=args.max_tokens, chat=args.chat, sampling=sp)
     return _generate(cfg, [{"id": 0, "turns": [args.prompt]}], None, None)
 
@@ -78,7 +104,7 @@ def cmd_run(args) -> int:
         raise SpecplugError("give either --prompt or --prompts, not both")
     inputs = [args.prompts, args.config]
     check_paths(args.output, args.stats, inputs, args.force, args.resume)
-    overrides = {}
+    overrides = step_overrides(args)
     if args.max_tokens is not None:
         overrides["max_tokens"] = args.max_tokens
     cfg = load_config(args.config, overrides)
@@ -117,7 +143,7 @@ def cmd_serve(args) -> int:
 
     overrides = {key: value for key, value in [("parallel", args.parallel), ("max_body_mb", args.max_body_mb),
                                                 ("step_timeout_s", args.step_timeout), ("threads", args.threads)]
-                 if value is not None}
+                 if value is not None} | step_overrides(args)
     if args.ray is None and args.replicas is not None:
         raise SpecplugError("--replicas needs --ray (replicas are Ray Serve's)")
     if args.ray is not None:
@@ -154,7 +180,8 @@ def cmd_bench_runtime(args) -> int:
     from specplug.bench_runtime import main as bench_main
     from specplug.runtime import load_target
 
-    target = load_target(args.model, args.device, args.dtype, args.quant, args.threads)
+    target = load_target(args.model, args.device, args.dtype, args.quant, args.threads, compile=args.compile,
+                         cuda_graphs=args.cuda_graphs, step_rows=args.step_rows)
     bench_main(target.model, args.repeats, args.json, args.profile)
     return 0
 
@@ -197,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="generate with the model and speculators of a YAML config")
     p.add_argument("config")
+    add_step_args(p, defaults=False)
     p.add_argument("--prompt", help="one prompt (streams its text)")
     p.add_argument("--prompts", help="JSONL file of prompts ({'prompt': ...} or {'turns': [...]})")
     p.add_argument("--output", help="append each finished answer to this JSONL file as it completes")
@@ -208,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for the model and speculators of a YAML config")
+    add_step_args(p, defaults=False)
     p.add_argument("config")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)

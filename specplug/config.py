@@ -58,9 +58,14 @@ class RunConfig:
 
     model: str = "smollm2-135m"  # known model name or path to a .gguf
     device: str = "auto"  # auto | cpu | cuda[:N]
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
     quant: str = "auto"  # auto | gguf (the file's quantized blocks; CPU) | none (exact float weights) | int8
     threads: int | str | None = "auto"  # CPU threads: auto = the cores this process may run on; null: torch's choice
+    # the static-shape step (specplug.runtime.static): auto = on CUDA with torch weights; true: also on CPU (quant: none)
+    compile: bool | str = "auto"
+    cuda_graphs: bool = True  # with the static step on CUDA: replay each shape as a CUDA graph (`--no-cuda-graphs`)
+    batch_invariant: bool = True  # static step: every forward has the same row count, so speculative greedy == plain
+    step_rows: int | None = None  # static step, batch-invariant: rows of every forward (default: parallel x (1 + n_max))
     context: int = 2048  # positions per sequence
     parallel: int = 1  # sequences in flight at once
     max_tokens: int = 256
@@ -74,6 +79,14 @@ class RunConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculators: tuple[SpeculatorConfig, ...] = ()
     ray: RayServeConfig = field(default_factory=RayServeConfig)  # serve --ray: replicas, autoscaling
+
+
+def target_args(cfg: "RunConfig") -> dict[str, Any]:
+    """load_target's keyword arguments for this run (how the target loads and steps)."""
+    n_max = max((s.policy.n_max for s in cfg.speculators), default=0)
+    rows = cfg.step_rows or min(64, cfg.parallel * (1 + n_max))
+    return dict(device=cfg.device, dtype=cfg.dtype, quant=cfg.quant, threads=cfg.threads, compile=cfg.compile,
+                cuda_graphs=cfg.cuda_graphs, step_rows=rows if cfg.batch_invariant else None)
 
 
 _SPEC_HOST_KEYS = {"type", "name"} | {f.name for f in dataclasses.fields(DraftPolicy)}
@@ -175,6 +188,8 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
                           ("max_tokens", cfg.max_tokens >= 1, ">= 1"), ("prefill_chunk", cfg.prefill_chunk >= 1, ">= 1"),
                           ("threads", cfg.threads in (None, "auto") or isinstance(cfg.threads, int) and cfg.threads >= 1,
                            ">= 1 or auto (the cores this process may run on)"),
+                          ("compile", cfg.compile in (True, False, "auto"), "true, false or auto"),
+                          ("step_rows", cfg.step_rows is None or 1 <= cfg.step_rows <= 64, "between 1 and 64 (or null)"),
                           ("max_body_mb", cfg.max_body_mb > 0, "> 0"),
                           ("step_timeout_s", cfg.step_timeout_s is None or cfg.step_timeout_s > 0, "> 0 (or null: no limit)")]:
         if not ok:

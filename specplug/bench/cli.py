@@ -34,9 +34,10 @@ def select_prompts(records: list[dict], categories: str | None, limit: int | Non
 @exit_1_on_write_error
 def cmd_bench(args) -> int:
     from specplug.bench.data import DATASETS, dataset_path, read_jsonl_prompts
+    from specplug.cli import step_overrides
     from specplug.config import load_config
 
-    overrides = {"max_tokens": args.max_tokens} if args.max_tokens else {}
+    overrides = ({"max_tokens": args.max_tokens} if args.max_tokens else {}) | step_overrides(args)
     if args.threads is not None:
         overrides["threads"] = args.threads
     cfg = load_config(args.config, overrides)
@@ -96,9 +97,10 @@ def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
     from tqdm import tqdm
 
     from specplug.bench.runner import Bench, peak_rss_mb
+    from specplug.config import target_args
     from specplug.runtime import load_target
 
-    target = load_target(cfg.model, cfg.device, cfg.dtype, cfg.quant, cfg.threads)
+    target = load_target(cfg.model, **target_args(cfg))
     bench = Bench(cfg, target, chain=args.chain)
     bench.warmup()
     bench.fresh_engines()  # the warm-up must not seed any speculator's state
@@ -120,10 +122,11 @@ def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
 
 
 def register(sub) -> None:
-    from specplug.cli import add_ray_args, threads_arg
+    from specplug.cli import add_ray_args, add_step_args, threads_arg
 
     p = sub.add_parser("bench", help="speculative vs plain decoding on real prompt sets")
     p.add_argument("config")
+    add_step_args(p, defaults=False)
     p.add_argument("--data", default="spec_bench", help="spec_bench | mt_bench | humaneval | FILE.jsonl")
     p.add_argument("--categories", help="comma-separated categories to keep")
     p.add_argument("--limit", type=int, default=None, help="prompts per category")

@@ -24,9 +24,10 @@ class BenchWorker:
 
     def __init__(self, cfg, chain: bool):
         from specplug.bench.runner import Bench
+        from specplug.config import target_args
         from specplug.runtime import load_target
 
-        self.target = load_target(cfg.model, cfg.device, cfg.dtype, cfg.quant, cfg.threads)
+        self.target = load_target(cfg.model, **target_args(cfg))
         self.bench = Bench(cfg, self.target, chain=chain)
         self.bench.warmup()
 

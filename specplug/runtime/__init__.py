@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specplug.errors import ModelError
 from specplug.runtime.gguf_file import GGUFFile, ModelConfig
 from specplug.runtime.kv_cache import KVCache
 from specplug.runtime.model import ForwardOutput, OutputHead, TokenEmbeddings, Transformer
@@ -35,11 +36,15 @@ def resolve_threads(threads: int | str | None) -> int | None:
     return threads
 
 
-def load_target(model: str, device: str = "auto", dtype: str = "float32", quant: str = "auto",
-                threads: int | str | None = None) -> Target:
+def load_target(model: str, device: str = "auto", dtype: str = "auto", quant: str = "auto",
+                threads: int | str | None = None, compile: bool | str = False, cuda_graphs: bool = True,
+                step_rows: int | None = None) -> Target:
     """Resolve a model name or path, load weights and tokenizer; ModelError on any problem.
     `threads`: CPU threads for torch and the native kernels (see resolve_threads); "auto" on a
-    CPU with several cores also chooses the count online (specplug.runtime.governor)."""
+    CPU with several cores also chooses the count online (specplug.runtime.governor).
+    `compile`: run forwards through the static-shape step (specplug.runtime.static); "auto" = on
+    CUDA with torch weights. `cuda_graphs`: capture its shapes on CUDA. `step_rows`: make it
+    batch-invariant with every forward this many rows (rounded up to a bucket)."""
     import torch
 
     n = resolve_threads(threads)
@@ -51,5 +56,14 @@ def load_target(model: str, device: str = "auto", dtype: str = "float32", quant:
         from specplug.runtime.governor import ThreadGovernor
 
         m.governor = ThreadGovernor(n)  # auto: the count that is fastest under the load of the moment
+    torch_weights = not m.backend.native and m.quant != "int8"
+    if compile is True and not torch_weights:
+        raise ModelError(f"compile: true runs the torch backend, but this target uses quant: {m.quant} "
+                         "(set quant: none, or compile: auto)")
+    if compile is True or (compile == "auto" and torch_weights and m.device.type == "cuda"):
+        from specplug.runtime.static import StaticOptions, row_bucket
+
+        m.use_static(StaticOptions(cuda_graphs=cuda_graphs,
+                                   fixed_rows=None if step_rows is None else row_bucket(min(step_rows, 64))))
     tok = Tokenizer.from_metadata(m.metadata, source=str(path))
     return Target(m, tok)

