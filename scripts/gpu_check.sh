@@ -68,8 +68,8 @@ for dt in bfloat16 float32; do
   $SPECPLUG bench-runtime --device cuda --dtype $dt --quant none --repeats 20 --json "$OUT/runtime-$dt.json" \
     | tee "$OUT/runtime-$dt.txt"
 done
-step "bench-runtime bfloat16, batch-invariant at 8 rows (parallel 1, n_max 7)"
-$SPECPLUG bench-runtime --device cuda --dtype bfloat16 --quant none --step-rows 8 --repeats 20 \
+step "bench-runtime bfloat16, batch-invariant at 8 tokens per slot (n_max 7)"
+$SPECPLUG bench-runtime --device cuda --dtype bfloat16 --quant none --step-tokens 8 --repeats 20 \
   --json "$OUT/runtime-bfloat16-fixed8.json" | tee "$OUT/runtime-bfloat16-fixed8.txt"
 step "bench-runtime bfloat16, eager (no static step)"
 $SPECPLUG bench-runtime --device cuda --dtype bfloat16 --quant none --compile off --repeats 10 \

@@ -65,7 +65,7 @@ def run_bench(model, repeats: int = 20) -> dict:
     res["step"] = "eager" if static is None else (
         f"static ({'compiled' if static.options.compile else 'eager'}"
         f"{', cuda graphs' if cuda and static.options.cuda_graphs else ''}"
-        f"{f', fixed {static.options.fixed_rows} rows' if static.options.fixed_rows else ''})")
+        f"{f', fixed: every slot x {static.options.fixed_tokens} tokens' if static.options.fixed_tokens else ''})")
 
     def median_ms(fn, n, warmup=2):
         return _median_ms(fn, n, warmup, sync)

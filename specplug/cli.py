@@ -54,20 +54,20 @@ def _compile_arg(text: str) -> bool | str:
 
 
 def add_step_args(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """--compile / --no-cuda-graphs / --step-rows: how the target steps (the static-shape step of
+    """--compile / --no-cuda-graphs / --step-tokens: how the target steps (the static-shape step of
     specplug.runtime.static). defaults=False: None unless given (they override a YAML config)."""
     p.add_argument("--compile", type=_compile_arg, default="auto" if defaults else None,
                    help="the static-shape compiled step: auto (on CUDA with torch weights), on (also CPU, quant none), off")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=True if defaults else None,
                    help="with the static step on CUDA, run it compiled but without CUDA graphs")
-    p.add_argument("--step-rows", type=int, default=None,
-                   help="static step: make every forward this many rows (batch-invariant; rounded up to a bucket)")
+    p.add_argument("--step-tokens", type=int, default=None,
+                   help="static step: every step all sequence slots x this many tokens (batch-invariant; a bucket)")
 
 
 def step_overrides(args) -> dict:
     """The YAML overrides given by add_step_args(defaults=False)."""
     return {key: value for key, value in [("compile", args.compile), ("cuda_graphs", args.cuda_graphs),
-                                          ("step_rows", args.step_rows)] if value is not None}
+                                          ("step_tokens", args.step_tokens)] if value is not None}
 
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +86,7 @@ def cmd_generate(args) -> int:
 
     sp = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     cfg = RunConfig(model=args.model, device=args.device, dtype=args.dtype, quant=args.quant, threads=args.threads,
-                    compile=args.compile, cuda_graphs=args.cuda_graphs, step_rows=args.step_rows,
+                    compile=args.compile, cuda_graphs=args.cuda_graphs, step_tokens=args.step_tokens,
                     context=args.context, max_tokens=args.max_tokens, chat=args.chat, sampling=sp)
     return _generate(cfg, [{"id": 0, "turns": [args.prompt]}], None, None)
 
@@ -181,7 +181,7 @@ def cmd_bench_runtime(args) -> int:
     from specplug.runtime import load_target
 
     target = load_target(args.model, args.device, args.dtype, args.quant, args.threads, compile=args.compile,
-                         cuda_graphs=args.cuda_graphs, step_rows=args.step_rows)
+                         cuda_graphs=args.cuda_graphs, step_tokens=args.step_tokens)
     bench_main(target.model, args.repeats, args.json, args.profile)
     return 0
 

@@ -64,8 +64,8 @@ class RunConfig:
     # the static-shape step (specplug.runtime.static): auto = on CUDA with torch weights; true: also on CPU (quant: none)
     compile: bool | str = "auto"
     cuda_graphs: bool = True  # with the static step on CUDA: replay each shape as a CUDA graph (`--no-cuda-graphs`)
-    batch_invariant: bool = True  # static step: every forward has the same row count, so speculative greedy == plain
-    step_rows: int | None = None  # static step, batch-invariant: rows of every forward (default: parallel x (1 + n_max))
+    batch_invariant: bool = True  # static step: every step has the same shape, so speculative greedy == plain
+    step_tokens: int | None = None  # static step, batch-invariant: tokens per sequence in every step (default: 1 + n_max)
     context: int = 2048  # positions per sequence
     parallel: int = 1  # sequences in flight at once
     max_tokens: int = 256
@@ -84,9 +84,9 @@ class RunConfig:
 def target_args(cfg: "RunConfig") -> dict[str, Any]:
     """load_target's keyword arguments for this run (how the target loads and steps)."""
     n_max = max((s.policy.n_max for s in cfg.speculators), default=0)
-    rows = cfg.step_rows or min(64, cfg.parallel * (1 + n_max))
+    tokens = cfg.step_tokens or min(64, 1 + n_max)
     return dict(device=cfg.device, dtype=cfg.dtype, quant=cfg.quant, threads=cfg.threads, compile=cfg.compile,
-                cuda_graphs=cfg.cuda_graphs, step_rows=rows if cfg.batch_invariant else None)
+                cuda_graphs=cfg.cuda_graphs, step_tokens=tokens if cfg.batch_invariant else None)
 
 
 _SPEC_HOST_KEYS = {"type", "name"} | {f.name for f in dataclasses.fields(DraftPolicy)}
@@ -189,7 +189,7 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
                           ("threads", cfg.threads in (None, "auto") or isinstance(cfg.threads, int) and cfg.threads >= 1,
                            ">= 1 or auto (the cores this process may run on)"),
                           ("compile", cfg.compile in (True, False, "auto"), "true, false or auto"),
-                          ("step_rows", cfg.step_rows is None or 1 <= cfg.step_rows <= 64, "between 1 and 64 (or null)"),
+                          ("step_tokens", cfg.step_tokens is None or 1 <= cfg.step_tokens <= 64, "between 1 and 64 (or null)"),
                           ("max_body_mb", cfg.max_body_mb > 0, "> 0"),
                           ("step_timeout_s", cfg.step_timeout_s is None or cfg.step_timeout_s > 0, "> 0 (or null: no limit)")]:
         if not ok:

@@ -557,4 +557,4 @@ def target_info(target: Target, n_seq: int, max_ctx: int) -> TargetInfo:
                       bos_id=tok.bos_id, eos_id=tok.eos_id, eot_ids=frozenset(tok.eot_ids), device=m.device,
                       dtype=m.dtype, n_seq=n_seq, max_ctx=max_ctx, token_embeddings=m.embed,
                       output_head=m.output_head, quant=m.quant, rms_eps=cfg.rms_eps,
-                      verify_cost=m.verify_cost)
+                      verify_cost=m.verify_cost, static=None if m.static is None else m.static.options)

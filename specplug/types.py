@@ -42,6 +42,10 @@ class TargetInfo:
     # the host's verification curve: verify_cost(k) is the time of a target forward of k new rows in
     # units of a one-row forward (verify_cost(1) == 1); what a draft's extra rows cost
     verify_cost: Callable[[int], float] | None = field(default=None, repr=False)
+    # the target's specplug.runtime.static.StaticOptions when it runs static-shape (compiled, on CUDA
+    # graph-captured) steps, else None: a head on the torch backend builds its draft step the same way
+    # with specplug.runtime.static.head_steps
+    static: Any = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

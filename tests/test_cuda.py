@@ -64,9 +64,10 @@ def test_cuda_graph_step_matches_eager(gguf_path, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 4, 8, 16, 32, 64])
 def test_rows_do_not_depend_on_their_batch(gguf_path, dtype, rows):
-    """Fixed rows: a sequence's decode row alone and among rows - 1 random rows of other sequences
-    (decode and verification) gives bit-identical logits and taps."""
-    m = _model(gguf_path, dtype, fixed_rows=rows)
+    """A fixed step shape (5 slots -> 8 x `rows` tokens): a sequence's decode row alone and among
+    rows - 1 random rows of other sequences (decode and verification) gives bit-identical logits
+    and taps."""
+    m = _model(gguf_path, dtype, fixed_tokens=rows)
     rng = random.Random(rows)
     n_seq = 5
     prompts = {s: [rng.randrange(3, 250) for _ in range(rng.randrange(3, 100))] for s in range(n_seq)}
@@ -108,7 +109,7 @@ def _example_configs() -> list[Path]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_greedy_speculative_equals_plain_for_every_example_config(dtype):
-    """The real target on CUDA, static step with fixed rows (the YAML default): every example
+    """The real target on CUDA, static step with a fixed shape (the YAML default): every example
     config's speculators change no token of plain greedy output."""
     import dataclasses
 
@@ -119,7 +120,7 @@ def test_greedy_speculative_equals_plain_for_every_example_config(dtype):
     from specplug.runtime import load_target
 
     try:
-        target = load_target("smollm2-135m", device="cuda", dtype=dtype, quant="none", compile=True, step_rows=16)
+        target = load_target("smollm2-135m", device="cuda", dtype=dtype, quant="none", compile=True, step_tokens=8)
     except ModelError as exc:
         pytest.skip(str(exc))
     prompts = ["Explain why the sky is blue in two sentences.",

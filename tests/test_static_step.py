@@ -65,8 +65,8 @@ def test_buckets():
         row_bucket(513)
     assert [ctx_bucket(n, 2048) for n in (1, 256, 257, 1500, 2048)] == [256, 256, 512, 2048, 2048]
     assert ctx_bucket(900, 700) == 700
-    with pytest.raises(ValueError, match="fixed_rows"):
-        StaticOptions(fixed_rows=3)
+    with pytest.raises(ValueError, match="fixed_tokens"):
+        StaticOptions(fixed_tokens=3)
 
 
 def test_every_bucket_compiles_fullgraph_and_matches_eager(gguf_path):
@@ -85,7 +85,7 @@ def test_every_bucket_compiles_fullgraph_and_matches_eager(gguf_path):
         for t in (0, 2):
             _close(got.hidden[t], want.hidden[t])
         assert cache.k.shape[1] == len(prefixes) + 1  # the spare slot
-    assert static.static.graphs >= len(ROW_BUCKETS) - 1
+    assert static.static.graphs >= 5
 
 
 def test_one_compiled_layer_serves_every_layer(gguf_path):
@@ -119,13 +119,13 @@ def test_inductor_compiles_the_step(gguf_path):
 def test_padding_rows_touch_only_the_spare_slot(gguf_path):
     m = _model(gguf_path, compile=False)
     cache = m.new_cache(2, CTX)
-    m.forward([5, 6, 7], [0, 1, 2], [0, 0, 0], cache, logits_rows=[2])  # 3 rows -> bucket 4: one pad
+    m.forward([5, 6, 7], [0, 1, 2], [0, 0, 0], cache, logits_rows=[2])  # 1 x 3 tokens -> 1 x 4: one pad row
     k_before = cache.k[:, :2].clone()
-    m.forward([8], [3], [1], cache, logits_rows=[0])  # seq 1 at position 3 -> bucket 1, no pad
+    m.forward([8], [3], [1], cache, logits_rows=[0])  # seq 1 at position 3 -> 1 x 1, no pad
     m.forward([9, 10, 11], [3, 4, 5], [0, 0, 0], cache, logits_rows=None)  # one pad again
     assert cache.valid[0, :6].all() and not cache.valid[0, 6:].any()
     assert cache.valid[1].nonzero().flatten().tolist() == [3]
-    assert cache.valid[2, 0]  # the pad wrote the spare slot
+    assert cache.valid[2].any()  # the pad rows wrote the spare slot
     # seq 0's cells 0-2 and seq 1's cell 3 kept what their own rows wrote
     assert torch.equal(cache.k[:, 0, :, :3], k_before[:, 0, :, :3])
     assert cache.seq_len(0) == 6 and cache.seq_len(1) == 4
@@ -134,7 +134,7 @@ def test_padding_rows_touch_only_the_spare_slot(gguf_path):
 def test_more_rows_than_a_step_holds(gguf_path):
     """A forward larger than the step runs as consecutive steps in position order."""
     eager = _model(gguf_path)
-    m = _model(gguf_path, compile=False, fixed_rows=4)
+    m = _model(gguf_path, compile=False, fixed_tokens=4)
     prefixes, rows = _batch(11, 2, seed=5)
     want, _ = _run(eager, prefixes, rows)
     got, _ = _run(m, prefixes, rows)
@@ -143,10 +143,10 @@ def test_more_rows_than_a_step_holds(gguf_path):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fixed_rows_make_a_row_independent_of_its_step(gguf_path, compiled):
-    """With fixed rows, a sequence's decode row alone and the same row in a full step of other
-    sequences' verification rows give bit-identical logits and taps."""
-    opts = dict(compile=compiled, backend="aot_eager", fixed_rows=8)
+def test_fixed_shape_makes_a_row_independent_of_its_step(gguf_path, compiled):
+    """With a fixed step shape, a sequence's decode row alone and the same row in a step full of
+    other sequences' verification rows give bit-identical logits and taps."""
+    opts = dict(compile=compiled, backend="aot_eager", fixed_tokens=8)
     m = _model(gguf_path, **opts)
     rng = random.Random(3)
     prefix = {s: [rng.randrange(3, 250) for _ in range(20 + 7 * s)] for s in range(3)}
@@ -168,9 +168,9 @@ def test_fixed_rows_make_a_row_independent_of_its_step(gguf_path, compiled):
 
 
 def test_greedy_speculative_equals_plain_on_the_static_step(gguf_path):
-    """The engine on the static step (fixed rows): speculation changes no token."""
+    """The engine on the static step (fixed shape): speculation changes no token."""
     target = load_target(str(gguf_path), device="cpu", dtype="float32", quant="none")
-    target.model.use_static(StaticOptions(compile=False, fixed_rows=8))  # eager: the same step, quicker to test
+    target.model.use_static(StaticOptions(compile=False, fixed_tokens=8))  # eager: the same step, quicker to test
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(3, 40))] for _ in range(4)]
     plain, _ = greedy_outputs(target, [], prompts, 24, n_parallel=2)
@@ -185,8 +185,8 @@ def test_load_target_options(gguf_path, tiny_q8_gguf):
     assert t.model.static is None and t.model.dtype == torch.float32
     t = load_target(str(gguf_path), device="cpu", quant="none", compile="auto")
     assert t.model.static is None  # auto: only on CUDA
-    t = load_target(str(gguf_path), device="cpu", quant="none", compile=True, step_rows=5)
-    assert t.model.static.options.fixed_rows == 8 and t.model.static.options.compile
+    t = load_target(str(gguf_path), device="cpu", quant="none", compile=True, step_tokens=5)
+    assert t.model.static.options.fixed_tokens == 8 and t.model.static.options.compile
     with pytest.raises(ModelError, match="compile: true runs the torch backend.*quant: none"):
         load_target(str(tiny_q8_gguf), device="cpu", quant="gguf", compile=True)
 
@@ -199,10 +199,10 @@ def test_config_keys(tmp_path):
     cfg = load_config(p)
     assert cfg.dtype == "auto" and cfg.compile == "auto" and cfg.cuda_graphs and cfg.batch_invariant
     args = target_args(cfg)
-    assert args["step_rows"] == 12 and args["compile"] == "auto" and args["cuda_graphs"] is True
+    assert args["step_tokens"] == 6 and args["compile"] == "auto" and args["cuda_graphs"] is True
     p.write_text("model: x.gguf\ncompile: sometimes\n")
     with pytest.raises(ConfigError, match="compile must be true, false or auto"):
         load_config(p)
     p.write_text("model: x.gguf\nbatch_invariant: false\ncuda_graphs: false\n")
     cfg = load_config(p)
-    assert target_args(cfg)["step_rows"] is None and target_args(cfg)["cuda_graphs"] is False
+    assert target_args(cfg)["step_tokens"] is None and target_args(cfg)["cuda_graphs"] is False

@@ -38,13 +38,13 @@ def resolve_threads(threads: int | str | None) -> int | None:
 
 def load_target(model: str, device: str = "auto", dtype: str = "auto", quant: str = "auto",
                 threads: int | str | None = None, compile: bool | str = False, cuda_graphs: bool = True,
-                step_rows: int | None = None) -> Target:
+                step_tokens: int | None = None) -> Target:
     """Resolve a model name or path, load weights and tokenizer; ModelError on any problem.
     `threads`: CPU threads for torch and the native kernels (see resolve_threads); "auto" on a
     CPU with several cores also chooses the count online (specplug.runtime.governor).
     `compile`: run forwards through the static-shape step (specplug.runtime.static); "auto" = on
-    CUDA with torch weights. `cuda_graphs`: capture its shapes on CUDA. `step_rows`: make it
-    batch-invariant with every forward this many rows (rounded up to a bucket)."""
+    CUDA with torch weights. `cuda_graphs`: capture its shapes on CUDA. `step_tokens`: make it
+    batch-invariant, every step all sequence slots x this many tokens (rounded up to a bucket)."""
     import torch
 
     n = resolve_threads(threads)
@@ -64,6 +64,6 @@ def load_target(model: str, device: str = "auto", dtype: str = "auto", quant: st
         from specplug.runtime.static import StaticOptions, row_bucket
 
         m.use_static(StaticOptions(cuda_graphs=cuda_graphs,
-                                   fixed_rows=None if step_rows is None else row_bucket(min(step_rows, 64))))
+                                   fixed_tokens=None if step_tokens is None else row_bucket(min(step_tokens, 64))))
     tok = Tokenizer.from_metadata(m.metadata, source=str(path))
     return Target(m, tok)

@@ -217,30 +217,42 @@ class Step:
 
 
 class StaticRows:
-    """One forward's rows as device tensors of a fixed count: the step a compiled graph (and a
+    """One forward's rows as device tensors of a fixed shape: the step a compiled graph (and a
     CUDA graph) is made of. Duck-types Step for DecoderLayer on the torch backend.
 
-    seq, pos, limit: [R] int64 on the cache's device (limit: the last position a row attends to,
-    its own position for causal rows). Every row attends to cells [0, L) of its own slot that are
-    valid and <= its limit, so rows of any sequences and lengths mix and nothing depends on the
-    data's shape: R and L are the graph's shape, the rest is data. Padding rows point at a spare
-    slot of the cache (KVCache(..., spare=1)), one distinct cell each, so they never touch a
-    sequence. Use it inside a function compiled with torch.compile(fullgraph=True).
+    Rows are laid out as [B slots x T tokens] (row r = b * T + t): `slots` [B] the cache slot each
+    group reads, `pos`/`limit` [B*T] each row's position and the last position it attends to
+    (its own, causal; a block drafter's block end), `wslot`/`wpos` [B*T] the cell each row's K/V
+    are written to. Every row attends to cells [0, L) of its group's slot that are valid and <= its
+    limit; the G = H/Hkv query heads of a kv head and the T rows of a slot are the query rows of one
+    attention, so each slot's keys are read once per step, not once per row. Padding rows (of a
+    short group, or of a padding group reading the spare slot) write a spare slot of the cache
+    (KVCache(..., spare=1)) and never touch a sequence. B, T and L are the graph's shape, the rest
+    is data. Use it inside a function compiled with torch.compile(fullgraph=True).
     """
 
     native = False
     plan = None
 
-    def __init__(self, seq: torch.Tensor, pos: torch.Tensor, limit: torch.Tensor, L: int, cache: KVCache,
-                 cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype):
-        """cos/sin: Rope.cos_sin tables on the cache's device; dtype: the dtype attention computes in."""
-        self.seq, self.pos, self.L, self.cache = seq, pos, L, cache
-        self.n = seq.shape[0]
-        self.cos, self.sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)  # [R, 1, D/2]
-        cache.valid.index_put_((seq, pos), torch.ones_like(pos, dtype=torch.bool))
-        keep = (torch.arange(L, device=pos.device).view(1, L) <= limit.view(-1, 1)) & cache.valid[seq, :L]
-        self.mask = torch.zeros(keep.shape, dtype=dtype, device=pos.device).masked_fill_(~keep, float("-inf"))
-        self.mask = self.mask.view(self.n, 1, 1, L)
+    def __init__(self, slots: torch.Tensor, pos: torch.Tensor, limit: torch.Tensor, wslot: torch.Tensor,
+                 wpos: torch.Tensor, L: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
+                 group: int):
+        """cos/sin: Rope.cos_sin tables on the cache's device; dtype: the dtype attention computes in;
+        group: query heads per kv head (n_head / n_head_kv) of the layers that will use the step."""
+        self.slots, self.wslot, self.wpos, self.L, self.cache = slots, wslot, wpos, L, cache
+        self.B, self.n = slots.shape[0], pos.shape[0]
+        self.T = self.n // self.B
+        self.cos, self.sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)  # [B*T, 1, D/2]
+        cache.valid.index_put_((wslot, wpos), torch.ones_like(wpos, dtype=torch.bool))
+        B, T = self.B, self.T
+        keep = (torch.arange(L, device=pos.device).view(1, 1, L) <= limit.view(B, T, 1)) & \
+            cache.valid[slots, :L].view(B, 1, L)  # [B, T, L]
+        # finite "minus infinity": a padding row with nothing to attend to gets finite junk, not NaN;
+        # for a real row exp(min - max) is exactly 0, as with -inf
+        mask = torch.zeros(keep.shape, dtype=dtype, device=pos.device).masked_fill_(~keep, torch.finfo(dtype).min)
+        # [B, 1, G*T, L]: rows ordered (g, t) as `attend` groups the queries
+        self.mask = mask.unsqueeze(1).expand(B, group, T, L).reshape(B, 1, group * T, L)
+        self.group = group
         self.kc = self.vc = None
 
     def at(self, li: int) -> "StaticRows":
@@ -270,20 +282,22 @@ class StaticRows:
 
     def store(self, li: int, k: torch.Tensor, v: torch.Tensor) -> None:
         kc, vc = self._kv(li)
-        # [n_seq, Hkv, max_ctx, D] seen as [n_seq, max_ctx, Hkv, D]: (slot, cell) picks a row's [Hkv, D]
-        kc.transpose(1, 2).index_put_((self.seq, self.pos), k.to(kc.dtype))
-        vc.transpose(1, 2).index_put_((self.seq, self.pos), v.to(vc.dtype))
+        # [slots, Hkv, max_ctx, D] seen as [slots, max_ctx, Hkv, D]: (slot, cell) picks a row's [Hkv, D]
+        kc.transpose(1, 2).index_put_((self.wslot, self.wpos), k.to(kc.dtype))
+        vc.transpose(1, 2).index_put_((self.wslot, self.wpos), v.to(vc.dtype))
 
     def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, H: int, Hkv: int, D: int) -> torch.Tensor:
-        """Each row against its own slot's first L cells; the G = H/Hkv query heads of a kv head are
-        the query rows of one attention, so keys are never repeated."""
         self.store(li, k, v)
-        R, L = self.n, self.L
+        B, T, L = self.B, self.T, self.L
+        G = H // Hkv
+        assert G == self.group, (G, self.group)
         kc, vc = self._kv(li)
-        kc = kc[:, :, :L][self.seq].to(q.dtype)  # [R, Hkv, L, D]
-        vc = vc[:, :, :L][self.seq].to(q.dtype)
-        o = F.scaled_dot_product_attention(q.reshape(R, Hkv, H // Hkv, D), kc, vc, attn_mask=self.mask)
-        return o.reshape(R, H * D)
+        kc = kc[:, :, :L][self.slots].to(q.dtype)  # [B, Hkv, L, D]
+        vc = vc[:, :, :L][self.slots].to(q.dtype)
+        qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=self.mask)  # [B, Hkv, G*T, D]
+        return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
+
 
 @dataclass(frozen=True)
 class LayerShape:

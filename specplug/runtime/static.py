@@ -6,8 +6,9 @@ only be captured from a step whose shapes and control flow do not depend on the 
 the step is data on the device:
 
 - persistent input buffers hold token ids, positions, sequence slots and per-row limits;
-- rows come in buckets (ROW_BUCKETS, padded up; padding rows write a spare cache slot) and each
-  row attends to the first L cells of its own slot, L a context bucket covering the batch;
+- rows are laid out [B sequences x T tokens], both padded up to buckets (ROW_BUCKETS; padding
+  rows write a spare cache slot), and the rows of a sequence attend to the first L cells of its
+  slot, L a context bucket covering the batch: each slot's keys are read once per step;
 - the KV cache is the static one the engine already has, plus one spare slot;
 - hidden-state taps (all layers' inputs at once, so the taps asked for change no shape) and logits
   are graph outputs for every row; rows and taps are picked afterwards.
@@ -19,13 +20,15 @@ shape), or as one graph. On CUDA each shape (cache, rows, context, taps or not, 
 then captured whole with `torch.cuda.graph` and replayed.
 
 Batch invariance. A row's result depends on the kernels its batch shape selects (GEMM tiling,
-split-K, attention blocking). With `fixed_rows`, every forward is exactly that many rows and
-attends over the whole cache (L = max_ctx), so decode, verification and prefill of every
-sequence run the same kernels in the same reduction order, and greedy speculative output equals
-plain bit for bit. The price is that every step costs T(fixed_rows) (bench-runtime measures it).
+split-K, attention blocking). With `fixed_tokens`, every step holds every slot of the cache with
+that many tokens each and attends over the whole cache (L = max_ctx), so decode, verification
+and prefill of every sequence run the same kernels in the same reduction order, and greedy
+speculative output equals plain bit for bit. The price is that every step costs what a full step
+of that shape costs (bench-runtime measures it).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -64,22 +67,26 @@ class StaticOptions:
     eagerly, for debugging and for tests). backend: torch.compile's backend. granularity:
     "layer" compiles one decoder layer (and the output head) per shape and reuses it for every
     layer, since weights and K/V are its inputs (seconds to compile; the CUDA graph still holds
-    the whole step); "step" compiles the whole step as one graph. cuda_graphs: on
-    CUDA, capture each compiled shape in a CUDA graph. fixed_rows: batch-invariant mode: every
-    forward has exactly this many rows (a bucket) and attends over the whole cache.
+    the whole step; each layer's K/V written in place); "step" compiles the whole step as one
+    graph: what proves it has no graph break, but slow to run (AOTAutograd turns each layer's
+    write into a view of the one cache tensor into a copy of the whole cache: 983 ms vs 64 ms a
+    decode step of SmolLM2 on this CPU), so it is for tests. cuda_graphs: on
+    CUDA, capture each compiled shape in a CUDA graph. fixed_tokens: batch-invariant mode: every
+    step has every slot of the cache and this many tokens of each (a bucket), and attends over
+    the whole cache.
     """
 
     compile: bool = True
     backend: str = "inductor"
     granularity: str = "layer"
     cuda_graphs: bool = True
-    fixed_rows: int | None = None
+    fixed_tokens: int | None = None
 
     def __post_init__(self):
         if self.granularity not in ("layer", "step"):
             raise ValueError(f"granularity must be layer or step, not {self.granularity!r}")
-        if self.fixed_rows is not None and self.fixed_rows not in ROW_BUCKETS:
-            raise ValueError(f"fixed_rows must be one of {ROW_BUCKETS}, not {self.fixed_rows}")
+        if self.fixed_tokens is not None and self.fixed_tokens not in ROW_BUCKETS:
+            raise ValueError(f"fixed_tokens must be one of {ROW_BUCKETS}, not {self.fixed_tokens}")
 
 
 def _layer(layer, x, step: StaticRows):
@@ -91,100 +98,161 @@ def _head(model, x):
     return model.head.norm_linear(x, model.config.rms_eps).float()
 
 
-def _rows_forward(model, ids, seq, pos, limit, cache: KVCache, L: int, taps: bool, logits: bool,
-                  layer_fn=_layer, head_fn=_head):
-    """The step itself: rows [R] (or embedded rows [R, n_embd]) -> (logits [R, vocab] float32 or
-    None, and with `taps` every layer's input and the final state [n_layer + 1, R, n_embd] float32).
-    No host sync, no data-dependent shape. layer_fn/head_fn: compiled per layer (see StaticRunner)."""
+def _target_rows(model, layer_fn, head_fn, step: StaticRows, inputs, key):
+    """The target's step: rows (token ids [R], or embedded rows [R, n_embd] where the table lives
+    on the host) -> (logits [R, vocab] float32 or None, with taps every layer's input and the final
+    state [R, n_layer + 1, n_embd] float32 or None). key = (taps?, logits?)."""
+    taps, logits = key
+    ids = inputs[0]
     x = model.embed[ids] if ids.dim() == 1 else ids
-    cos, sin = model.rope.cos_sin(cache.max_ctx)
-    step = StaticRows(seq, pos, limit, L, cache, cos, sin, model.dtype)
     hidden = []
     for li, layer in enumerate(model.layers):
         if taps:
             hidden.append(x)
         x = layer_fn(layer, x, step.at(li))
     out = head_fn(model, x) if logits else None
-    return out, (torch.stack(hidden + [x]).float() if taps else None)
+    return out, (torch.stack(hidden + [x], 1).float() if taps else None)
 
 
 class _Graph:
     """One shape's step: its input buffers and how to run it (compiled, maybe captured)."""
 
-    def __init__(self, fn, R: int, embed_rows: int | None, device: torch.device, dtype: torch.dtype):
-        self.fn = fn
-        self.idx = torch.zeros(4, R, dtype=torch.long, device=device)  # ids, seq, pos, limit
-        self.x = None if embed_rows is None else torch.zeros(R, embed_rows, dtype=dtype, device=device)
+    def __init__(self, call, B: int, T: int, inputs: list[torch.Tensor], device: torch.device):
+        self.call = call
+        self.slots = torch.zeros(B, dtype=torch.long, device=device)
+        self.idx = torch.zeros(4, B * T, dtype=torch.long, device=device)  # pos, limit, wslot, wpos
+        self.inputs = [torch.zeros((B * T, *x.shape[1:]), dtype=x.dtype, device=device) for x in inputs]
         self.cuda_graph: torch.cuda.CUDAGraph | None = None
         self.out = None
-
-    def args(self):
-        ids, seq, pos, limit = self.idx
-        return (ids if self.x is None else self.x), seq, pos, limit
 
     def run(self):
         if self.cuda_graph is not None:
             self.cuda_graph.replay()
             return self.out
-        return self.fn(*self.args())
+        return self.call(self.slots, self.idx, self.inputs)
 
 
-class StaticRunner:
-    """Runs a Transformer's forwards through static-shape steps (see the module docstring).
+class StaticSteps:
+    """Static-shape steps of one function of rows: the shared mechanism of the target's step and
+    of every head's draft step (a head on the torch backend builds one around its layer).
 
-    Counters: `graphs` (shapes built), `compile_s` (first calls of each shape, which compile),
-    `capture_s` (CUDA graph captures).
+        steps = StaticSteps(fn, rope, dtype, device, options, group=n_head // n_head_kv)
+        outs = steps(cache, positions, seq_ids, [h, token_ids], key=(...,), limits=None)
+
+    `fn(step, inputs, key)` computes on a StaticRows step (its layers take it as they take a Step)
+    and returns a tuple of tensors (or None) whose first dimension is the rows. inputs: per-row
+    tensors (or int lists) in entry order, placed into persistent buffers laid out [B slots x T
+    tokens]; `key`: constants of the shape (flags), part of what makes a graph. Each (cache, B, T,
+    context, inputs' shapes, key) is compiled once (`compile_whole`: fn as one fullgraph graph;
+    else fn is run as given, for a caller that compiled its parts) and on CUDA captured as a CUDA
+    graph. Returns fresh tensors [n, ...] in entry order. Counters: `graphs`, `compile_s` (first
+    calls, which compile), `capture_s`.
     """
 
-    def __init__(self, model, options: StaticOptions = StaticOptions()):
-        if model.backend.native or model.quant == "int8":
-            raise ValueError("the static step runs on the torch backend (quant: none); "
-                             "the native CPU kernels are already one call per layer")
-        self.model, self.options = model, options
-        self.cuda = model.device.type == "cuda"
+    def __init__(self, fn, rope, dtype: torch.dtype, device: torch.device, options: StaticOptions,
+                 group: int = 1, compile_whole: bool = True):
+        self.options, self.rope, self.dtype, self.device = options, rope, dtype, torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self.compile_s = self.capture_s = 0.0
-        self._fn = _rows_forward
-        if options.compile:
-            import torch._dynamo.config as dynamo_config
 
-            # one graph per (rows, context, taps) bucket: far more than dynamo's default of 8
-            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
-            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
-            for lin in (model.head, *(m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))):
-                if hasattr(lin, "unpack"):
-                    lin.unpack()
-            compile_ = lambda f: torch.compile(f, fullgraph=True, dynamic=False, backend=options.backend)  # noqa: E731
-            if options.granularity == "step":
-                self._fn = compile_(_rows_forward)
-            else:
-                layer_fn, head_fn = compile_(_layer), compile_(_head)
-                self._fn = lambda *a: _rows_forward(*a, layer_fn=layer_fn, head_fn=head_fn)
+        def call(slots, idx, inputs, cache, L, key):
+            cos, sin = rope.cos_sin(cache.max_ctx)
+            pos, limit, wslot, wpos = idx
+            return fn(StaticRows(slots, pos, limit, wslot, wpos, L, cache, cos, sin, dtype, group), inputs, key)
+
+        self._call = call
+        if options.compile:
+            _raise_recompile_limits()
+            if compile_whole:
+                self._call = torch.compile(call, fullgraph=True, dynamic=False, backend=options.backend)
 
     @property
     def graphs(self) -> int:
         return len(self._graphs)
 
-    @property
-    def max_rows(self) -> int:
-        return self.options.fixed_rows or ROW_BUCKETS[-1]
+    def __call__(self, cache: KVCache, positions: Sequence[int], seq_ids: Sequence[int], inputs: Sequence,
+                 key: tuple = (), limits: Sequence[int] | None = None) -> tuple:
+        if cache.spare < 1:
+            raise ValueError("a static step needs a cache with a spare slot (new_cache(..., spare=1))")
+        positions, seq_ids = [int(p) for p in positions], [int(s) for s in seq_ids]
+        limits = positions if limits is None else [int(x) for x in limits]
+        inputs = [torch.as_tensor(x, dtype=torch.long) if isinstance(x, (list, tuple)) else x for x in inputs]
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(seq_ids):
+            groups.setdefault(s, []).append(i)
+        T_max = self._tokens_per_step(cache, len(groups))
+        if max(len(g) for g in groups.values()) <= T_max:
+            return self._step(cache, positions, limits, groups, inputs, key)
+        # more tokens of a sequence than a step holds: consecutive steps, each taking the next T_max
+        # tokens (in position order) of every sequence, so a row's earlier positions are in its own
+        # step or an earlier one
+        n = len(positions)
+        for g in groups.values():
+            g.sort(key=lambda i: positions[i])
+        outs = None
+        for a in range(0, max(len(g) for g in groups.values()), T_max):
+            part = {s: g[a:a + T_max] for s, g in groups.items() if g[a:a + T_max]}
+            res = self._step(cache, positions, limits, part, inputs, key)
+            rows = torch.tensor(sorted(i for g in part.values() for i in g))
+            if outs is None:
+                outs = [None if o is None else o.new_empty((n, *o.shape[1:])) for o in res]
+            for o, r in zip(outs, res):
+                if o is not None:
+                    o.index_copy_(0, rows.to(o.device), r)
+        return tuple(outs)
 
-    def _graph(self, cache: KVCache, R: int, L: int, taps: bool, logits: bool) -> _Graph:
-        key = (id(cache), R, L, taps, logits)
-        g = self._graphs.get(key)
+    def _tokens_per_step(self, cache: KVCache, n_groups: int) -> int:
+        """The most tokens of one sequence a step holds."""
+        if self.options.fixed_tokens:
+            return self.options.fixed_tokens
+        return ROW_BUCKETS[-1] // row_bucket(n_groups)
+
+    def _step(self, cache, positions, limits, groups: dict[int, list[int]], inputs, key) -> tuple:
+        """One step of the entries in `groups` (sequence -> its entry indices, at most a step's worth);
+        outputs follow the entries' order."""
+        entries = [i for g in groups.values() for i in g]
+        _note_batch([positions[i] for i in entries], [s for s, g in groups.items() for _ in g], cache)
+        fixed = self.options.fixed_tokens
+        B = row_bucket(cache.n_seq) if fixed else row_bucket(len(groups))
+        T = fixed or row_bucket(max(len(g) for g in groups.values()))
+        L = cache.max_ctx if fixed else ctx_bucket(max(limits[i] for i in entries) + 1, cache.max_ctx)
+        g = self._graph(cache, B, T, L, inputs, key)
+        spare, R = cache.n_seq, B * T
+        slots = list(groups) + [spare] * (B - len(groups))
+        pos, lim = [0] * R, [-1] * R  # padding rows attend to nothing (finite junk, never read)
+        wslot, wpos = [spare] * R, [r % cache.max_ctx for r in range(R)]  # padding rows: distinct spare cells
+        row_of = {}
+        for b, idx in enumerate(groups.values()):
+            for t, e in enumerate(idx):
+                r = row_of[e] = b * T + t
+                pos[r], lim[r], wslot[r], wpos[r] = positions[e], limits[e], slots[b], positions[e]
+        g.slots.copy_(torch.tensor(slots), non_blocking=True)
+        g.idx.copy_(torch.tensor([pos, lim, wslot, wpos]), non_blocking=True)
+        order = sorted(row_of)  # the step's entries in entry order: what the outputs follow
+        sel_rows = torch.tensor([row_of[e] for e in order], device=self.device)
+        sel_entries = torch.tensor(order)
+        for buf, x in zip(g.inputs, inputs):
+            buf.index_copy_(0, sel_rows, x[sel_entries.to(x.device)].to(buf.device, buf.dtype))
+        outs = g.run()
+        return tuple(None if o is None else o.index_select(0, sel_rows.to(o.device)) for o in outs)
+
+    def _graph(self, cache: KVCache, B: int, T: int, L: int, inputs: list[torch.Tensor], key: tuple) -> _Graph:
+        gkey = (id(cache), B, T, L, tuple((tuple(x.shape[1:]), x.dtype) for x in inputs), key)
+        g = self._graphs.get(gkey)
         if g is not None:
             return g
-        model = self.model
-        model.rope.cos_sin(cache.max_ctx)  # the tables exist before tracing: constants of the graph
-        embed_rows = None if isinstance(model.embed, torch.Tensor) else model.config.n_embd
-        fn = self._fn
-        g = _Graph(lambda *a: fn(model, *a, cache, L, taps, logits), R, embed_rows, model.device, model.dtype)
+        self.rope.cos_sin(cache.max_ctx)  # the tables exist before tracing: constants of the graph
+        call = self._call
+        g = _Graph(lambda slots, idx, bufs: call(slots, idx, bufs, cache, L, key), B, T, inputs, self.device)
         # every row a padding row of the spare slot, so compiling, warming up and capturing
         # touch no sequence's cells
-        g.idx[1].fill_(cache.n_seq)
-        g.idx[2].copy_(torch.arange(R) % cache.max_ctx)
-        g.idx[3].copy_(g.idx[2])
+        g.slots.fill_(cache.n_seq)
+        g.idx[0].copy_(torch.arange(B * T) % cache.max_ctx)
+        g.idx[1].copy_(g.idx[0])
+        g.idx[2].fill_(cache.n_seq)
+        g.idx[3].copy_(g.idx[0])
         t0 = time.perf_counter()
         g.run()  # the first call compiles (and warms up)
         if self.cuda:
@@ -192,7 +260,7 @@ class StaticRunner:
         self.compile_s += time.perf_counter() - t0
         if self.cuda and self.options.cuda_graphs:
             self._capture(g)
-        self._graphs[key] = g
+        self._graphs[gkey] = g
         return g
 
     def _capture(self, g: _Graph) -> None:
@@ -203,64 +271,94 @@ class StaticRunner:
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                g.fn(*g.args())
+                g.call(g.slots, g.idx, g.inputs)
         torch.cuda.current_stream().wait_stream(s)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         cg = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cg, pool=self._pool):
-            g.out = g.fn(*g.args())
+            g.out = g.call(g.slots, g.idx, g.inputs)
         g.cuda_graph = cg
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - t0
 
+
+def _raise_recompile_limits() -> None:
+    import torch._dynamo.config as dynamo_config
+
+    # one graph per shape (rows, context, flags) of every model and head: far more than dynamo's default of 8
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
+
+
+def unpack_linears(linears) -> None:
+    """Plain weights for torch.compile's inductor, which cannot lower oneDNN's packed ones (CPU)."""
+    for lin in linears:
+        if hasattr(lin, "unpack"):
+            lin.unpack()
+
+
+def head_steps(target, backend, fn, rope, group: int, linears=()) -> StaticSteps | None:
+    """A head's draft step as static-shape steps where its target runs them (`target.static`, a
+    TargetInfo's), else None (then the head runs its eager forward). fn(step, inputs, key): the
+    head's rows function (see StaticSteps); group: its layer's n_head // n_head_kv; linears: the
+    head's Linear layers (unpacked for the
+    compiler on CPU). Rows are bucketed, not fixed: a draft is verified by the target, so a head's
+    numerics never reach the output and its steps stay as small as its batch."""
+    opts = getattr(target, "static", None)
+    if opts is None or backend.native:
+        return None
+    if opts.compile:
+        unpack_linears(linears)
+    return StaticSteps(fn, rope, backend.dtype, backend.device, dataclasses.replace(opts, fixed_tokens=None), group)
+
+
+def chain_head_step(steps: StaticSteps, cache: KVCache, embed, h: torch.Tensor, token_ids: Sequence[int],
+                    positions: Sequence[int], seq_ids: Sequence[int], logits_rows: Sequence[int]):
+    """A chain head's forward (MTP, Eagle3: rows h(t-1), x_t) on its static steps: the rows function
+    gets inputs [h, token ids] (or, where the embedding table lives on the host, their embedding
+    rows) and key (logits?,). Returns (states [n, d], logits of `logits_rows` or None)."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+    x = ids.to(h.device) if isinstance(embed, torch.Tensor) else embed[ids].to(h.device, h.dtype)
+    out, logits = steps(cache, positions, seq_ids, [h, x], key=(bool(logits_rows),))
+    return out, (logits[list(logits_rows)] if logits_rows else None)
+
+
+class StaticRunner:
+    """A Transformer's forwards through static-shape steps (see the module docstring): a
+    StaticSteps of the target's step (compiled per decoder layer, or whole), with
+    Transformer.forward's contract."""
+
+    def __init__(self, model, options: StaticOptions = StaticOptions()):
+        if model.backend.native or model.quant == "int8":
+            raise ValueError("the static step runs on the torch backend (quant: none); "
+                             "the native CPU kernels are already one call per layer")
+        self.model, self.options = model, options
+        layer_fn, head_fn = _layer, _head
+        whole = options.compile and options.granularity == "step"
+        if options.compile:
+            unpack_linears((model.head, *(m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))))
+            if not whole:
+                _raise_recompile_limits()
+                compile_ = lambda f: torch.compile(f, fullgraph=True, dynamic=False, backend=options.backend)  # noqa: E731
+                layer_fn, head_fn = compile_(_layer), compile_(_head)
+        fn = lambda step, inputs, key: _target_rows(model, layer_fn, head_fn, step, inputs, key)  # noqa: E731
+        cfg = model.config
+        self.steps = StaticSteps(fn, model.rope, model.dtype, model.device, options, cfg.n_head // cfg.n_head_kv,
+                                 compile_whole=whole)
+
+    graphs = property(lambda self: self.steps.graphs)
+    compile_s = property(lambda self: self.steps.compile_s)
+    capture_s = property(lambda self: self.steps.capture_s)
+
     def forward(self, token_ids: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int], cache: KVCache,
                 logits_rows: Sequence[int] | None, taps) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
         """Transformer.forward's contract: (logits of `logits_rows` or None, {tap: [n, n_embd]})."""
-        if cache.spare < 1:
-            raise ValueError("the static step needs a cache with a spare slot: make it with model.new_cache()")
-        n = len(token_ids)
-        token_ids, positions, seq_ids = list(token_ids), [int(p) for p in positions], [int(s) for s in seq_ids]
+        model, n = self.model, len(token_ids)
         taps = sorted(int(t) for t in taps)
         want = list(range(n)) if logits_rows is None else [int(r) for r in logits_rows]
-        step = self.max_rows
-        if n <= step:
-            logits, hidden = self._run(token_ids, positions, seq_ids, cache, bool(taps), bool(want))
-            return (logits[want] if want else None), {t: hidden[t, :n].clone() for t in taps}
-        # more rows than one step holds: consecutive steps in position order, so every row's
-        # earlier positions are in its own step or an earlier one
-        order = sorted(range(n), key=lambda i: positions[i])
-        parts_logits, parts_hidden = [], []
-        for a in range(0, n, step):
-            idx = order[a:a + step]
-            lg, hd = self._run([token_ids[i] for i in idx], [positions[i] for i in idx], [seq_ids[i] for i in idx],
-                               cache, bool(taps), bool(want))
-            parts_logits.append(lg[:len(idx)] if want else None)
-            parts_hidden.append([hd[t, :len(idx)].clone() for t in taps])
-        inverse = torch.empty(n, dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(n)
-        inverse = inverse.to(self.model.device)
-        logits = torch.cat(parts_logits)[inverse[want]] if want else None
-        hidden = {t: torch.cat([p[j] for p in parts_hidden])[inverse] for j, t in enumerate(taps)}
-        return logits, hidden
-
-    def _run(self, token_ids, positions, seq_ids, cache, taps: bool, need_logits: bool):
-        """One static step of n <= max_rows rows; returns (logits [R, vocab] or None, the hidden
-        states [n_layer + 1, R, n_embd] or None); logits are a fresh tensor, hidden states the
-        graph's own (a replay rewrites them: copy what you keep)."""
-        model, n = self.model, len(token_ids)
-        _note_batch(positions, seq_ids, cache)  # checks, and the host-side bookkeeping of the cache
-        fixed = self.options.fixed_rows
-        R = fixed or row_bucket(n)
-        L = cache.max_ctx if fixed else ctx_bucket(max(positions) + 1, cache.max_ctx)
-        g = self._graph(cache, R, L, taps, need_logits)
-        pad = R - n
-        spare = cache.n_seq
-        pad_pos = [i % cache.max_ctx for i in range(pad)]
-        idx = torch.tensor([token_ids + [0] * pad, seq_ids + [spare] * pad, positions + pad_pos,
-                            positions + pad_pos], dtype=torch.long)
-        if g.x is not None:  # the embedding table lives on the host (CPU): look rows up here
-            g.x[:n].copy_(model.embed[idx[0, :n]])
-        g.idx.copy_(idx, non_blocking=True)
-        logits, hidden = g.run()
-        return (logits.clone() if need_logits else None), hidden
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+        # the embedding table on the host (CPU's quantized one): rows looked up here; else in the step
+        rows = ids.to(model.device) if isinstance(model.embed, torch.Tensor) else model.embed[ids]
+        logits, hidden = self.steps(cache, positions, seq_ids, [rows], key=(bool(taps), bool(want)))
+        return (logits[want] if want else None), {t: hidden[:, t] for t in taps}

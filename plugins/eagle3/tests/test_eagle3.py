@@ -343,3 +343,33 @@ def test_after_a_pause_the_head_reads_only_the_newest_missed_rows_and_stays_loss
     eng = assert_greedy_equal(target, [speculator(_eagle(target, trained, catch_up=2), "Eagle3")], _ids(target),
                               max_tokens=40, n_parallel=3)
     assert not eng.stats.disabled
+
+
+def test_draft_step_on_static_steps_next_to_a_static_target(tiny, trained):
+    """A target on the static step (CUDA's path, traced here with fullgraph on CPU): the head's draft
+    step runs on static steps too (StaticRows via head_steps), computes what its eager forward
+    computes, and greedy output still equals plain."""
+    import dataclasses
+
+    from specplug.runtime.static import StaticOptions
+
+    target = _target(tiny, "none")
+    target.model.use_static(StaticOptions(compile=True, backend="aot_eager", fixed_tokens=8))
+    spec = _eagle(target, trained, stop_below=0.0)
+    assert spec.rt.static is not None and spec.rt.cache.spare == 1
+    eager = Eagle3Runtime(spec.head, dataclasses.replace(target_info(target, 1, 512), static=None), spec.rt.backend, 1,
+                          512)
+    assert eager.static is None
+    static = Eagle3Runtime(spec.head, target_info(target, 1, 512), spec.rt.backend, 1, 512)
+    g = torch.randn(9, target.model.config.n_embd)
+    toks = list(range(40, 49))
+    for rt in (eager, static):
+        rt.out = rt.forward(g[:7], toks[:7], list(range(7)), [0] * 7, [6])
+        rt.out2 = rt.forward(g[7:], toks[7:], [7, 8], [0, 0], [0, 1])
+    for a, b in ((eager.out, static.out), (eager.out2, static.out2)):
+        torch.testing.assert_close(b[0], a[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b[1], a[1], rtol=1e-4, atol=1e-4)
+    assert static.static.graphs >= 2
+    eng = assert_greedy_equal(target, [speculator(spec, "Eagle3", cost_trim=False)], _ids(target, 3), max_tokens=24,
+                              n_parallel=2)
+    assert eng.stats.speculators["Eagle3"].accepted_tokens > 0

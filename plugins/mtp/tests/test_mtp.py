@@ -246,3 +246,31 @@ def test_native_step_agrees_with_the_python_form_and_picks_its_own_argmax(tiny, 
     assert spec.rt.native_step is not None  # the gguf kernels run the whole step in one call
     check_native_step(spec.rt)
     assert _mtp(_target(tiny, "none"), trained).rt.native_step is None  # torch (and CUDA): the Python form
+
+
+def test_draft_step_on_static_steps_next_to_a_static_target(tiny, trained):
+    """Next to a target on the static step, the MTP head's draft step runs on static steps too
+    (head_steps), computes what its eager forward computes, and greedy output still equals plain."""
+    import dataclasses
+
+    from specplug.runtime.static import StaticOptions
+
+    target = _target(tiny, "none")
+    target.model.use_static(StaticOptions(compile=True, backend="aot_eager", fixed_tokens=8))
+    spec = _mtp(target, trained, stop_below=0.0)
+    info = target_info(target, 1, 512)
+    eager = MTPRuntime(spec.head, dataclasses.replace(info, static=None), spec.backend, 1, 512)
+    static = MTPRuntime(spec.head, info, spec.backend, 1, 512)
+    assert eager.static is None and static.static is not None and static.cache.spare == 1
+    h = torch.randn(9, target.model.config.n_embd)
+    toks = list(range(40, 49))
+    outs = []
+    for rt in (eager, static):
+        outs.append((rt.forward(h[:7], toks[:7], list(range(7)), [0] * 7, [6]),
+                     rt.forward(h[7:], toks[7:], [7, 8], [0, 0], [0, 1])))
+    for (a_out, a_lg), (b_out, b_lg) in zip(*outs):
+        torch.testing.assert_close(b_out, a_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b_lg, a_lg, rtol=1e-4, atol=1e-4)
+    eng = assert_greedy_equal(target, [speculator(spec, "MTP", cost_trim=False)], _ids(target)[:3], max_tokens=24,
+                              n_parallel=2)
+    assert eng.stats.speculators["MTP"].accepted_tokens > 0

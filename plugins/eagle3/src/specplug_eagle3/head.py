@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write_head
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
+from specplug.runtime.static import chain_head_step, head_steps
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
 METHOD, VERSION = "eagle3", 1
@@ -136,7 +137,10 @@ class Eagle3Runtime:
         self.lm = head.linear("lm_head", backend, (len(d2t), d), norm_weight=head.tensor("norm", (d,)))
         self.embed = target.token_embeddings
         self.rope = Rope(cfg.head_dim, cfg.rope_base, dev)
-        self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim)
+        # torch backend next to a target on static steps (CUDA): the draft step compiled and captured too
+        self.static = head_steps(target, backend, self._rows, self.rope, cfg.shape.n_head // cfg.shape.n_head_kv,
+                                 (self.fc, self.layer.qkv, self.layer.o, self.layer.gate_up, self.layer.down, self.lm))
+        self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, spare=int(self.static is not None))
         # the whole step in one native call where the kernels run it (None on torch/CUDA)
         self.native_step = PairStep.build(embed=self.embed, norm_a=self.input_norm, norm_b=self.hidden_norm,
                                           h_first=False, eps=cfg.eps, layer=self.layer, lm=self.lm, lm_eps=cfg.eps,
@@ -164,12 +168,24 @@ class Eagle3Runtime:
         cfg = self.cfg
         dev, dt = self.backend.device, self.backend.dtype
         h = h_prev.to(dev, dt).contiguous()
+        if self.static is not None:
+            return chain_head_step(self.static, self.cache, self.embed, h, token_ids, positions, seq_ids, logits_rows)
         emb = self.embed[torch.as_tensor(list(token_ids), dtype=torch.long, device=self.embed.device)].to(dev, dt)
         x_in = torch.cat([rms_norm(emb, self.input_norm, cfg.eps), rms_norm(h, self.hidden_norm, cfg.eps)], -1)
         step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
         out = self.layer(step.rows(h), step, 0, attn_in=step.rows(x_in.contiguous()))
         logits = self.lm.norm_linear(step.select(out, logits_rows), cfg.eps).float() if logits_rows else None
         return step.entries(out), logits
+
+    def _rows(self, step, inputs, key):
+        """The draft step on static rows (specplug.runtime.static): (h [R, d], token ids [R] or their
+        embeddings [R, d]) -> (states [R, d], draft-vocabulary logits [R, V] or None); key = (logits?,)."""
+        h, x = inputs
+        eps = self.cfg.eps
+        emb = (self.embed[x] if x.dim() == 1 else x).to(h.dtype)
+        x_in = torch.cat([rms_norm(emb, self.input_norm, eps), rms_norm(h, self.hidden_norm, eps)], -1)
+        out = self.layer(h, step, 0, attn_in=x_in)
+        return out, (self.lm.norm_linear(out, eps).float() if key[0] else None)
 
     def forward_pick(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
                      seq_ids: Sequence[int], logits_rows: Sequence[int],
