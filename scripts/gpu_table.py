@@ -77,6 +77,11 @@ def main(folder: str) -> int:
         ok = v.get("decode_speedup", 0) >= 2.0
         lines.append(f"| {variant} decode-phase speedup, Spec-Bench summarization + RAG | >= 2.0 | "
                      f"{v.get('decode_speedup')} (geomean {v.get('decode_speedup_geomean')}) {'ok' if ok else 'MISS'} | |")
+    for p in sorted(out.glob("equal-*.json")):
+        eq = json.loads(p.read_text())
+        n_ok = sum(c["equal"] for c in eq["configs"])
+        lines.append(f"| greedy spec == plain, {eq['dtype']} | every config | {n_ok} of {len(eq['configs'])} "
+                     f"{'ok' if eq['all_equal'] else 'MISS'} | |")
     tests = out / "tests.txt"
     if tests.is_file():
         lines.append(f"| CUDA tests | all pass | {tests.read_text().strip().splitlines()[-1]} | |")

@@ -62,7 +62,7 @@ def test_cuda_graph_step_matches_eager(gguf_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16, 32, 64])
+@pytest.mark.parametrize("rows", [1, 4, 16, 64])
 def test_rows_do_not_depend_on_their_batch(gguf_path, dtype, rows):
     """A fixed step shape (5 slots -> 8 x `rows` tokens): a sequence's decode row alone and among
     rows - 1 random rows of other sequences (decode and verification) gives bit-identical logits
