@@ -166,3 +166,36 @@ def test_bad_heads_are_clear_errors(tiny, trained, work):
     cfg = parse_config({"model": str(other), "speculators": [{"type": "dflash", "head": str(trained)}]})
     with pytest.raises(PluginError, match=r"trained for tiny \(llama, n_embd 64.*not for the target other.gguf"):
         build_speculators(cfg, target_info(_target(other, "gguf"), 1, 256))
+
+
+def test_context_and_draft_steps_on_static_steps_next_to_a_static_target(tiny, trained):
+    """Next to a target on the static step, DFlash's context and block-draft steps run on static
+    steps too (head_steps; the blocks' bidirectional attention as per-row limits on the device),
+    compute what its eager steps compute, leave the same context cells, and greedy output still
+    equals plain."""
+    import dataclasses
+
+    from specplug.runtime.static import StaticOptions
+
+    target = _target(tiny, "none")
+    target.model.use_static(StaticOptions(compile=True, backend="aot_eager", fixed_tokens=8))
+    spec = _dflash(target, trained)
+    info = target_info(target, 2, 512)
+    eager = DFlashRuntime(spec.head, dataclasses.replace(info, static=None), spec.rt.backend, 2, 512)
+    static = DFlashRuntime(spec.head, info, spec.rt.backend, 2, 512)
+    assert eager.static is None and static.static is not None and static.cache.spare == 1
+    d = target.model.config.n_embd
+    taps = [torch.randn(30, d) for _ in range(3)]
+    got = []
+    for rt in (eager, static):
+        ctx = rt.encode(taps)
+        rt.add_context(ctx[:20], range(20), [0] * 20)
+        rt.add_context(ctx[20:], range(10), [1] * 10)
+        got.append(rt.draft([7, 9], [20, 10], [0, 1], [6, 4]))
+        assert rt.cache.valid[0, :20].all() and not rt.cache.valid[0, 20:].any()
+        assert rt.cache.valid[1, :10].all() and not rt.cache.valid[1, 10:].any()
+    torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
+    assert got[0].shape[0] == 5 + 3
+    eng = assert_greedy_equal(target, [speculator(spec, "DFlash", cost_trim=False)], _ids(target, 3), max_tokens=24,
+                              n_parallel=2)
+    assert eng.stats.speculators["DFlash"].accepted_tokens > 0

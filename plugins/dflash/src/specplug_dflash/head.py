@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write_head
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step
+from specplug.runtime.static import head_steps
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables
 
 METHOD, VERSION = "dflash", 1
@@ -134,7 +135,11 @@ class DFlashRuntime:
         self.lm = target.output_head.linear(d2t.tolist(), backend, norm_weight=head.tensor("norm", (d,)))
         self.embed = target.token_embeddings
         self.rope = Rope(cfg.head_dim, cfg.rope_base, dev)
-        self.cache = backend.new_cache(cfg.n_layers, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim)
+        # torch backend next to a target on static steps (CUDA): context and draft steps compiled and captured too
+        self.static = head_steps(target, backend, self._rows, self.rope, cfg.shape.n_head // cfg.shape.n_head_kv,
+                                 (self.fc, self.lm, *(m for ly in self.layers for m in (ly.qkv, ly.o, ly.gate_up, ly.down))))
+        self.cache = backend.new_cache(cfg.n_layers, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim,
+                                       spare=int(self.static is not None))
 
     @torch.inference_mode()
     def encode(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -145,6 +150,9 @@ class DFlashRuntime:
     @torch.inference_mode()
     def add_context(self, ctx: torch.Tensor, positions: Sequence[int], seq_ids: Sequence[int]) -> None:
         """Every layer's K/V of the context features of committed rows, at their cells."""
+        if self.static is not None:
+            self.static(self.cache, positions, seq_ids, [ctx.to(self.backend.device, self.backend.dtype)], key=("context",))
+            return
         step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
         x = step.rows(ctx.contiguous())
         for li, layer in enumerate(self.layers):
@@ -167,6 +175,12 @@ class DFlashRuntime:
         x = self.mask_emb.expand(len(pos), -1).clone()
         emb = self.embed[torch.as_tensor(list(last_tokens), dtype=torch.long, device=self.embed.device)]
         x[torch.tensor(first, device=x.device)] = emb.to(dev, dt)
+        if self.static is not None:
+            (logits,) = self.static(self.cache, pos, seqs, [x], key=("draft",), limits=lims)
+            logits = logits[scored]
+            for c, s in zip(starts, seq_ids):
+                self.cache.seq_rm(s, c)
+            return logits
         step = Step(pos, seqs, self.cache, self.rope, self.backend, limits=lims)
         x = step.rows(x)
         for li, layer in enumerate(self.layers):
@@ -175,3 +189,16 @@ class DFlashRuntime:
         for c, s in zip(starts, seq_ids):
             self.cache.seq_rm(s, c)
         return logits
+
+    def _rows(self, step, inputs, key):
+        """The static steps (specplug.runtime.static): key ("context",): store the context features'
+        K/V in every layer, no output; ("draft",): the blocks' rows [R, d] through every layer (each
+        row attends up to its block's end, step's limits) -> (draft-vocabulary logits [R, V],)."""
+        (x,) = inputs
+        if key[0] == "context":
+            for li, layer in enumerate(self.layers):
+                layer.store_kv(x, step, li)
+            return (None,)
+        for li, layer in enumerate(self.layers):
+            x = layer(x, step, li)
+        return (self.lm.norm_linear(x, self.cfg.eps).float(),)
