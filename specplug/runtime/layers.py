@@ -236,9 +236,11 @@ class StaticRows:
 
     def __init__(self, slots: torch.Tensor, pos: torch.Tensor, limit: torch.Tensor, wslot: torch.Tensor,
                  wpos: torch.Tensor, L: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
-                 group: int):
+                 group: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None):
         """cos/sin: Rope.cos_sin tables on the cache's device; dtype: the dtype attention computes in;
-        group: query heads per kv head (n_head / n_head_kv) of the layers that will use the step."""
+        group: query heads per kv head (n_head / n_head_kv) of the layers that will use the step;
+        kv: each layer's (K, V), passed into a compiled function as inputs of their own (a write
+        through `cache.k[li]` there makes the compiler copy the whole cache tensor)."""
         self.slots, self.wslot, self.wpos, self.L, self.cache = slots, wslot, wpos, L, cache
         self.B, self.n = slots.shape[0], pos.shape[0]
         self.T = self.n // self.B
@@ -253,17 +255,20 @@ class StaticRows:
         # [B, 1, G*T, L]: rows ordered (g, t) as `attend` groups the queries
         self.mask = mask.unsqueeze(1).expand(B, group, T, L).reshape(B, 1, group * T, L)
         self.group = group
+        self.kv = kv
         self.kc = self.vc = None
 
     def at(self, li: int) -> "StaticRows":
         """This step bound to layer `li`'s K/V (its `attend`/`store` then ignore `li`): a layer
         compiled once then serves every layer, since no layer index is baked into its graph."""
         view = copy.copy(self)
-        view.kc, view.vc = self.cache.k[li], self.cache.v[li]
+        view.kc, view.vc = self._kv(li)
         return view
 
     def _kv(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.cache.k[li], self.cache.v[li]) if self.kc is None else (self.kc, self.vc)
+        if self.kc is not None:
+            return self.kc, self.vc
+        return self.kv[li] if self.kv is not None else (self.cache.k[li], self.cache.v[li])
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return x

@@ -68,9 +68,9 @@ class StaticOptions:
     "layer" compiles one decoder layer (and the output head) per shape and reuses it for every
     layer, since weights and K/V are its inputs (seconds to compile; the CUDA graph still holds
     the whole step; each layer's K/V written in place); "step" compiles the whole step as one
-    graph: what proves it has no graph break, but slow to run (AOTAutograd turns each layer's
-    write into a view of the one cache tensor into a copy of the whole cache: 983 ms vs 64 ms a
-    decode step of SmolLM2 on this CPU), so it is for tests. cuda_graphs: on
+    graph: what proves it has no graph break, but slower to run (the layers' K/V are views of one
+    cache tensor, and a graph that writes aliased inputs copies it: 132 ms vs 64 ms a decode step
+    of SmolLM2 on this CPU), so it is for tests. cuda_graphs: on
     CUDA, capture each compiled shape in a CUDA graph. fixed_tokens: batch-invariant mode: every
     step has every slot of the cache and this many tokens of each (a bucket), and attends over
     the whole cache.
@@ -157,10 +157,10 @@ class StaticSteps:
         self._pool = None
         self.compile_s = self.capture_s = 0.0
 
-        def call(slots, idx, inputs, cache, L, key):
+        def call(slots, idx, inputs, kv, cache, L, key):
             cos, sin = rope.cos_sin(cache.max_ctx)
             pos, limit, wslot, wpos = idx
-            return fn(StaticRows(slots, pos, limit, wslot, wpos, L, cache, cos, sin, dtype, group), inputs, key)
+            return fn(StaticRows(slots, pos, limit, wslot, wpos, L, cache, cos, sin, dtype, group, kv), inputs, key)
 
         self._call = call
         if options.compile:
@@ -245,7 +245,10 @@ class StaticSteps:
             return g
         self.rope.cos_sin(cache.max_ctx)  # the tables exist before tracing: constants of the graph
         call = self._call
-        g = _Graph(lambda slots, idx, bufs: call(slots, idx, bufs, cache, L, key), B, T, inputs, self.device)
+        # each layer's K/V as inputs of their own: written in place (a 1-layer head's always; views of
+        # several layers alias one tensor, and the one-graph compile then copies it)
+        kv = [(cache.k[li], cache.v[li]) for li in range(cache.k.shape[0])]
+        g = _Graph(lambda slots, idx, bufs: call(slots, idx, bufs, kv, cache, L, key), B, T, inputs, self.device)
         # every row a padding row of the spare slot, so compiling, warming up and capturing
         # touch no sequence's cells
         g.slots.fill_(cache.n_seq)
