@@ -206,3 +206,19 @@ def test_config_keys(tmp_path):
     p.write_text("model: x.gguf\nbatch_invariant: false\ncuda_graphs: false\n")
     cfg = load_config(p)
     assert target_args(cfg)["step_tokens"] is None and target_args(cfg)["cuda_graphs"] is False
+
+
+def test_a_caches_graphs_go_with_the_cache(gguf_path):
+    """Graphs (and on CUDA their captured memory) live on the cache they were built for: an engine's
+    cache dropped, nothing of it stays behind in the runner."""
+    import gc
+    import weakref
+
+    m = _model(gguf_path, compile=False)
+    cache = m.new_cache(2, CTX)
+    m.forward([5, 6, 7], [0, 1, 2], [0, 0, 0], cache, logits_rows=[2])
+    assert m.static.graphs == 1
+    ref = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert ref() is None

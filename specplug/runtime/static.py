@@ -153,7 +153,7 @@ class StaticSteps:
                  group: int = 1, compile_whole: bool = True):
         self.options, self.rope, self.dtype, self.device = options, rope, dtype, torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self._graphs: dict[tuple, _Graph] = {}
+        self.graphs = 0  # shapes built (their graphs live on their caches: see _graph)
         self._pool = None
         self.compile_s = self.capture_s = 0.0
 
@@ -167,10 +167,6 @@ class StaticSteps:
             _raise_recompile_limits()
             if compile_whole:
                 self._call = torch.compile(call, fullgraph=True, dynamic=False, backend=options.backend)
-
-    @property
-    def graphs(self) -> int:
-        return len(self._graphs)
 
     def __call__(self, cache: KVCache, positions: Sequence[int], seq_ids: Sequence[int], inputs: Sequence,
                  key: tuple = (), limits: Sequence[int] | None = None) -> tuple:
@@ -239,8 +235,10 @@ class StaticSteps:
         return tuple(None if o is None else o.index_select(0, sel_rows.to(o.device)) for o in outs)
 
     def _graph(self, cache: KVCache, B: int, T: int, L: int, inputs: list[torch.Tensor], key: tuple) -> _Graph:
-        gkey = (id(cache), B, T, L, tuple((tuple(x.shape[1:]), x.dtype) for x in inputs), key)
-        g = self._graphs.get(gkey)
+        # kept on the cache, so a cache's graphs (and their captured memory) go when the cache does
+        graphs = cache.__dict__.setdefault("_static_graphs", {})
+        gkey = (id(self), B, T, L, tuple((tuple(x.shape[1:]), x.dtype) for x in inputs), key)
+        g = graphs.get(gkey)
         if g is not None:
             return g
         self.rope.cos_sin(cache.max_ctx)  # the tables exist before tracing: constants of the graph
@@ -263,7 +261,8 @@ class StaticSteps:
         self.compile_s += time.perf_counter() - t0
         if self.cuda and self.options.cuda_graphs:
             self._capture(g)
-        self._graphs[gkey] = g
+        graphs[gkey] = g
+        self.graphs += 1
         return g
 
     def _capture(self, g: _Graph) -> None:
