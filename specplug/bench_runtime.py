@@ -238,7 +238,7 @@ def profile(model, repeats: int = 10) -> dict:
         raise SystemExit("--profile reports on the gguf runtime (quant: gguf)")
     limits = _machine_limits(torch.get_num_threads())
     timed = _Timed(native.kernels())
-    lins = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.head]
+    lins = [m for layer in model.layers for m in layer.linears()] + [model.head]
 
     def instrument(on: bool) -> None:
         """Time every kernel call apart (the layers' fused one-call path off) or run as usual."""

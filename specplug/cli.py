@@ -236,8 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for the model and speculators of a YAML config")
-    add_step_args(p, defaults=False)
     p.add_argument("config")
+    add_step_args(p, defaults=False)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--parallel", type=_positive, default=None,

@@ -65,7 +65,7 @@ class PairStep:
         self.proj = proj.packed() if proj is not None else (empty, 0)
         self.empty = (empty, 0)
         self.pre = pre.packed() if pre is not None else None
-        self.mats = tuple(v for m in (layer.qkv, layer.o, layer.gate_up, layer.down) for v in m.packed())
+        self.mats = tuple(v for m in layer.linears() for v in m.packed())
         self.lm, self.lm_eps = lm.packed(), float(lm_eps)
         self.d2t = torch.empty(0, dtype=torch.long) if d2t is None else d2t.long().contiguous()
         S = layer.shape
@@ -79,7 +79,7 @@ class PairStep:
         linear not on the GGUF kernels, an embedding table type the kernel does not gather)."""
         if not backend.native or native.unavailable_reason():
             return None
-        lins = [layer.qkv, layer.o, layer.gate_up, layer.down, lm] + [m for m in (proj, pre) if m is not None]
+        lins = [*layer.linears(), lm] + [m for m in (proj, pre) if m is not None]
         if not all(isinstance(m, native.QuantLinear) for m in lins) or lm.norm_weight is None:
             return None
         if layer.q_norm is not None or cache.k.dtype not in (torch.float16, torch.float32):

@@ -199,7 +199,6 @@ class Step:
         rows = self.plan.padded_rows(entry_rows)
         return x if rows is None else x[rows]
 
-
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """RoPE on per-head rows [rows, heads, head_dim] (interleaved pairs) at the rows' positions (float32)."""
         return torch.view_as_real(torch.view_as_complex(x.float().unflatten(2, (x.shape[2] // 2, 2))) * self.rope).flatten(2)
@@ -332,8 +331,12 @@ class DecoderLayer:
             self._k = native.kernels()
             if all(isinstance(m, QuantLinear) for m in (o, gate_up, down)) and qkv.norm_weight is not None \
                     and gate_up.norm_weight is not None:
-                self._fused = tuple(v for m in (qkv, o, gate_up, down) for v in m.packed())
+                self._fused = tuple(v for m in self.linears() for v in m.packed())
         self.fused = True  # False: one native call per kernel (the profiler times them apart)
+
+    def linears(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """qkv, o, gate_up, down."""
+        return self.qkv, self.o, self.gate_up, self.down
 
     def __call__(self, x: torch.Tensor, step: Step, li: int, attn_in: torch.Tensor | None = None) -> torch.Tensor:
         """The layer on residual rows x [rows, n_embd], writing K/V into layer `li` of step.cache."""

@@ -333,13 +333,12 @@ class Transformer:
             gov.end()
 
     def _forward(self, token_ids, positions, seq_ids, cache, logits_rows, taps) -> ForwardOutput:
+        n = len(token_ids)
+        assert n == len(positions) == len(seq_ids) and n > 0, (n, len(positions), len(seq_ids))
         if self.static is not None:
-            assert len(token_ids) == len(positions) == len(seq_ids) > 0, (len(token_ids), len(positions), len(seq_ids))
             logits, hidden = self.static.forward(token_ids, positions, seq_ids, cache, logits_rows, taps)
             return ForwardOutput(logits=logits, hidden=hidden)
         cfg = self.config
-        n = len(token_ids)
-        assert n == len(positions) == len(seq_ids) and n > 0, (n, len(positions), len(seq_ids))
         step = Step(positions, seq_ids, cache, self.rope, self.backend)
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         x = step.rows(self.embed[ids if isinstance(self.embed, TokenEmbeddings) else ids.to(self.device)])

@@ -13,7 +13,8 @@ the step is data on the device:
 - hidden-state taps (all layers' inputs at once, so the taps asked for change no shape) and logits
   are graph outputs for every row; rows and taps are picked afterwards.
 
-The step is one function of tensors (`_rows_forward`), run eagerly, or compiled with
+A step is a function of tensors on a StaticRows step (`_target_rows` for the target, a head's own
+for a head; `StaticSteps` runs either), run eagerly, or compiled with
 `torch.compile(fullgraph=True, dynamic=False)` (a graph break is an error, which is what proves it
 capturable): per decoder layer by default (one compiled layer serves all of them: seconds per
 shape), or as one graph. On CUDA each shape (cache, rows, context, taps or not, logits or not) is
@@ -103,8 +104,7 @@ def _target_rows(model, layer_fn, head_fn, step: StaticRows, inputs, key):
     on the host) -> (logits [R, vocab] float32 or None, with taps every layer's input and the final
     state [R, n_layer + 1, n_embd] float32 or None). key = (taps?, logits?)."""
     taps, logits = key
-    ids = inputs[0]
-    x = model.embed[ids] if ids.dim() == 1 else ids
+    x = embedded(model.embed, inputs[0])
     hidden = []
     for li, layer in enumerate(model.layers):
         if taps:
@@ -304,8 +304,7 @@ def head_steps(target, backend, fn, rope, group: int, linears=()) -> StaticSteps
     """A head's draft step as static-shape steps where its target runs them (`target.static`, a
     TargetInfo's), else None (then the head runs its eager forward). fn(step, inputs, key): the
     head's rows function (see StaticSteps); group: its layer's n_head // n_head_kv; linears: the
-    head's Linear layers (unpacked for the
-    compiler on CPU). Rows are bucketed, not fixed: a draft is verified by the target, so a head's
+    head's Linear layers (unpacked for the compiler on CPU). Rows are bucketed, not fixed: a draft is verified by the target, so a head's
     numerics never reach the output and its steps stay as small as its batch."""
     opts = getattr(target, "static", None)
     if opts is None or backend.native:
@@ -315,13 +314,25 @@ def head_steps(target, backend, fn, rope, group: int, linears=()) -> StaticSteps
     return StaticSteps(fn, rope, backend.dtype, backend.device, dataclasses.replace(opts, fixed_tokens=None), group)
 
 
+def token_input(embed, token_ids: Sequence[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A static step's input for tokens: their ids on `device` where the embedding table is a device
+    tensor (looked up inside the step, see `embedded`), else their rows looked up here (CPU's
+    quantized table, specplug.runtime.TokenEmbeddings, lives on the host)."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+    return ids.to(device) if isinstance(embed, torch.Tensor) else embed[ids].to(device, dtype)
+
+
+def embedded(embed, x: torch.Tensor) -> torch.Tensor:
+    """Inside a step: the embedding rows of a `token_input` (ids [R] looked up, rows [R, d] as given)."""
+    return embed[x] if x.dim() == 1 else x
+
+
 def chain_head_step(steps: StaticSteps, cache: KVCache, embed, h: torch.Tensor, token_ids: Sequence[int],
                     positions: Sequence[int], seq_ids: Sequence[int], logits_rows: Sequence[int]):
     """A chain head's forward (MTP, Eagle3: rows h(t-1), x_t) on its static steps: the rows function
     gets inputs [h, token ids] (or, where the embedding table lives on the host, their embedding
     rows) and key (logits?,). Returns (states [n, d], logits of `logits_rows` or None)."""
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
-    x = ids.to(h.device) if isinstance(embed, torch.Tensor) else embed[ids].to(h.device, h.dtype)
+    x = token_input(embed, token_ids, h.device, h.dtype)
     out, logits = steps(cache, positions, seq_ids, [h, x], key=(bool(logits_rows),))
     return out, (logits[list(logits_rows)] if logits_rows else None)
 
@@ -339,9 +350,8 @@ class StaticRunner:
         layer_fn, head_fn = _layer, _head
         whole = options.compile and options.granularity == "step"
         if options.compile:
-            unpack_linears((model.head, *(m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))))
-            if not whole:
-                _raise_recompile_limits()
+            unpack_linears((model.head, *(m for layer in model.layers for m in layer.linears())))
+            if not whole:  # (StaticSteps raises dynamo's recompile limits for these too)
                 compile_ = lambda f: torch.compile(f, fullgraph=True, dynamic=False, backend=options.backend)  # noqa: E731
                 layer_fn, head_fn = compile_(_layer), compile_(_head)
         fn = lambda step, inputs, key: _target_rows(model, layer_fn, head_fn, step, inputs, key)  # noqa: E731
@@ -359,8 +369,6 @@ class StaticRunner:
         model, n = self.model, len(token_ids)
         taps = sorted(int(t) for t in taps)
         want = list(range(n)) if logits_rows is None else [int(r) for r in logits_rows]
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
-        # the embedding table on the host (CPU's quantized one): rows looked up here; else in the step
-        rows = ids.to(model.device) if isinstance(model.embed, torch.Tensor) else model.embed[ids]
+        rows = token_input(model.embed, token_ids, model.device, model.dtype)
         logits, hidden = self.steps(cache, positions, seq_ids, [rows], key=(bool(taps), bool(want)))
         return (logits[want] if want else None), {t: hidden[:, t] for t in taps}

@@ -137,7 +137,7 @@ class DFlashRuntime:
         self.rope = Rope(cfg.head_dim, cfg.rope_base, dev)
         # torch backend next to a target on static steps (CUDA): context and draft steps compiled and captured too
         self.static = head_steps(target, backend, self._rows, self.rope, cfg.shape.n_head // cfg.shape.n_head_kv,
-                                 (self.fc, self.lm, *(m for ly in self.layers for m in (ly.qkv, ly.o, ly.gate_up, ly.down))))
+                                 (self.fc, self.lm, *(m for ly in self.layers for m in ly.linears())))
         self.cache = backend.new_cache(cfg.n_layers, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim,
                                        spare=int(self.static is not None))
 

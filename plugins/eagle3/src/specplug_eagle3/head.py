@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write_head
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
-from specplug.runtime.static import chain_head_step, head_steps
+from specplug.runtime.static import chain_head_step, embedded, head_steps
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
 METHOD, VERSION = "eagle3", 1
@@ -139,7 +139,7 @@ class Eagle3Runtime:
         self.rope = Rope(cfg.head_dim, cfg.rope_base, dev)
         # torch backend next to a target on static steps (CUDA): the draft step compiled and captured too
         self.static = head_steps(target, backend, self._rows, self.rope, cfg.shape.n_head // cfg.shape.n_head_kv,
-                                 (self.fc, self.layer.qkv, self.layer.o, self.layer.gate_up, self.layer.down, self.lm))
+                                 (self.fc, *self.layer.linears(), self.lm))
         self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, spare=int(self.static is not None))
         # the whole step in one native call where the kernels run it (None on torch/CUDA)
         self.native_step = PairStep.build(embed=self.embed, norm_a=self.input_norm, norm_b=self.hidden_norm,
@@ -182,7 +182,7 @@ class Eagle3Runtime:
         embeddings [R, d]) -> (states [R, d], draft-vocabulary logits [R, V] or None); key = (logits?,)."""
         h, x = inputs
         eps = self.cfg.eps
-        emb = (self.embed[x] if x.dim() == 1 else x).to(h.dtype)
+        emb = embedded(self.embed, x).to(h.dtype)
         x_in = torch.cat([rms_norm(emb, self.input_norm, eps), rms_norm(h, self.hidden_norm, eps)], -1)
         out = self.layer(h, step, 0, attn_in=x_in)
         return out, (self.lm.norm_linear(out, eps).float() if key[0] else None)

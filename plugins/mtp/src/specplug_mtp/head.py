@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from specplug.heads import HeadFile, HeadMeta, layer_from_head, write_head
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
-from specplug.runtime.static import chain_head_step, head_steps
+from specplug.runtime.static import chain_head_step, embedded, head_steps
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
 METHOD, VERSION = "mtp", 1
@@ -132,7 +132,7 @@ class MTPRuntime:
         self.target_eps = target.rms_eps
         # torch backend next to a target on static steps (CUDA): the draft step compiled and captured too
         self.static = head_steps(target, backend, self._rows, self.rope, cfg.shape.n_head // cfg.shape.n_head_kv,
-                                 (self.proj, self.layer.qkv, self.layer.o, self.layer.gate_up, self.layer.down, self.lm))
+                                 (self.proj, *self.layer.linears(), self.lm))
         self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, spare=int(self.static is not None))
         # the whole step in one native call where the kernels run it (None on torch/CUDA)
         self.native_step = PairStep.build(embed=self.embed, norm_a=self.hnorm, norm_b=self.enorm, h_first=True,
@@ -165,7 +165,7 @@ class MTPRuntime:
         embeddings [R, d]) -> (states [R, d], draft-vocabulary logits [R, V] or None); key = (logits?,)."""
         h, x = inputs
         eps = self.cfg.eps
-        emb = (self.embed[x] if x.dim() == 1 else x).to(h.dtype)
+        emb = embedded(self.embed, x).to(h.dtype)
         x_in = torch.cat([rms_norm(h, self.hnorm, eps), rms_norm(emb, self.enorm, eps)], -1)
         out = self.layer(self.proj(x_in), step, 0)
         return out, (self.lm.norm_linear(out, self.target_eps).float() if key[0] else None)
