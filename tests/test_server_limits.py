@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
 import threading
 import time
 from contextlib import contextmanager
@@ -164,64 +163,50 @@ def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
-def _latencies(url: str, n: int | None = None, while_alive: threading.Thread | None = None) -> list[float]:
-    out = []
-    with httpx.Client(timeout=30) as c:
-        while (n is not None and len(out) < n) or (while_alive is not None and while_alive.is_alive()):
-            t0 = time.perf_counter()
-            r = c.post(url + "/v1/completions", json=SMALL)
-            out.append(time.perf_counter() - t0)
-            assert r.status_code == 200, r.text
-            if len(out) >= 500:
-                break
-    return out
+def test_the_longest_accepted_prompt_does_not_stall_other_requests(limited, monkeypatch):
+    """The longest prompt the server tokenizes is prepared while small requests, /health and
+    /metrics are answered. Its real tokenization runs, then the worker is held until the others
+    have been answered: were the preparation on the event loop or the engine thread, they would
+    wait for it (and time out here). How much they slow down beside a long prompt is a figure of
+    `scripts/stall_serve.py`, not of a unit test (issue 30's target, p99 <= 2x idle)."""
+    url, app = limited
+    prompts = app.state.prompts
+    text = "a " * (MAX_CHARS // 2 - 8)  # just under the limit: tokenized, then over the context: 400
+    assert len(text) <= prompts.max_chars
+    real = prompts.tok.encode
+    entered, gate, tokenized = threading.Event(), threading.Event(), []
 
+    def held(s):
+        if len(s) < len(text):
+            return real(s)
+        try:
+            return real(s)
+        finally:
+            tokenized.append(threading.current_thread().name)
+            entered.set()
+            gate.wait(30)
 
-def _p99(xs: list[float]) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]
-
-
-def test_the_longest_accepted_prompt_does_not_stall_other_requests(limited):
-    """Small requests one after another, alone and while one client sends the longest prompt the
-    server tokenizes (3 times); up to 3 rounds, each with its own idle figure (other processes on
-    this machine's shared cores add noise that a neighbouring round does not have)."""
-    url, _ = limited
-    limit = MAX_CHARS
-    text = "a " * (limit // 2 - 8)  # just under the limit: tokenized (~1 s here), then over the context: 400
-    assert len(text) <= limit
-    _latencies(url, 10)  # warm
-    rounds = []
-    for _ in range(3):
-        idle = _latencies(url, 40)
-        results = []
-
-        def send_long():
-            with httpx.Client(timeout=60) as c:
-                for _ in range(3):
-                    results.append(c.post(url + "/v1/chat/completions", json={
-                        "model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}))
-
-        t = threading.Thread(target=send_long, daemon=True)
-        t0 = time.perf_counter()
-        t.start()
-        time.sleep(0.05)
-        busy = _latencies(url, while_alive=t)
+    monkeypatch.setattr(prompts.tok, "encode", held)
+    results = []
+    t = threading.Thread(target=lambda: results.append(httpx.post(url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}, timeout=60)),
+        daemon=True)
+    t.start()
+    try:
+        assert entered.wait(30), "the long prompt never reached the tokenizer"
+        assert tokenized[0].startswith("specplug-prompt"), tokenized
+        with httpx.Client(timeout=10) as c:
+            for _ in range(10):
+                r = c.post(url + "/v1/completions", json=SMALL)
+                assert r.status_code == 200, r.text
+            assert c.get(url + "/health").json()["status"] == "ok"
+            assert c.get(url + "/metrics").status_code == 200
+        assert t.is_alive(), "the long request was answered before its worker was let go"
+    finally:
+        gate.set()
         t.join(60)
-        long_s = (time.perf_counter() - t0) / 3
-        assert [r.status_code for r in results] == [400] * 3
-        assert all(r.json()["error"]["code"] == "context_length_exceeded" for r in results)
-        ratio = _p99(busy) / _p99(idle)
-        rounds.append(ratio)
-        print(f"\nidle p50 {statistics.median(idle) * 1000:.1f} ms p99 {_p99(idle) * 1000:.1f} ms; while a "
-              f"{len(text)}-character prompt is prepared ({long_s:.2f} s each, x3): p50 "
-              f"{statistics.median(busy) * 1000:.1f} ms p99 {_p99(busy) * 1000:.1f} ms over {len(busy)} "
-              f"requests: {ratio:.2f}x")
-        assert len(busy) >= 10, "the small requests were held up"
-        # the target: 2x; 10 ms more absorbs a single scheduling hiccup of this 2-core machine
-        if _p99(busy) <= 2 * _p99(idle) + 0.010:
-            return
-    pytest.fail(f"small requests' p99 while the long prompt is prepared: {', '.join(f'{r:.2f}x' for r in rounds)} "
-                "idle, over 2x in every round")
+    assert [r.status_code for r in results] == [400]
+    assert results[0].json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_a_request_that_waits_too_long_for_a_prompt_worker_gets_503(tiny_target, monkeypatch):
