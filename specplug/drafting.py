@@ -14,7 +14,9 @@ measured seconds of T(1)). From these:
   (drafts without confidences are valued with the speculator's measured acceptance per position);
 - per sequence, the realized value of each call (tokens saved less rows and drafting time) is
   averaged; a speculator whose calls lose time for a sequence is not asked for it, except by
-  sparse probes (4, 8, ... 64 steps apart) that switch it back on when they pay.
+  sparse probes (4, 8, ... 64 steps apart) that switch it back on when they pay. While its calls
+  lose on average over all sequences, a new sequence starts paused, as long as the last sequence
+  to end was: a speculator that does not pay here is not asked at every sequence's first step.
 Speculators with `cost_trim: false` are asked on every step and their drafts verified whole.
 """
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Speculator:
     enabled: bool = True
     stats: SpecStats = field(default_factory=SpecStats)
     value: float = 0.0  # average value of one call over all sequences: where a new sequence starts
+    probe: int = PROBE_MIN  # pause of a new sequence while `value` is negative: that of the last one to end
     _draft_s: float = 0.0  # decayed sums: seconds of `draft` and tokens it returned
     _draft_tokens: float = 0.0
     _seq: dict[int, SeqDraftState] = field(default_factory=dict)
@@ -89,10 +92,16 @@ class Speculator:
         st = self._seq.get(seq)
         if st is None:
             st = self._seq[seq] = SeqDraftState(self.policy.n_max)
+            if self.policy.cost_trim and self.value < -VALUE_MARGIN:
+                # calls have been losing time over the sequences before: this one starts paused, for
+                # as long as the last one to end was (its first probe comes after that many steps)
+                st.skip = st.probe = self.probe
         return st
 
     def forget(self, seq: int) -> None:
-        self._seq.pop(seq, None)
+        st = self._seq.pop(seq, None)
+        if st is not None and st.value is not None:
+            self.probe = st.probe if st.value < -VALUE_MARGIN else PROBE_MIN
 
     def draft_cost(self, t_row: float) -> float:
         """Measured drafting time per drafted token, in units of a one-row target forward (0 until known)."""

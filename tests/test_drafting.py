@@ -8,7 +8,7 @@ import time
 import pytest
 
 from specplug import engine as engine_mod
-from specplug.drafting import PROBE_MAX, Drafting
+from specplug.drafting import PROBE_MAX, PROBE_MIN, VALUE_MARGIN, DraftPolicy, Drafting, Speculator
 from specplug.engine import Request
 from specplug.hooks import hookimpl
 from specplug.testing import Oracle, RandomDrafts, Scripted, assert_greedy_equal, greedy_outputs, make_engine, speculator
@@ -54,6 +54,40 @@ def test_slow_losing_speculator_is_paused_with_probes(tiny_target, prompts):
     assert eng.stats.time_speculators_s < 0.5 * eng2.stats.time_speculators_s
     d = st.to_dict()
     assert 0 < d["asked_share"] < 0.35 and d["verified_share"] <= d["asked_share"]
+
+
+def test_a_new_sequence_starts_paused_while_the_speculator_loses(tiny_target, prompts):
+    """A speculator whose calls lose on average is not asked at a new sequence's first step: the
+    sequence starts paused as long as the last one to end was (so a head that does not pay here
+    costs a probe now and then, not a draft per sequence)."""
+    spec = Speculator("s", caller=None, policy=DraftPolicy())
+    st = spec.state(0)
+    assert st.skip == 0  # no history: asked at once
+    spec.note_value(st, -1.0)  # a losing call pauses the sequence; the probe interval doubles
+    assert st.skip == PROBE_MIN and st.probe == 2 * PROBE_MIN and spec.value < -VALUE_MARGIN
+    spec.forget(0)
+    assert spec.probe == 2 * PROBE_MIN
+    st1 = spec.state(1)
+    assert st1.skip == st1.probe == 2 * PROBE_MIN
+    unpriced = Speculator("u", caller=None, policy=DraftPolicy(cost_trim=False), value=-1.0)
+    assert unpriced.state(0).skip == 0  # unpriced: asked on every step whatever it is worth
+    # in the engine: one sequence after another, the later ones are first asked after their pause
+    vocab = tiny_target.model.config.vocab_size
+
+    class Recording(Slow):
+        @hookimpl
+        def draft(self, requests):
+            self.seen = getattr(self, "seen", []) + [list(r.tokens) for r in requests]  # copies: views expire
+            return super().draft(requests)
+
+    slow = Recording(vocab, 0.002)
+    eng = assert_greedy_equal(tiny_target, [speculator(slow, "slow")], prompts, 48, n_parallel=1,
+                              allow_unverified=True)
+    first_ask = [min((len(t) - len(p) for t in slow.seen if t[:len(p)] == p), default=None) for p in prompts]
+    # the first sequence is asked at its first decoding step (its history: the prompt and the token
+    # its prefill sampled); the later ones not before their pause is over (or not in 48 tokens)
+    assert first_ask[0] == 1, first_ask
+    assert all(a is None or a >= 1 + PROBE_MIN for a in first_ask[1:]), (first_ask, eng.stats.speculators["slow"].to_dict())
 
 
 def test_paying_speculator_keeps_drafting(tiny_target, prompts, plain):

@@ -17,11 +17,14 @@ State per sequence:
   exact pairs up to c (`done`) and draft states after it, which the next `draft` (or `remove`)
   drops.
 - `remove(seq, p0)` drops cache cells >= p0; `remove(seq, 0)` forgets the sequence.
-- After a pause (the host delivers a paused speculator's rows in one batch before its next draft),
-  the head reads only the newest `catch_up` of the rows it missed: their cells are what it attends
-  to, older missed cells stay empty (attention skips empty cells). A head that drafts every step
-  reads 1-3 rows a draft and is unaffected; one paused for 64 steps pays 32 rows, not 64, to probe.
-  The first draft of a sequence reads every row (the prompt is context the head should see).
+- A draft reads only the newest `catch_up` of the rows the head has not read: their cells are what
+  it attends to, older unread cells stay empty (attention skips empty cells). A head that drafts
+  every step reads 1-3 rows a draft and is unaffected. One paused for 64 steps (the host delivers
+  a paused speculator's rows in one batch before its next draft) pays 32 rows, not 64, to probe;
+  a sequence's first draft reads the newest 32 rows of its prompt, not all of it. Measured with a
+  draft on every step (Eagle3 / MTP, 16 MT-bench questions x 2 turns, 128 tokens): first-token
+  acceptance 34.5% / 31.7% with the prompt read this way, 35.5% / 32.4% with all of it; a first
+  draft after a 200-366-token prompt took 14-26 ms reading all of it, 2-3 ms this way.
 
 Confidence per draft token: the head's probability of the token, calibrated per draft depth
 and probability bucket from what `verified` reports (`Calibrator`). Drafting a sequence stops
@@ -74,8 +77,8 @@ class ChainDrafter:
     def setup(self, head: ChainHead, target: TargetInfo, state_dim: int, temperature: float = 0.0,
               stop_below: float = 0.15, calibrate: bool = True, catch_up: int | None = 32) -> None:
         """head: the inference form; state_dim: width of the states h (zeros before position 0);
-        catch_up: at a draft after the sequence's first, the head reads at most this many of the
-        committed rows it has not read yet (the newest; None: all of them)."""
+        catch_up: at a draft, the head reads at most this many of the committed rows it has not
+        read yet, the prompt's included (the newest; None: all of them)."""
         self.rt = head
         self.catch_up = catch_up
         self.zeros = torch.zeros(state_dim, device=target.device)
@@ -131,8 +134,8 @@ class ChainDrafter:
             c = len(r.tokens) - 1
             rt.cache.seq_rm(r.seq_id, st.done)
             pend = st.pending
-            if st.done > 0 and self.catch_up is not None and len(pend) > self.catch_up:
-                pend = pend[len(pend) - self.catch_up:]  # after a pause: older cells stay empty (not attended)
+            if self.catch_up is not None and len(pend) > self.catch_up:
+                pend = pend[len(pend) - self.catch_up:]  # older unread cells stay empty (not attended)
             for t, p, hp in pend:
                 h.append(zeros if hp is None else hp)  # zeros before position 0
                 tok.append(t)

@@ -90,7 +90,7 @@ def test_trained_head_beats_untrained_head(tiny, data, trained, work):
 
 def test_fused_state_pairing_after_rejections_equals_a_fresh_replay(tiny, trained):
     target = _target(tiny, "gguf")
-    spec = _eagle(target, trained, stop_below=0.0)
+    spec = _eagle(target, trained, stop_below=0.0, catch_up=None)  # reads every row, the prompt's too
     eng = make_engine(target, [speculator(spec, "eagle3", cost_trim=False)], n_parallel=3, max_ctx=512)  # every draft verified
     for r in [Request(p, 30) for p in _ids(target, 3)]:
         eng.add(r)
@@ -268,7 +268,7 @@ def test_a_public_eagle3_checkpoint_drafts_the_same_tokens_after_conversion(tiny
     (ck / "config.json").write_text(json.dumps(conf))
     assert main(["convert", "eagle3", str(ck), "--target", str(tiny), "-o", str(work / "conv.gguf"),
                  "--weights", "f32"]) == 0
-    spec = _eagle(target, work / "conv.gguf", stop_below=0.0, calibrate=False)
+    spec = _eagle(target, work / "conv.gguf", stop_below=0.0, calibrate=False, catch_up=None)
     ref = _RefEagle3(sd, conf)
     m = target.model
     for ids in _ids(target, 3, seed=5):
@@ -315,7 +315,7 @@ def test_native_step_agrees_with_the_python_form_and_picks_its_own_argmax(tiny, 
     assert _eagle(_target(tiny, "none"), trained).rt.native_step is None  # torch (and CUDA): the Python form
 
 
-def test_after_a_pause_the_head_reads_only_the_newest_missed_rows_and_stays_lossless(tiny, trained):
+def test_a_draft_reads_only_the_newest_unread_rows_and_stays_lossless(tiny, trained):
     target = _target(tiny, "gguf")
     spec = _eagle(target, trained, stop_below=0.0, catch_up=3, n_seq=1)
     m, layers = target.model, spec.layers
@@ -333,12 +333,13 @@ def test_after_a_pause_the_head_reads_only_the_newest_missed_rows_and_stays_loss
 
     cache = m.new_cache(1, 512)
     deliver(0, p)
-    draft(p)  # the first draft of a sequence reads every row: the whole prompt is in the head's cache
-    assert spec.rt.cache.valid[0, :p + 1].all()
+    assert p > 3
+    draft(p)  # the first draft reads the prompt's newest 3 rows and the last token; older cells stay empty
+    valid = spec.rt.cache.valid[0]
+    assert not valid[:p - 3].any() and valid[p - 3:p + 1].all()
     deliver(p, p + 12)  # a pause of 12 steps, delivered in one batch
     draft(p + 12)  # rows p+1..p+11 were missed: it reads the newest 3 and the last token; 8 cells stay empty
-    valid = spec.rt.cache.valid[0]
-    assert valid[:p + 1].all() and not valid[p + 1:p + 9].any() and valid[p + 9:p + 13].all()
+    assert valid[p - 3:p + 1].all() and not valid[p + 1:p + 9].any() and valid[p + 9:p + 13].all()
     # and in the engine (pauses come from the host's pricing), output is plain greedy output
     eng = assert_greedy_equal(target, [speculator(_eagle(target, trained, catch_up=2), "Eagle3")], _ids(target),
                               max_tokens=40, n_parallel=3)

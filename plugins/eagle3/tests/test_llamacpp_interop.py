@@ -150,7 +150,8 @@ def test_export_holds_every_key_and_tensor_the_llamacpp_loader_requires(tiny, wo
 
 
 def _draft(target, head: Path, ids: list[int], n: int = 4) -> list[int]:
-    spec = Eagle3(Eagle3.Params(head=str(head), stop_below=0.0, calibrate=False), target_info(target, 1, 256))
+    spec = Eagle3(Eagle3.Params(head=str(head), stop_below=0.0, calibrate=False, catch_up=None),  # the whole prompt
+                  target_info(target, 1, 256))
     m = target.model
     out = m.forward(ids, list(range(len(ids))), [0] * len(ids), m.new_cache(1, 256), taps=set(LAYERS))
     body = Batch(torch.tensor(ids[:-1]), torch.arange(len(ids) - 1), torch.zeros(len(ids) - 1, dtype=torch.long),

@@ -100,7 +100,7 @@ def test_head_cache_after_rejections_equals_a_fresh_replay(tiny, trained):
     # run again, stopping mid-generation: inspect the state of live sequences
     from specplug.testing import make_engine
 
-    spec = _mtp(target, trained, stop_below=0.0)
+    spec = _mtp(target, trained, stop_below=0.0, catch_up=None)  # reads every row, the prompt's too
     eng = make_engine(target, [speculator(spec, "mtp", cost_trim=False)], n_parallel=3, max_ctx=512)  # every draft verified
     for r in [Request(p, 30) for p in prompts]:
         eng.add(r)

@@ -49,7 +49,7 @@ class Eagle3(ChainDrafter):
         temperature: float = 0.0  # 0 = greedy, token-only drafts; > 0 = sampled drafts with probs
         stop_below: float = 0.15  # stop drafting once the cumulative confidence is below this
         calibrate: bool = True  # learn confidences from verification outcomes
-        catch_up: int | None = 32  # after a pause, read at most this many missed rows (newest); null: all
+        catch_up: int | None = 32  # a draft reads at most this many unread rows (the newest; the prompt too); null: all
 
         def __post_init__(self):
             if self.head is not None and (not isinstance(self.head, str) or not self.head.strip()):
@@ -108,8 +108,8 @@ class Eagle3(ChainDrafter):
     @hookimpl
     def encode(self, batch: Batch) -> torch.Tensor:
         """The three tapped layer inputs of every committed row side by side [n, 3d]. The fusion
-        fc([low; mid; high]) runs inside the head's draft step, for the rows the head reads only (after a
-        pause it reads the newest `catch_up` of them)."""
+        fc([low; mid; high]) runs inside the head's draft step, for the rows the head reads only (the
+        newest `catch_up` of those it has not read)."""
         dev = self.zeros.device
         return torch.cat([batch.embeddings[li].to(dev, torch.float32) for li in self.layers], -1)
 

@@ -49,7 +49,7 @@ class MTP(ChainDrafter):
         temperature: float = 0.0  # 0 = greedy, token-only drafts; > 0 = sampled drafts with probs
         stop_below: float = 0.15  # stop drafting once the cumulative confidence is below this
         calibrate: bool = True  # learn confidences from verification outcomes
-        catch_up: int | None = 32  # after a pause, read at most this many missed rows (newest); null: all
+        catch_up: int | None = 32  # a draft reads at most this many unread rows (the newest; the prompt too); null: all
         full_vocab: bool = False  # draft over the whole vocabulary instead of the head's draft vocabulary
 
         def __post_init__(self):
