@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from specplug.heads import HeadFile, HeadMeta, layer_from_head, write_head
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
-from specplug.runtime.static import chain_head_step, embedded, head_steps
+from specplug.runtime.static import chain_head_step, embedded, head_steps, token_input
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
 METHOD, VERSION = "mtp", 1
@@ -148,21 +148,20 @@ class MTPRuntime:
         if self.native_step is not None:
             out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True)
             return out, logits
-        cfg = self.cfg
         dev, dt = self.backend.device, self.backend.dtype
+        h = h_prev.to(dev, dt)
         if self.static is not None:
-            return chain_head_step(self.static, self.cache, self.embed, h_prev.to(dev, dt), token_ids, positions,
-                                   seq_ids, logits_rows)
-        emb = self.embed[torch.as_tensor(list(token_ids), dtype=torch.long, device=self.embed.device)].to(dev, dt)
-        x_in = torch.cat([rms_norm(h_prev.to(dev, dt), self.hnorm, cfg.eps), rms_norm(emb, self.enorm, cfg.eps)], -1)
+            return chain_head_step(self.static, self.cache, self.embed, h, token_ids, positions, seq_ids, logits_rows)
         step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
-        out = self.layer(step.rows(self.proj(x_in.contiguous())), step, 0)
+        x = token_input(self.embed, token_ids, dev, dt)
+        out, _ = self._rows(step, (step.rows(h), step.rows(x)), (False,))  # the method's math, written once
         logits = self.lm.norm_linear(step.select(out, logits_rows), self.target_eps).float() if logits_rows else None
         return step.entries(out), logits
 
     def _rows(self, step, inputs, key):
-        """The draft step on static rows (specplug.runtime.static): (h [R, d], token ids [R] or their
-        embeddings [R, d]) -> (states [R, d], draft-vocabulary logits [R, V] or None); key = (logits?,)."""
+        """The draft step on rows in the layers' layout (a static step's, specplug.runtime.static, or
+        an eager Step's): (h [R, d], token ids [R] or their embeddings [R, d]) -> (states [R, d],
+        draft-vocabulary logits [R, V] or None); key = (logits?,)."""
         h, x = inputs
         eps = self.cfg.eps
         emb = embedded(self.embed, x).to(h.dtype)
