@@ -14,6 +14,7 @@ from specplug.runtime import load_target
 from specplug.testing import (assert_greedy_equal, greedy_outputs, make_engine, make_train_data, repetitive_prompts,
                               speculator, write_tiny_gguf)
 from specplug.train.loop import LoopOptions, train
+from specplug.types import Batch, DraftRequest
 from specplug_dflash.head import DFlashRuntime
 from specplug_dflash.speculator import DFlash
 from specplug_dflash.train import DFlashTrainer
@@ -87,7 +88,7 @@ def test_trained_drafter_beats_untrained(tiny, data, trained, work):
 
 def test_context_after_rejections_equals_a_fresh_replay(tiny, trained):
     target = _target(tiny, "gguf")
-    spec = _dflash(target, trained)
+    spec = _dflash(target, trained, catch_up=None)  # reads every row, the prompt's too
     eng = make_engine(target, [speculator(spec, "DFlash", cost_trim=False)], n_parallel=3, max_ctx=512)
     for r in [Request(p, 30) for p in _ids(target, 3)]:
         eng.add(r)
@@ -95,6 +96,8 @@ def test_context_after_rejections_equals_a_fresh_replay(tiny, trained):
         eng.step()
     seqs = {q.slot: list(q.tokens) for q in eng._active.values()}
     assert seqs  # the sequences still running (a finished one has been cleared)
+    assert any(spec.pending[s] for s in seqs)  # the last verification's rows wait for the next draft
+    spec.read_pending(list(seqs))
     assert (spec.calib.table[..., 1] > spec.calib.table[..., 0]).any()  # some drafts were rejected
     m = target.model
     for slot, toks in seqs.items():
@@ -109,6 +112,39 @@ def test_context_after_rejections_equals_a_fresh_replay(tiny, trained):
         for kv in ("k", "v"):
             assert torch.equal(getattr(spec.rt.cache, kv)[:, slot, :, :n], getattr(fresh.cache, kv)[:, 0, :, :n])
         assert spec.rt.cache.valid[slot, :n].all() and not spec.rt.cache.valid[slot, n:].any()
+
+
+def test_a_draft_reads_only_the_newest_unread_rows_and_stays_lossless(tiny, trained):
+    target = _target(tiny, "gguf")
+    spec = _dflash(target, trained, catch_up=3, n_seq=1)
+    m, layers = target.model, [1, 2, target.model.config.n_layer]
+    toks = _ids(target, 1)[0] + list(range(40, 60))
+    p = len(_ids(target, 1)[0])
+    cache = m.new_cache(1, 512)
+
+    def deliver(a: int, b: int) -> None:  # committed rows [a, b) with their taps, as the host sends them
+        out = m.forward(toks[a:b], list(range(a, b)), [0] * (b - a), cache, taps=set(layers))
+        emb = {1: out.hidden[1], 2: out.hidden[2], "final": out.hidden[layers[-1]]}
+        batch = Batch(torch.tensor(toks[a:b]), torch.arange(a, b), torch.zeros(b - a, dtype=torch.long), emb)
+        spec.process_batch(batch, spec.encode(batch))
+
+    def draft(n: int) -> None:
+        assert spec.draft([DraftRequest(0, toks[:n + 1], 4)])[0] is not None
+
+    deliver(0, p)
+    assert p > 3 and [x for q, _ in spec.pending[0] for x in q] == [p - 3, p - 2, p - 1]  # only 3 rows kept
+    valid = spec.rt.cache.valid[0]
+    assert not valid.any()  # nothing runs until a draft
+    draft(p)  # the first draft reads the prompt's newest 3 rows; older cells stay empty, the block is dropped
+    assert not valid[:p - 3].any() and valid[p - 3:p].all() and not valid[p:].any()
+    deliver(p, p + 5)  # a pause of 12 steps, delivered in two batches
+    deliver(p + 5, p + 12)
+    draft(p + 12)  # it reads the newest 3 rows; the 9 before them stay empty
+    assert valid[p - 3:p].all() and not valid[p:p + 9].any() and valid[p + 9:p + 12].all() and not valid[p + 12:].any()
+    # and in the engine (pauses come from the host's pricing), output is plain greedy output
+    eng = assert_greedy_equal(target, [speculator(_dflash(target, trained, catch_up=2), "DFlash")], _ids(target),
+                              max_tokens=40, n_parallel=3)
+    assert not eng.stats.disabled and eng.stats.speculators["DFlash"].drafts > 0
 
 
 def test_runtime_block_matches_the_training_module(tiny, data, work):
@@ -162,6 +198,8 @@ def test_bad_heads_are_clear_errors(tiny, trained, work):
         _dflash(target, work / "mtp.gguf")
     with pytest.raises(ConfigError, match="block_size must be in"):
         DFlash.Params(block_size=1)
+    with pytest.raises(ConfigError, match="catch_up must be an integer >= 1 or null"):
+        DFlash.Params(catch_up=0)
     other = write_tiny_gguf(work / "other.gguf", n_layer=3, n_embd=96, tensor_type="Q8_0", scale=1.5)
     cfg = parse_config({"model": str(other), "speculators": [{"type": "dflash", "head": str(trained)}]})
     with pytest.raises(PluginError, match=r"trained for tiny \(llama, n_embd 64.*not for the target other.gguf"):

@@ -141,11 +141,19 @@ class DFlashRuntime:
         self.cache = backend.new_cache(cfg.n_layers, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim,
                                        spare=int(self.static is not None))
 
+    def taps_side_by_side(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[n, d] target states per tap -> [n, k d] on the backend's device and dtype."""
+        dev, dt = self.backend.device, self.backend.dtype
+        return torch.cat([t.to(dev, dt) for t in taps], -1)
+
     @torch.inference_mode()
+    def fuse(self, side_by_side: torch.Tensor) -> torch.Tensor:
+        """[n, k d] taps side by side -> [n, d] context features."""
+        return self.fc(side_by_side.to(self.backend.device, self.backend.dtype).contiguous())
+
     def encode(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
         """[n, d] target states per tap -> [n, d] context features."""
-        dev, dt = self.backend.device, self.backend.dtype
-        return self.fc(torch.cat([t.to(dev, dt) for t in taps], -1).contiguous())
+        return self.fuse(self.taps_side_by_side(taps))
 
     @torch.inference_mode()
     def add_context(self, ctx: torch.Tensor, positions: Sequence[int], seq_ids: Sequence[int]) -> None:
