@@ -14,13 +14,16 @@ measured seconds of T(1)). From these:
   (drafts without confidences are valued with the speculator's measured acceptance per position);
 - per sequence, the realized value of each call (tokens saved less rows and drafting time) is
   averaged; a speculator whose calls lose time for a sequence is not asked for it, except by
-  sparse probes (4, 8, ... 64 steps apart) that switch it back on when they pay. While its calls
-  lose on average over all sequences, a new sequence starts paused, as long as the last sequence
-  to end was: a speculator that does not pay here is not asked at every sequence's first step.
+  sparse probes (4, 8, ... 64 steps apart) that switch it back on when they pay; probes are never
+  so close that they cost more than PROBE_SHARE (1%) of the steps between them (a probe costing 5
+  steps, a draft model's, comes at most every 500 steps). While its calls lose on average over all
+  sequences, a new sequence starts paused, as long as the last sequence to end was: a speculator
+  that does not pay here is not asked at every sequence's first step.
 Speculators with `cost_trim: false` are asked on every step and their drafts verified whole.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
@@ -34,6 +37,7 @@ from specplug.plugins import HookCaller
 from specplug.types import Draft, DraftRequest, EmbeddingRequest, Verified
 
 PROBE_MIN, PROBE_MAX = 4, 64  # steps between probes of a speculator that does not pay for a sequence
+PROBE_SHARE = 0.01  # ... and at least a probe's own cost (T(1) units) / PROBE_SHARE steps
 VALUE_MARGIN = 0.02  # a speculator is paused for a sequence when its calls lose more than this (units of T(1))
 SEQ_ALPHA, SPEC_ALPHA = 0.2, 0.05  # weights of a new call's value in the per-sequence / per-speculator averages
 
@@ -114,17 +118,26 @@ class Speculator:
         self._draft_s = 0.9 * self._draft_s + seconds
         self._draft_tokens = 0.9 * self._draft_tokens + n_tokens
 
-    def note_value(self, st: SeqDraftState, value: float) -> None:
-        """Average in what one call was worth for a sequence; pause or resume the speculator for it."""
+    def note_value(self, st: SeqDraftState, value: float, call_cost: float = 0.0) -> None:
+        """Average in what one call was worth for a sequence (`call_cost`: what the call took, T(1)
+        units); pause or resume the speculator for it."""
         st.value = (self.value if st.value is None else st.value) * (1 - SEQ_ALPHA) + SEQ_ALPHA * value
         self.value = self.value * (1 - SPEC_ALPHA) + SPEC_ALPHA * value
         if not self.policy.cost_trim:
             return
         if st.value < -VALUE_MARGIN:
-            st.skip = max(st.skip, st.probe)
-            st.probe = min(2 * st.probe, PROBE_MAX)
+            pause(st, call_cost)
         else:
             st.probe = PROBE_MIN
+
+
+def pause(st: SeqDraftState, call_cost: float) -> None:
+    """Pause a sequence after a call that did not pay: for `st.probe` steps, the next pause twice
+    that (at most PROBE_MAX), and never fewer steps than make a call of `call_cost` (T(1) units)
+    PROBE_SHARE of them."""
+    floor = min(math.ceil(call_cost / PROBE_SHARE), 1 << 20)
+    st.skip = max(st.skip, st.probe, floor)
+    st.probe = max(min(2 * st.probe, PROBE_MAX), floor)
 
 
 class History(SequenceABC):
@@ -207,7 +220,7 @@ class Drafting:
                 if spec.enabled:  # no drafts at all this step: the call cost its time all the same
                     spec.note_draft_time(seconds, 0)
                     for r in reqs:
-                        spec.note_value(spec.state(r.seq_id), -share)
+                        spec.note_value(spec.state(r.seq_id), -share, share)
                 continue
             try:
                 problem = check_drafts(res, reqs, self.vocab)
@@ -253,7 +266,7 @@ class Drafting:
                 # no token can pay at the drafting cost measured so far: a one-token probe (its cost
                 # measured again), then a pause that doubles while that stays so
                 n_max, advice = min(n_max, 1), ()
-                st.skip, st.probe = st.probe, min(2 * st.probe, PROBE_MAX)
+                pause(st, spec.draft_cost(self.t_row))
             elif priced:
                 n_max = min(n_max, n_pay)
                 advice = break_even[:n_max]
@@ -307,7 +320,7 @@ class Drafting:
                 if mine:
                     value += n_a * worth - (self.cost(rows) - self.cost(rows - n_d))
                     _adapt_length(spec, st, n_d, n_a)
-                spec.note_value(st, value)
+                spec.note_value(st, value, a.share)
                 results.append(Verified(slot, n_d, n_a, mine))
                 if not mine or n_a < n_d:
                     self.call(spec, "remove", seq_id=slot, p0=len(q.tokens) - 1)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from specplug import engine as engine_mod
-from specplug.drafting import PROBE_MAX, PROBE_MIN, VALUE_MARGIN, DraftPolicy, Drafting, Speculator
+from specplug.drafting import PROBE_MAX, PROBE_MIN, PROBE_SHARE, VALUE_MARGIN, DraftPolicy, Drafting, Speculator
 from specplug.engine import Request
 from specplug.hooks import hookimpl
 from specplug.testing import Oracle, RandomDrafts, Scripted, assert_greedy_equal, greedy_outputs, make_engine, speculator
@@ -40,7 +40,10 @@ class Slow(RandomDrafts):
         return super().draft(requests)
 
 
-def test_slow_losing_speculator_is_paused_with_probes(tiny_target, prompts):
+def test_slow_losing_speculator_is_paused_with_probes(tiny_target, prompts, monkeypatch):
+    # probes 4, 8, ... 64 steps apart: here without the floor that a probe's own cost sets (2 ms are
+    # many steps of the tiny target; see test_a_costly_probe_comes_rarely)
+    monkeypatch.setattr("specplug.drafting.PROBE_SHARE", float("inf"))
     vocab = tiny_target.model.config.vocab_size
     priced = Slow(vocab, 0.002)
     eng = assert_greedy_equal(tiny_target, [speculator(priced, "slow")], prompts, 48, allow_unverified=True)
@@ -90,6 +93,27 @@ def test_a_new_sequence_starts_paused_while_the_speculator_loses(tiny_target, pr
     assert all(a is None or a >= 1 + PROBE_MIN for a in first_ask[1:]), (first_ask, eng.stats.speculators["slow"].to_dict())
 
 
+def test_a_costly_probe_comes_rarely(tiny_target, prompts):
+    """Probes never cost more than PROBE_SHARE of the steps between them: a losing call that took 5
+    target steps pauses its sequence for 500 steps, and the next sequence starts paused as long (a
+    draft model as large as the target, probing every 64 steps, cost 17% of decoding)."""
+    spec = Speculator("s", caller=None, policy=DraftPolicy())
+    st = spec.state(0)
+    spec.note_value(st, -5.0, call_cost=5.0)
+    assert st.skip == st.probe == round(5.0 / PROBE_SHARE) > PROBE_MAX
+    spec.note_value(st, -0.1, call_cost=0.1)  # a cheap losing call: the usual doubling, capped
+    assert st.skip == round(5.0 / PROBE_SHARE) and st.probe == PROBE_MAX
+    spec.forget(0)
+    assert spec.state(1).skip == PROBE_MAX
+    # in the engine: a speculator whose every call takes 20 ms (many steps of the tiny target) is asked
+    # at the first sequence's first step and, once its cost is measured against a target step, at one
+    # probe; then never again in these four answers (probes 4, 8, ... 64 apart: 4 asks in the first)
+    slow = Slow(tiny_target.model.config.vocab_size, 0.02)
+    eng = assert_greedy_equal(tiny_target, [speculator(slow, "slow")], prompts, 48, n_parallel=1,
+                              allow_unverified=True)
+    assert eng.stats.speculators["slow"].asked <= 2, eng.stats.speculators["slow"].to_dict()
+
+
 def test_paying_speculator_keeps_drafting(tiny_target, prompts, plain):
     oracle = Oracle({tuple(p): g for p, g in zip(prompts, plain)})
     eng = assert_greedy_equal(tiny_target, [speculator(oracle, "oracle")], prompts, 48)
@@ -118,9 +142,10 @@ def test_break_even_reaches_the_drafter(tiny_target, prompts):
     assert all(r.break_even == () for r in unpriced.requests)
 
 
-def test_no_draft_call_where_no_token_can_pay(tiny_target, prompts):
+def test_no_draft_call_where_no_token_can_pay(tiny_target, prompts, monkeypatch):
     """When even a certain token costs more to draft than it saves, the host asks only by sparse
     one-token probes, without advice (so the drafting cost is measured again)."""
+    monkeypatch.setattr("specplug.drafting.PROBE_SHARE", float("inf"))  # probes 4, 8, ... apart, to see some
     vocab = tiny_target.model.config.vocab_size
     slow = Slow(vocab, 0.05)
     eng = make_engine(tiny_target, [speculator(slow, "slow")])
