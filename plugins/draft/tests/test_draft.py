@@ -72,32 +72,28 @@ def test_different_drafter_is_lossless_with_lower_acceptance(tiny_target, other_
 
 
 class Checked(DraftModel):
-    """After every process_batch, asserts that the drafter's records hold exactly the committed
-    context and that its cached keys/values equal a fresh forward over that context."""
+    """At every draft, asserts that the drafter's records hold exactly the request's history and that
+    its cached keys/values equal a fresh forward over it (every token read: `catch_up: null`)."""
 
     def __init__(self, params, target):
-        super().__init__(params, target)
-        self.truth = [[] for _ in self.held]
+        super().__init__(dataclasses.replace(params, catch_up=None), target)
         self.recomputed = 0
 
     @hookimpl
-    def process_batch(self, batch, encoded):
-        seqs = sorted(set(batch.seq_ids.tolist()))
-        for s in seqs:
-            mask = batch.seq_ids == s
-            start, ids = int(batch.positions[mask][0]), batch.token_ids[mask].tolist()
-            assert len(self.truth[s]) >= start
-            held = self.held[s][start:start + len(ids)]
-            self.recomputed += held != ids[:len(held)]
-            self.truth[s] = self.truth[s][:start] + ids
-        super().process_batch(batch, encoded)
-        for s in seqs:
-            n = len(self.truth[s])
-            assert self.held[s] == self.truth[s] and self.cache.seq_len(s) == n
+    def draft(self, requests):
+        for r in requests:
+            held, n = self.held[r.seq_id], len(r.tokens) - 1
+            self.recomputed += held[:n] != list(r.tokens)[:len(held[:n])]
+        out = super().draft(requests)
+        for r in requests:
+            s, hist = r.seq_id, list(r.tokens)
+            n = len(hist)
+            assert self.held[s][:n] == hist and self.cache.seq_len(s) == len(self.held[s])
             fresh = self.model.new_cache(1, CTX)
-            self.model.forward(self.truth[s], list(range(n)), [0] * n, fresh, logits_rows=[])
+            self.model.forward(hist, list(range(n)), [0] * n, fresh, logits_rows=[])
             torch.testing.assert_close(self.cache.k[:, s, :, :n], fresh.k[:, 0, :, :n], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(self.cache.v[:, s, :, :n], fresh.v[:, 0, :, :n], atol=1e-4, rtol=1e-4)
+        return out
 
 
 def test_cache_stays_in_step_when_another_speculator_wins(tiny_target, other_gguf, prompts):
@@ -119,7 +115,7 @@ def test_process_batch_skips_held_tokens_and_recomputes_from_a_difference(tiny_t
     d = drafter(tiny_target, tiny_gguf, 1)
     p = prompts[1]
     t = torch.tensor
-    d.process_batch(Batch(t(p), t(range(len(p))), t([0] * len(p))), None)
+    d.process_batch(Batch(t(p), t(range(len(p))), t([0] * len(p)), is_prompt=True), None)
     assert d.held[0] == p
     (dr,) = d.draft([DraftRequest(0, p + [7], 4)])
     assert len(dr) == 4 and dr.probs is None
@@ -127,9 +123,9 @@ def test_process_batch_skips_held_tokens_and_recomputes_from_a_difference(tiny_t
     calls = []
     real = d.model.forward
     d.model.forward = lambda *a, **k: calls.append(a[0]) or real(*a, **k)
-    # the target commits 7 and the first two drafted tokens: nothing to compute
+    # the target commits 7 and the first two drafted tokens: decoding rows wait for the next draft
     d.process_batch(Batch(t([7, *dr.token_ids[:2]]), t(range(len(p), len(p) + 3)), t([0] * 3)), None)
-    assert calls == [] and d.held[0] == p + [7, *dr.token_ids[:2]]
+    assert calls == [] and d.held[0] == p + [7, *dr.token_ids[:3]]
     # a history that differs two tokens back is recomputed from the difference on
     x = (dr.token_ids[0] + 1) % 250 + 3  # not the drafted token
     hist = p + [7, x, 11]
@@ -139,6 +135,32 @@ def test_process_batch_skips_held_tokens_and_recomputes_from_a_difference(tiny_t
     assert d.held[0] == p[:3] and d.cache.seq_len(0) == 3
     d.remove(0, 0)
     assert d.held[0] == [] and d.cache.seq_len(0) == 0
+
+
+def test_after_a_pause_a_draft_reads_only_the_newest_unseen_tokens(tiny_target, tiny_gguf, prompts):
+    d = drafter(tiny_target, tiny_gguf, 1, catch_up=4)
+    p = prompts[1]
+    t = torch.tensor
+    d.process_batch(Batch(t(p), t(range(len(p))), t([0] * len(p)), is_prompt=True), None)
+    calls = []
+    real = d.model.forward
+    d.model.forward = lambda *a, **k: calls.append(a[0]) or real(*a, **k)
+    hist = p + list(range(20, 40))  # 20 committed tokens unseen (a pause), then the last one
+    d.draft([DraftRequest(0, hist, 2)])
+    n = len(p)
+    # the newest 4 unseen committed tokens and the last one; the 15 cells before them stay empty
+    assert calls[0] == hist[-5:]
+    assert d.held[0][:n] == p and d.held[0][n:n + 15] == [-1] * 15 and d.held[0][n + 15:len(hist)] == hist[-5:]
+    valid = d.cache.valid[0]
+    assert valid[:n].all() and not valid[n:n + 15].any() and valid[n + 15:len(hist)].all()
+    mark = len(calls)
+    d.draft([DraftRequest(0, hist + [5], 2)])  # holes count as held: only what is new is fed
+    assert calls[mark] == [5]
+    # and in the engine, with the host pausing it (a drafter as large as the target never pays), output
+    # is plain greedy output
+    eng = assert_greedy_equal(tiny_target, [speculator(drafter(tiny_target, tiny_gguf, 2, catch_up=2), "draft")],
+                              prompts, 40, n_parallel=2)
+    assert not eng.stats.disabled
 
 
 def test_draft_p_min_stops_drafts_early(tiny_target, other_gguf, prompts):
@@ -207,7 +229,7 @@ def test_yaml_params_reach_the_speculator(tiny_target, tiny_gguf):
 
 
 @pytest.mark.parametrize("key, value", [("temperature", -1.0), ("draft_p_min", 1.0), ("dtype", "float64"),
-                                        ("quant", "int4"), ("model", ""), ("device", "")])
+                                        ("quant", "int4"), ("model", ""), ("device", ""), ("catch_up", 0)])
 def test_bad_params_are_config_errors(tiny_gguf, key, value):
     kw = {"model": str(tiny_gguf), key: value}
     with pytest.raises(ConfigError, match=f"draft: {key} must be"):

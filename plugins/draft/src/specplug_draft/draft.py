@@ -1,11 +1,17 @@
 """`draft`: a (smaller) model with the target's vocabulary proposes the next tokens.
 
 The drafter is a specplug `Transformer` with its own KV cache, one slot per target sequence.
-That cache mirrors the target's committed context: `process_batch` appends committed entries,
-`remove` rolls back, and `draft` catches up from the request's history before drafting.
-`held[s]` records the token id at every cached position of slot s (always positions
-0..len-1, no holes), so the drafter never recomputes what it already holds (its own accepted
-drafts) and recomputes from the first difference whenever the context differs from it.
+That cache mirrors the target's committed context: `process_batch` prefills the prompt, `draft`
+catches up from the request's history before drafting (the committed tokens of decoding are
+processed there, not as they are committed: a drafter the host has paused costs nothing until its
+next draft), and `remove` rolls back. `held[s]` records the token id at every cached position of
+slot s (positions 0..len-1), so the drafter never recomputes what it already holds (its own
+accepted drafts) and recomputes from the first difference whenever the context differs from it.
+
+A draft processes at most the newest `catch_up` committed tokens it has not yet seen: after a
+pause of hundreds of steps the probe costs a forward of 32 tokens, not of all of them; the cells
+before those stay empty (HOLE in `held`; attention skips empty cells) and are never filled in.
+`catch_up: null` processes every token (the drafter's cache then always equals a fresh prefill).
 
 Greedy drafting (temperature 0) returns token-only drafts (probs=None, i.e. a one-hot q): the
 token was not *sampled* from the softmax, so returning the softmax as q would bias stochastic
@@ -27,6 +33,7 @@ from specplug.runtime.model import DTYPES, QUANTS, resolve_device
 from specplug.types import Batch, Draft, DraftRequest, TargetInfo
 
 NAME = "draft"
+HOLE = -1  # `held` at a position whose cell was left empty (see `catch_up`)
 
 
 def _check(ok: bool, key: str, rule: str, value: Any) -> None:
@@ -52,6 +59,9 @@ class DraftModel:
         # --draft-p-min). Not `p_min`: that YAML key belongs to the host's DraftPolicy, which can only
         # cut drafts after the fact and only those with probs (temperature > 0).
         draft_p_min: float = 0.0
+        # a draft processes at most this many committed tokens the drafter has not seen (the newest;
+        # null: all of them)
+        catch_up: int | None = 32
 
         def __post_init__(self):
             # checked here so that a bad value is a ConfigError when the YAML is parsed
@@ -63,6 +73,9 @@ class DraftModel:
             _check(_number(self.temperature) and self.temperature >= 0, "temperature", ">= 0", self.temperature)
             _check(_number(self.draft_p_min) and 0 <= self.draft_p_min < 1, "draft_p_min", "in [0, 1)",
                    self.draft_p_min)
+            _check(self.catch_up is None or (isinstance(self.catch_up, int) and not isinstance(self.catch_up, bool)
+                                             and self.catch_up >= 1), "catch_up", "an integer >= 1 or null",
+                   self.catch_up)
 
     def __init__(self, params: "DraftModel.Params", target: TargetInfo):
         self.params = params
@@ -113,8 +126,8 @@ class DraftModel:
         `limit`; everything the slot holds after those is dropped as stale. Needs start <= len(held)."""
         held = self.held[seq]
         n = max(0, min(len(held) - start, limit))
-        if held[start:start + n] != tokens[:n]:  # rare: a rejected or unchosen draft, find where
-            n = next(i for i in range(n) if held[start + i] != tokens[i])
+        if held[start:start + n] != tokens[:n]:  # a rejected or unchosen draft (or holes): find where
+            n = next((i for i in range(n) if held[start + i] not in (tokens[i], HOLE)), n)
         self._truncate(seq, start + n)
         return n
 
@@ -135,8 +148,10 @@ class DraftModel:
     # --- hooks ----------------------------------------------------------------------------------
     @hookimpl
     def process_batch(self, batch: Batch, encoded: torch.Tensor | None) -> None:
-        """Append the committed entries to the drafter's cache (one forward, no logits), skipping
-        those it already holds at the same positions (its accepted drafts)."""
+        """Prefill a prompt's entries into the drafter's cache (one forward, no logits), skipping those
+        it already holds at the same positions. Decoding entries wait for the next `draft`."""
+        if not batch.is_prompt:
+            return
         groups: dict[int, tuple[int, list[int]]] = {}
         for t, p, s in zip(batch.token_ids.tolist(), batch.positions.tolist(), batch.seq_ids.tolist()):
             groups.setdefault(s, (p, []))[1].append(t)
@@ -162,6 +177,11 @@ class DraftModel:
                 continue
             # the last token is never taken as held: its logits give the first draft token
             k = self._align(r.seq_id, 0, hist, len(hist) - 1)
+            unseen = len(hist) - 1 - k
+            if self.params.catch_up is not None and unseen > self.params.catch_up:
+                gap = unseen - self.params.catch_up  # older unseen cells stay empty
+                self.held[r.seq_id].extend([HOLE] * gap)
+                k += gap
             feed.append((r.seq_id, k, hist[k:]))
             live.append((i, n_max))
         ids: list[list[int]] = [[] for _ in requests]
