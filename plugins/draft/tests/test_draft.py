@@ -111,21 +111,24 @@ def test_cache_stays_in_step_when_another_speculator_wins(tiny_target, other_ggu
     assert all(h == [] for h in d.held)
 
 
-def test_process_batch_skips_held_tokens_and_recomputes_from_a_difference(tiny_target, tiny_gguf, prompts):
+def test_a_prompt_is_read_at_the_first_draft_and_held_tokens_are_never_recomputed(tiny_target, tiny_gguf, prompts):
     d = drafter(tiny_target, tiny_gguf, 1)
     p = prompts[1]
     t = torch.tensor
-    d.process_batch(Batch(t(p), t(range(len(p))), t([0] * len(p)), is_prompt=True), None)
-    assert d.held[0] == p
-    (dr,) = d.draft([DraftRequest(0, p + [7], 4)])
-    assert len(dr) == 4 and dr.probs is None
-    assert d.held[0] == p + [7, *dr.token_ids[:3]]  # the last drafted token is never fed
     calls = []
     real = d.model.forward
     d.model.forward = lambda *a, **k: calls.append(a[0]) or real(*a, **k)
+    # a prompt costs nothing until the drafter is asked (the host may never ask it)
+    d.process_batch(Batch(t(p), t(range(len(p))), t([0] * len(p)), is_prompt=True), None)
+    assert calls == [] and d.held[0] == [] and d.prompt_len[0] == len(p)
+    (dr,) = d.draft([DraftRequest(0, p + [7], 4)])
+    assert calls[0] == p + [7]  # the prompt and the first token, one forward
+    assert len(dr) == 4 and dr.probs is None
+    assert d.held[0] == p + [7, *dr.token_ids[:3]]  # the last drafted token is never fed
     # the target commits 7 and the first two drafted tokens: decoding rows wait for the next draft
+    mark = len(calls)
     d.process_batch(Batch(t([7, *dr.token_ids[:2]]), t(range(len(p), len(p) + 3)), t([0] * 3)), None)
-    assert calls == [] and d.held[0] == p + [7, *dr.token_ids[:3]]
+    assert len(calls) == mark and d.held[0] == p + [7, *dr.token_ids[:3]]
     # a history that differs two tokens back is recomputed from the difference on
     x = (dr.token_ids[0] + 1) % 250 + 3  # not the drafted token
     hist = p + [7, x, 11]
@@ -148,8 +151,9 @@ def test_after_a_pause_a_draft_reads_only_the_newest_unseen_tokens(tiny_target, 
     hist = p + list(range(20, 40))  # 20 committed tokens unseen (a pause), then the last one
     d.draft([DraftRequest(0, hist, 2)])
     n = len(p)
-    # the newest 4 unseen committed tokens and the last one; the 15 cells before them stay empty
-    assert calls[0] == hist[-5:]
+    # the prompt whole, then the newest 4 unseen committed tokens and the last one; the 15 cells
+    # between stay empty
+    assert calls[0] == p and calls[1] == hist[-5:]
     assert d.held[0][:n] == p and d.held[0][n:n + 15] == [-1] * 15 and d.held[0][n + 15:len(hist)] == hist[-5:]
     valid = d.cache.valid[0]
     assert valid[:n].all() and not valid[n:n + 15].any() and valid[n + 15:len(hist)].all()
