@@ -12,7 +12,10 @@ with c the drafting cost of one token in units of a plain step (host overhead le
 favours the drafter), takes the best g, and solves for the first-position acceptance that would be
 needed for a target speedup with the same shape of acceptances. Usage:
 
-    python scripts/head_ceiling.py bench-out/results.json --target 1.3 [--category writing]
+    python scripts/head_ceiling.py bench-out/results.json --target 1.3 [--category writing] [--json out.json]
+
+The acceptances that bound a head are those of drafts made on every step
+(examples/bench-heads-every-step.yaml); a priced run's are only of the drafts the host chose.
 """
 from __future__ import annotations
 
@@ -54,12 +57,14 @@ def main() -> None:
     ap.add_argument("--category", default=None, help="a category of the run (default: overall)")
     ap.add_argument("--curve", default="gguf", choices=sorted(VERIFY_COST_CURVES))
     ap.add_argument("--target", type=float, default=1.3, help="speedup to solve the needed acceptance for")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args()
     rep = json.load(open(args.results))
     figs = rep["overall"] if args.category is None else rep["categories"][args.category]
     curve = VERIFY_COST_CURVES[args.curve]
     print(f"{'variant':<14} {'measured':>9} {'accept/pos (conditional)':<34} {'c':>6} {'best g':>6} "
           f"{'ceiling':>8} {'free drafter':>12} {'a1 needed':>10}")
+    rows = []
     for name, f in figs.items():
         cond = f.get("acceptance_per_position_conditional") or []
         if not cond:
@@ -69,8 +74,15 @@ def main() -> None:
         g, s = speedup(cond, c, curve)
         _, free = speedup(cond, 0.0, curve)
         need = needed_first(cond, c, curve, args.target)
+        rows.append({"variant": name, "measured_decode_speedup": f["decode_speedup"], "acceptance_conditional": cond,
+                     "draft_cost_steps": c, "best_draft_length": g, "ceiling": s, "ceiling_free_drafter": free,
+                     "first_acceptance_needed": need})
         print(f"{name:<14} {f['decode_speedup']:>8.2f}x {' '.join(f'{a:.2f}' for a in cond[:8]):<34} {c:>6.3f} "
               f"{g:>6} {s:>7.2f}x {free:>11.2f}x {'-' if need is None else f'{need:.2f}':>10}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"results": args.results, "category": args.category, "curve": args.curve,
+                       "target": args.target, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
