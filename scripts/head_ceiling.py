@@ -13,6 +13,7 @@ favours the drafter), takes the best g, and solves for the first-position accept
 needed for a target speedup with the same shape of acceptances. Usage:
 
     python scripts/head_ceiling.py bench-out/results.json --target 1.3 [--category writing] [--json out.json]
+        [--runtime bench-runtime.json]
 
 The acceptances that bound a head are those of drafts made on every step
 (examples/bench-heads-every-step.yaml); a priced run's are only of the drafts the host chose.
@@ -55,13 +56,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", help="results.json of a `specplug bench` run")
     ap.add_argument("--category", default=None, help="a category of the run (default: overall)")
-    ap.add_argument("--curve", default="gguf", choices=sorted(VERIFY_COST_CURVES))
+    ap.add_argument("--curve", default="gguf", choices=sorted(VERIFY_COST_CURVES),
+                    help="the engine's built-in T(k)/T(1) curve to price verification with")
+    ap.add_argument("--runtime", default=None,
+                    help="instead: the curve this machine measured (`specplug bench-runtime --repeats 60 --json F`)")
     ap.add_argument("--target", type=float, default=1.3, help="speedup to solve the needed acceptance for")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args()
     rep = json.load(open(args.results))
     figs = rep["overall"] if args.category is None else rep["categories"][args.category]
     curve = VERIFY_COST_CURVES[args.curve]
+    if args.runtime:
+        ratios = json.load(open(args.runtime))["verify_ratio"]
+        curve = tuple(sorted((int(k), float(v)) for k, v in ratios.items()))
+    print("T(k)/T(1):", " ".join(f"{k}:{v:.2f}" for k, v in curve))
     print(f"{'variant':<14} {'measured':>9} {'accept/pos (conditional)':<34} {'c':>6} {'best g':>6} "
           f"{'ceiling':>8} {'free drafter':>12} {'a1 needed':>10}")
     rows = []
@@ -81,7 +89,7 @@ def main() -> None:
               f"{g:>6} {s:>7.2f}x {free:>11.2f}x {'-' if need is None else f'{need:.2f}':>10}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"results": args.results, "category": args.category, "curve": args.curve,
+            json.dump({"results": args.results, "category": args.category, "curve": curve, "runtime": args.runtime,
                        "target": args.target, "rows": rows}, fh, indent=1)
 
 
