@@ -159,10 +159,12 @@ class DraftModel:
         for p, s in zip(batch.positions.tolist(), batch.seq_ids.tolist()):
             self.prompt_len[s] = p + 1 if p == 0 else max(self.prompt_len[s], p + 1)
 
-    @hookimpl
-    def draft(self, requests: Sequence[DraftRequest]) -> Sequence[Draft | None]:
-        """Draft for every request at once: each step is one drafter forward over the sequences
-        still drafting. Drafted tokens that were fed stay cached (they are likely accepted)."""
+    def _catch_up(self, requests: Sequence[DraftRequest]
+                  ) -> tuple[list[tuple[int, int, list[int]]], list[tuple[int, int]]]:
+        """Bring every slot up to its request's history, but for the last token and at most the newest
+        `catch_up` unseen decoding tokens: a prompt not yet read is read whole in one forward now, and the
+        cells of older unseen tokens stay empty. Returns the first drafting forward's feed and, per
+        entry, (request index, n_max)."""
         plans, prompts = [], []  # per drafting sequence: (request index, slot, held, prompt end, history, n_max)
         for i, r in enumerate(requests):
             hist = list(r.tokens)
@@ -178,9 +180,8 @@ class DraftModel:
             plans.append((i, r.seq_id, k, p_end, hist, n_max))
         if prompts:
             self._forward(prompts, logits=False)
-        feed, live = [], []  # per drafting sequence: what to feed next, and (request index, n_max)
+        feed, live = [], []
         for i, seq, k, p_end, hist, n_max in plans:
-            # at most the newest catch_up unseen decoding tokens (a prompt is read whole)
             unseen = len(hist) - 1 - max(k, p_end)
             if self.params.catch_up is not None and unseen > self.params.catch_up:
                 gap = unseen - self.params.catch_up  # older unseen cells stay empty
@@ -188,6 +189,13 @@ class DraftModel:
                 k += gap
             feed.append((seq, k, hist[k:]))
             live.append((i, n_max))
+        return feed, live
+
+    @hookimpl
+    def draft(self, requests: Sequence[DraftRequest]) -> Sequence[Draft | None]:
+        """Draft for every request at once: each step is one drafter forward over the sequences
+        still drafting. Drafted tokens that were fed stay cached (they are likely accepted)."""
+        feed, live = self._catch_up(requests)  # per drafting sequence: what to feed next, (request index, n_max)
         ids: list[list[int]] = [[] for _ in requests]
         rows: list[list[torch.Tensor]] = [[] for _ in requests]
         p_min = self.params.draft_p_min
