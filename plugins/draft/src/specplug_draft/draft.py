@@ -165,7 +165,7 @@ class DraftModel:
         `catch_up` unseen decoding tokens: a prompt not yet read is read whole in one forward now, and the
         cells of older unseen tokens stay empty. Returns the first drafting forward's feed and, per
         entry, (request index, n_max)."""
-        plans, prompts = [], []  # per drafting sequence: (request index, slot, held, prompt end, history, n_max)
+        plans, prompts = [], []  # per drafting sequence: (request index, slot, held, cells left empty, history, n_max)
         for i, r in enumerate(requests):
             hist = list(r.tokens)
             n_max = min(r.n_max, self.max_ctx - len(hist))  # never write past the cache
@@ -174,20 +174,18 @@ class DraftModel:
             # the last token is never taken as held: its logits give the first draft token
             k = self._align(r.seq_id, 0, hist, len(hist) - 1)
             p_end = min(self.prompt_len[r.seq_id], len(hist) - 1)
-            if k < p_end and self.params.catch_up is not None and len(hist) - 1 - p_end > self.params.catch_up:
+            unseen = len(hist) - 1 - max(k, p_end)  # decoding tokens not seen (a prompt is read whole)
+            gap = unseen - self.params.catch_up if self.params.catch_up is not None else 0
+            if gap > 0 and k < p_end:
                 prompts.append((r.seq_id, k, hist[k:p_end]))  # read whole, before the cells left empty
                 k = p_end
-            plans.append((i, r.seq_id, k, p_end, hist, n_max))
+            plans.append((i, r.seq_id, k, max(gap, 0), hist, n_max))
         if prompts:
             self._forward(prompts, logits=False)
         feed, live = [], []
-        for i, seq, k, p_end, hist, n_max in plans:
-            unseen = len(hist) - 1 - max(k, p_end)
-            if self.params.catch_up is not None and unseen > self.params.catch_up:
-                gap = unseen - self.params.catch_up  # older unseen cells stay empty
-                self.held[seq].extend([HOLE] * gap)
-                k += gap
-            feed.append((seq, k, hist[k:]))
+        for i, seq, k, gap, hist, n_max in plans:
+            self.held[seq].extend([HOLE] * gap)  # older unseen cells stay empty
+            feed.append((seq, k + gap, hist[k + gap:]))
             live.append((i, n_max))
         return feed, live
 
