@@ -21,6 +21,8 @@ import time
 import numpy as np
 import torch
 
+from specplug import machine
+
 VERIFY_K = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 VERIFY_K_CUDA = VERIFY_K + (48, 64)
 
@@ -56,7 +58,8 @@ def _fill(model, cache, seq: int, n: int, chunk: int = 256) -> None:
 def run_bench(model, repeats: int = 20) -> dict:
     """Measure the runtime cost curve; returns the figures as a dict."""
     res: dict = {"model": str(model.path), "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
-                 "quant": model.quant, "threads": torch.get_num_threads(), "repeats": repeats}
+                 "quant": model.quant, "threads": torch.get_num_threads(), "repeats": repeats,
+                 "machine": machine.describe(str(model.device))}
     cuda = model.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else _no_sync
     if cuda:
@@ -124,6 +127,7 @@ def run_bench(model, repeats: int = 20) -> dict:
 def format_report(res: dict) -> str:
     lines = [f"model {res['model']}  device {res['device']}  dtype {res['dtype']}  quant {res['quant']}  "
              f"threads {res['threads']}  (medians of {res['repeats']})",
+             machine.line(res["machine"]),
              "decode_ms: " + ", ".join(f"ctx {c}: {v} ms" for c, v in res["decode_ms"].items()),
              "verify after 512 tokens:",
              "  k      " + " ".join(f"{k:>7}" for k in res["verify_ms"]),
@@ -210,7 +214,9 @@ def _machine_limits(threads: int) -> dict:
     x = torch.ones(256 * 1024 * 1024)  # 1 GiB
     gbs = 1024 ** 3 / (_median_ms(lambda: x.sum(), 5, warmup=1) / 1e3) / 1e9
     del x
-    out = {"threads": threads, "stream_read_gb_s": round(gbs, 1)}
+    from specplug.runtime import native
+
+    out = {"threads": threads, "stream_read_gb_s": round(gbs, 1), "isa": native.chosen_isa()}
     g = torch.Generator().manual_seed(0)
     w = torch.randn(512, 576, generator=g)
     a = torch.randn(64, 576, generator=g)
@@ -287,7 +293,7 @@ def profile(model, repeats: int = 10) -> dict:
 def format_profile(prof: dict) -> str:
     lim = prof["limits"]
     lines = [f"machine: streaming read {lim['stream_read_gb_s']} GB/s ({lim['threads']} threads); kernel peak "
-             f"{lim['peak_gmac_s_q4_1']} G MAC/s (Q4_1), {lim['peak_gmac_s_q8_0']} G MAC/s (Q8_0)",
+             f"({lim.get('isa')}) {lim['peak_gmac_s_q4_1']} G MAC/s (Q4_1), {lim['peak_gmac_s_q8_0']} G MAC/s (Q8_0)",
              "total: the forward as the engine runs it (one native call per layer); the columns after it time each "
              "kernel of a forward that calls them one by one (unfused), py+disp = unfused - its kernels",
              f"{'ctx':>5} {'k':>3} {'total':>7} {'unfused':>7} {'linear':>7} {'quant':>6} {'rope':>6} {'attn':>6} {'py+disp':>7} "

@@ -30,6 +30,8 @@ Test speculators used by the core's own tests: RandomDrafts, Oracle, Scripted, F
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,6 +306,24 @@ def speculator(instance, name: str | None = None, target=None, **policy):
         spec = start_speculator(pm, instance, name, cls.__name__, DraftPolicy(**policy), info)
     pm.check_pending()
     return spec
+
+
+@contextlib.contextmanager
+def isa_env(isa: str | None):
+    """Load models (and pair-head steps) on the kernel path `isa` (SPECPLUG_ISA) inside the block:
+    a model keeps the kernels it was built with, so it runs on that path afterwards too."""
+    old = os.environ.get("SPECPLUG_ISA")
+    if isa is None:
+        os.environ.pop("SPECPLUG_ISA", None)
+    else:
+        os.environ["SPECPLUG_ISA"] = isa
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SPECPLUG_ISA", None)
+        else:
+            os.environ["SPECPLUG_ISA"] = old
 
 
 def make_engine(target, specs=(), **kw):

@@ -44,7 +44,8 @@ def _prompts(tmp_path: Path, n: int = 4) -> Path:
 def test_kernel_build_key_separates_installs(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     key = native.build_key()
-    assert native.build_dir() == tmp_path / f"specplug_gguf_{key}"
+    assert native.build_dir() == tmp_path / f"specplug_gguf_avx2_{key}"
+    assert native.build_key("avx512") != key  # each ISA's build in its own folder
     monkeypatch.setattr(native.torch, "__version__", "0.0.0+other")  # another venv's torch
     assert native.build_key() != key
     monkeypatch.undo()
@@ -64,9 +65,10 @@ def _fake_build(monkeypatch, tmp_path, calls):
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpp, "load", fake_load)
-    monkeypatch.setattr(native, "_ext", None)
-    monkeypatch.setattr(native, "_ext_error", None)
-    monkeypatch.setattr(native, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(native, "_ext", {})
+    monkeypatch.setattr(native, "_ext_error", {})
+    monkeypatch.setattr(native, "unavailable_reason", lambda isa=None: None)
+    monkeypatch.setattr(native, "chosen_isa", lambda: "avx2")
 
 
 def test_kernel_build_says_building_each_time_it_builds_and_only_then(monkeypatch, tmp_path, capsys):
@@ -74,7 +76,7 @@ def test_kernel_build_says_building_each_time_it_builds_and_only_then(monkeypatc
     _fake_build(monkeypatch, tmp_path, calls)
     native.kernels()
     assert "building the gguf CPU kernels" in capsys.readouterr().err
-    monkeypatch.setattr(native, "_ext", None)  # a second process: the .so is there
+    monkeypatch.setattr(native, "_ext", {})  # a second process: the .so is there
     native.kernels()
     assert "building" not in capsys.readouterr().err
     assert calls == [str(native.build_dir())] * 2

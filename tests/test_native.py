@@ -1,4 +1,4 @@
-"""The `gguf` weight path: kernels on GGUF's own quantized blocks (CPU, AVX2).
+"""The `gguf` weight path: kernels on GGUF's own quantized blocks (CPU: AVX2, AVX-512 VNNI).
 
 Checked against an independent torch emulation of the same arithmetic (activations
 quantized to 8 bits per block of 32, weights dequantized by the gguf package), and for the
@@ -14,7 +14,7 @@ import torch
 from specplug.errors import ModelError
 from specplug.runtime import GGUFFile, load_target
 from specplug.runtime import native
-from specplug.testing import RandomDrafts, assert_greedy_equal, write_tiny_gguf
+from specplug.testing import RandomDrafts, assert_greedy_equal, isa_env, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
                                 reason=f"gguf kernels unavailable: {native.unavailable_reason()}")
@@ -124,10 +124,13 @@ def test_model_equals_emulation(tmp_path, ttype):
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
 
 
-@pytest.fixture(scope="module")
-def qtiny(tmp_path_factory):
+@pytest.fixture(scope="module", params=native.available_isas() or ["avx2"])
+def qtiny(tmp_path_factory, request):
+    """A tiny Q4_1 model on each kernel path this CPU runs (so every batch-invariance test runs on
+    every path; on an AVX2-only CPU only the AVX2 one, see tests/test_isa.py)."""
     path = write_tiny_gguf(tmp_path_factory.mktemp("native") / "q.gguf", tensor_type="Q4_1", n_layer=3, seed=2)
-    return load_target(str(path), device="cpu", quant="gguf")
+    with isa_env(request.param):
+        return load_target(str(path), device="cpu", quant="gguf")
 
 
 def test_verify_rows_are_bit_identical_to_single_steps(qtiny):

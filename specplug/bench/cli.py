@@ -62,7 +62,7 @@ def cmd_bench(args) -> int:
 
 
 def _bench(args, cfg, path: Path, records: list[dict], out: Path) -> int:
-    from specplug.bench.report import build_report, markdown_table, write_outputs
+    from specplug.bench.report import build_report, machine_line, markdown_table, write_outputs
     from specplug.bench.runner import merge_passes
 
     if args.ray is not None:
@@ -75,11 +75,11 @@ def _bench(args, cfg, path: Path, records: list[dict], out: Path) -> int:
     settings = {"config": str(args.config), "data": str(path), "categories": args.categories, "limit": args.limit,
                 "repeats": args.repeats, "max_tokens": cfg.max_tokens, "model": cfg.model,
                 "device": info["device"], "quant": info["quant"], "threads": info["threads"],
-                "greedy": cfg.sampling.greedy}
+                "greedy": cfg.sampling.greedy, "machine": info.get("machine")}
     if "ray" in info:
         settings["ray"] = info["ray"]
     report = build_report(results, info["variants"], settings, info["peak_rss_mb"])
-    print(markdown_table(report))
+    print(machine_line(report) + markdown_table(report))
     written = write_outputs(report, out)
     print(f"\npeak RSS {report['peak_rss_mb']} MB; wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     if report["mismatches"]:
@@ -96,6 +96,7 @@ def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
     import torch
     from tqdm import tqdm
 
+    from specplug import machine
     from specplug.bench.runner import Bench, peak_rss_mb
     from specplug.config import target_args
     from specplug.runtime import load_target
@@ -118,7 +119,7 @@ def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
     bar.close()
     return passes, {"device": str(target.model.device), "quant": target.model.quant,
                     "threads": torch.get_num_threads(), "variants": [n for n in bench.engines if n != "plain"],
-                    "peak_rss_mb": peak_rss_mb()}
+                    "peak_rss_mb": peak_rss_mb(), "machine": machine.describe(str(target.model.device))}
 
 
 def register(sub) -> None:

@@ -34,11 +34,13 @@ class BenchWorker:
     def info(self) -> dict:
         import torch
 
+        from specplug import machine
         from specplug.bench.runner import peak_rss_mb
 
         m = self.target.model
         return {"device": str(m.device), "quant": m.quant, "threads": torch.get_num_threads(),
-                "variants": [n for n in self.bench.engines if n != "plain"], "peak_rss_mb": peak_rss_mb()}
+                "variants": [n for n in self.bench.engines if n != "plain"], "peak_rss_mb": peak_rss_mb(),
+                "machine": machine.describe(str(m.device))}
 
     def fresh(self) -> None:
         self.bench.fresh_engines()

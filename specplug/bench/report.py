@@ -142,6 +142,14 @@ def build_report(results: list[PromptResult], variant_names: list[str], settings
     }
 
 
+def machine_line(report: dict) -> str:
+    """'machine: ...' and a blank line, from the settings' machine record (empty for old reports)."""
+    from specplug import machine
+
+    info = report.get("settings", {}).get("machine")
+    return machine.line(info) + "\n\n" if info else ""
+
+
 def markdown_table(report: dict) -> str:
     head = ("| category | speculator | prompts | plain tok/s | spec tok/s | speedup | decode plain tok/s | "
             "decode spec tok/s | decode speedup (geomean / median of prompts) | accepted length | acceptance | "
@@ -175,7 +183,7 @@ def write_outputs(report: dict, out_dir: Path) -> list[Path]:
 def _write_outputs(report: dict, out_dir: Path) -> list[Path]:
     paths = [out_dir / "results.json", out_dir / "results.md"]
     write_atomic(paths[0], json.dumps(report, indent=2, default=str))
-    write_atomic(paths[1], markdown_table(report) + "\n")
+    write_atomic(paths[1], machine_line(report) + markdown_table(report) + "\n")
     try:
         import matplotlib
 

@@ -76,6 +76,7 @@ def _gguf_problem(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) ->
 
 def _auto_quant(gguf: GGUFFile, device: torch.device, dtype: torch.dtype) -> str:
     """gguf for a quantized file on CPU when the kernels build here; none (exact float weights) otherwise."""
+    native.check_isa_env()  # a wrong SPECPLUG_ISA is the user's to fix, not a reason to fall back
     quantized = all(gguf.tensor_type(n) not in ("F32", "F16", "BF16", "F64")
                     for n in gguf.tensors if n.endswith(_LINEAR_SUFFIXES))
     if not quantized or _gguf_problem(gguf.config, device, dtype):

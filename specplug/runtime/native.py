@@ -2,8 +2,9 @@
 
 Q4_1 and Q8_0 tensors are used as stored (Q4_0 becomes the equivalent Q4_1); any other
 type is dequantized and re-quantized to Q8_0. Activations are quantized per row to 8 bits
-per block of 32 and dotted in integers (AVX2). That reads ~97 MB per token for SmolLM2-135M
-instead of 540 MB of float32 weights, and verifying a few drafted rows costs little more
+per block of 32 and dotted in integers, on the best instruction set the CPU has (AVX-512 VNNI,
+else AVX2; `SPECPLUG_ISA=avx2|avx512` forces one); every path gives bit-identical results. That
+reads ~97 MB per token for SmolLM2-135M instead of 540 MB of float32 weights, and verifying a few drafted rows costs little more
 than one because each weight tile is unpacked once for all the rows.
 
 The kernels (csrc/gguf_kernels.cpp) are compiled on first use with torch's C++ extension
@@ -14,6 +15,7 @@ speculative verification is bit-identical to one-token decoding.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -29,43 +31,132 @@ from specplug.errors import ModelError
 
 _SRC = Path(__file__).parent / "csrc" / "gguf_kernels.cpp"
 _lock = threading.Lock()
-_ext = None
-_ext_error: str | None = None
+_ext: dict[str, object] = {}  # ISA -> the loaded extension
+_ext_error: dict[str, str] = {}  # ISA -> why it could not be built
 
 Q4_1_BLOCK = 20  # f16 d, f16 m, 16 bytes of nibbles
 Q8_0_BLOCK = 34  # f16 d, 32 int8
 Q4_0_BLOCK = 18  # f16 d, 16 bytes of nibbles (value = (q - 8) * d)
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # used as stored; other types are re-quantized to Q8_0
 
+# ---- one build of the kernels per instruction set ------------------------------------------------
+# The same source compiled with each ISA's flags; the source picks its inner loops from the
+# compiler's macros (__AVX512VNNI__ ...). Integer dot products are exact and every float
+# operation is the same, in the same order, on every path, so all give bit-identical results.
+ISA_CFLAGS = {
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+}
+ISA_CPU_FLAGS = {  # what /proc/cpuinfo must list for each
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+}
+ISA_ORDER = ("avx512", "avx2")  # best first: the default is the first one the CPU has
+ISA_ENV = "SPECPLUG_ISA"
 
-def unavailable_reason() -> str | None:
+
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """(CPU model name, feature flags) from /proc/cpuinfo; elsewhere from torch's capability."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    model, flags = platform.processor() or platform.machine(), None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and value.strip():
+            model = value.strip()
+        elif key == "flags" and flags is None:
+            flags = frozenset(value.split())
+    if flags is None:  # no /proc/cpuinfo: what torch says, without VNNI (it does not say)
+        cap = torch.backends.cpu.get_cpu_capability()
+        flags = frozenset(ISA_CPU_FLAGS["avx2"] if cap in ("AVX2", "AVX512") else ())
+    return model, flags
+
+
+def cpu_model() -> str:
+    return _cpuinfo()[0]
+
+
+def available_isas() -> list[str]:
+    """The kernel paths this CPU can run, best first (empty: not an x86 CPU with AVX2)."""
+    flags = _cpuinfo()[1]
+    return [isa for isa in ISA_ORDER if all(f in flags for f in ISA_CPU_FLAGS[isa])]
+
+
+def _isa_problem(isa: str | None) -> str | None:
+    have = available_isas()
+    if not have:
+        return (f"the gguf kernels need an x86 CPU with AVX2, FMA and F16C "
+                f"(torch reports {torch.backends.cpu.get_cpu_capability()})")
+    if isa is None:
+        return None
+    if isa not in ISA_CFLAGS:
+        return f"{ISA_ENV}={isa} is not a kernel path; choose one of {', '.join(ISA_CFLAGS)}"
+    if isa not in have:
+        missing = [f for f in ISA_CPU_FLAGS[isa] if f not in _cpuinfo()[1]]
+        return f"{ISA_ENV}={isa}: this CPU lacks {', '.join(missing)}; it runs {', '.join(have)}"
+    return None
+
+
+def chosen_isa() -> str:
+    """The kernel path used: ${ISA_ENV} when set (checked against the CPU), else the best the CPU has."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower() or None
+    problem = _isa_problem(forced)
+    if problem:
+        raise ModelError(problem)
+    return forced or available_isas()[0]
+
+
+def check_isa_env() -> None:
+    """Raise ModelError when ${ISA_ENV} is set to a path that is unknown or that this CPU lacks."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced and available_isas():
+        problem = _isa_problem(forced)
+        if problem:
+            raise ModelError(problem)
+
+
+def unavailable_reason(isa: str | None = None) -> str | None:
     """Why the gguf path cannot run here (None = it can), without building anything."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return f"the gguf kernels need an x86 CPU with AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
-    return _ext_error
+    try:
+        isa = isa or chosen_isa()
+    except ModelError as exc:
+        return str(exc)
+    return _isa_problem(isa) or _ext_error.get(isa)
 
 
-_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
+def describe(isa: str | None = None) -> dict:
+    """Where the kernels run, for results JSON: CPU model, the ISA path and its compiler flags."""
+    isa = isa or (chosen_isa() if not unavailable_reason() else None)
+    return {"cpu": cpu_model(), "isa": isa, "isa_flags": list(ISA_CFLAGS.get(isa, ())),
+            "isas_available": available_isas()}
+
+
+_CFLAGS = ("-O3", "-fopenmp")  # every ISA's build; ISA_CFLAGS adds its own
 _LDFLAGS = ("-fopenmp",)
 
 
-def build_key() -> str:
+def build_key(isa: str = "avx2") -> str:
     """What the built kernels depend on: the sources (csrc/), the compiler flags, torch and Python versions.
     Each key gets its own build folder, so two installs (checkouts, virtual environments) never
     rebuild each other's kernels."""
     h = hashlib.sha256()
     for src in sorted(f for f in _SRC.parent.iterdir() if f.suffix in (".cpp", ".h")):  # kernels and headers
         h.update(src.name.encode() + src.read_bytes())
-    h.update(json.dumps([_CFLAGS, _LDFLAGS, torch.__version__, sys.version_info[:2], platform.machine()]).encode())
+    h.update(json.dumps([_CFLAGS, ISA_CFLAGS[isa], _LDFLAGS, torch.__version__, sys.version_info[:2],
+                         platform.machine()]).encode())
     return h.hexdigest()[:16]
 
 
-def build_dir() -> Path:
-    """The build folder of this install's kernels (under TORCH_EXTENSIONS_DIR or torch's default root)."""
+def build_dir(isa: str = "avx2") -> Path:
+    """The build folder of this install's kernels for one ISA (under TORCH_EXTENSIONS_DIR or torch's default root)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / f"specplug_gguf_{build_key()}"
+    return Path(root) / f"specplug_gguf_{isa}_{build_key(isa)}"
 
 
 @contextlib.contextmanager
@@ -99,32 +190,35 @@ def build_lock(folder: Path, say=print):
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def kernels():
-    """The compiled extension (built on first call, ~30 s; then loaded from the cache)."""
-    global _ext, _ext_error
-    if _ext is not None:
-        return _ext
-    reason = unavailable_reason()
+def kernels(isa: str | None = None):
+    """The compiled extension of `isa` (default: chosen_isa()), built on first call (~30 s; then
+    loaded from the cache)."""
+    reason = unavailable_reason(isa)
     if reason:
         raise ModelError(reason)
+    isa = isa or chosen_isa()
+    ext = _ext.get(isa)
+    if ext is not None:
+        return ext
     with _lock:
-        if _ext is None:
+        if isa not in _ext:
             from torch.utils.cpp_extension import load
 
             say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-            folder = build_dir()
+            folder = build_dir(isa)
             name = folder.name
             try:
                 with build_lock(folder, say):
                     if not any(folder.glob(f"{name}*.so")):
-                        say(f"specplug: building the gguf CPU kernels (~30 s) in {folder}...")
-                    _ext = load(name=name, sources=[str(_SRC)], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
-                                build_directory=str(folder), verbose=bool(os.environ.get("SPECPLUG_VERBOSE_BUILD")))
+                        say(f"specplug: building the gguf CPU kernels for {isa} (~30 s) in {folder}...")
+                    _ext[isa] = load(name=name, sources=[str(_SRC)], extra_cflags=[*_CFLAGS, *ISA_CFLAGS[isa]],
+                                     extra_ldflags=list(_LDFLAGS), build_directory=str(folder),
+                                     verbose=bool(os.environ.get("SPECPLUG_VERBOSE_BUILD")))
             except Exception as exc:  # no compiler, no ninja, a broken toolchain, an unwritable folder
-                _ext_error = (f"could not build the gguf kernels in {folder} ({type(exc).__name__}: "
-                              f"{str(exc).strip()[-300:]}); install a C++ compiler and ninja, or use quant: none")
-                raise ModelError(_ext_error) from None
-    return _ext
+                _ext_error[isa] = (f"could not build the gguf kernels ({isa}) in {folder} ({type(exc).__name__}: "
+                                   f"{str(exc).strip()[-300:]}); install a C++ compiler and ninja, or use quant: none")
+                raise ModelError(_ext_error[isa]) from None
+    return _ext[isa]
 
 
 def _f16_as_i16(a: np.ndarray) -> torch.Tensor:

@@ -1,4 +1,5 @@
-// CPU kernels that compute directly on GGUF's quantized weight blocks (AVX2 + FMA + F16C).
+// CPU kernels that compute directly on GGUF's quantized weight blocks (AVX2 + FMA + F16C, and
+// AVX-512 VNNI where the build's flags allow it: native.py compiles this file once per ISA).
 //
 // The scheme is llama.cpp's: each activation row is quantized to 8 bits per block of 32
 // values (Q8 with one float scale per block), and dotted in integers with the weights as
@@ -19,6 +20,7 @@
 
 #include "chunk_pool.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -189,35 +191,90 @@ struct Act {
   int64_t K, nb;
 };
 
-// R rows x 8 columns of one Q4_1 tile. qs: nb blocks of 4 x 32 bytes; byte c*4+i of load p
-// holds w[c][4p+i] (low nibble) and w[c][16+4p+i] (high nibble), as GGUF stores them.
+// The integer part of one weight block against R activation rows: s[r] = the 8 columns' exact
+// int32 dot products. Two ways, one result: AVX-512 VNNI multiplies unsigned by signed bytes and
+// adds groups of 4 into 32 bits in one instruction (vpdpbusd); AVX2 needs vpmaddubsw (pairs into
+// 16 bits, which cannot overflow here), vpmaddwd and vpaddd. Integer sums are exact in any
+// order, so both paths give the same s and the float code after them is shared.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SPECPLUG_VNNI 1
+#else
+#define SPECPLUG_VNNI 0
+#endif
+
+// Q4_1: qs holds nb blocks of 4 x 32 bytes; byte c*4+i of load p holds w[c][4p+i] (low nibble)
+// and w[c][16+4p+i] (high nibble), as GGUF stores them.
+template <int R>
+inline void q4_1_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* s) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+#if SPECPLUG_VNNI
+  for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+  for (int p = 0; p < 4; ++p) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + p * 32));
+    const __m256i lo = _mm256_and_si256(raw, m4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
+      s[r] = _mm256_dpbusd_epi32(s[r], lo, _mm256_set1_epi32(xr[p]));
+      s[r] = _mm256_dpbusd_epi32(s[r], hi, _mm256_set1_epi32(xr[p + 4]));
+    }
+  }
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s16[R];
+  for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+  for (int p = 0; p < 4; ++p) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + p * 32));
+    const __m256i lo = _mm256_and_si256(raw, m4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
+      // Each maddubs lane sums two products of at most 15*127: 8 of them fit in int16.
+      s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[p])));
+      s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[p + 4])));
+    }
+  }
+  for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(s16[r], ones);
+#endif
+}
+
+// Q8_0: byte c*4+i of load j holds w[c][4j+i]. The weights' signs move onto the activations so
+// that the unsigned-by-signed multiply sees |w|.
+template <int R>
+inline void q8_0_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* s) {
+#if !SPECPLUG_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
+    const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, with sign moved onto x
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
+      const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w);
+#if SPECPLUG_VNNI
+      s[r] = _mm256_dpbusd_epi32(s[r], aw, xs);
+#else
+      s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+#endif
+    }
+  }
+}
+
+// R rows x 8 columns of one Q4_1 tile: per block, acc += s * (d_w d_x) + m_w (d_x sum(x_q)).
 template <int R>
 inline void q4_1_tile(const uint8_t* qs, const uint16_t* wd, const uint16_t* wm, const Act& a, int64_t r0,
                       __m256* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < a.nb; ++b) {
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wd + b * NC)));
     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wm + b * NC)));
-    const uint8_t* blk = qs + b * 128;
-    __m256i s16[R];
-    for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {
-      const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + p * 32));
-      const __m256i lo = _mm256_and_si256(raw, m4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-      for (int r = 0; r < R; ++r) {
-        const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
-        // Each maddubs lane sums two products of at most 15*127: 8 of them fit in int16.
-        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[p])));
-        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[p + 4])));
-      }
-    }
+    __m256i s32[R];
+    q4_1_block_dot<R>(qs + b * 128, a, r0, b, s32);
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * a.nb + b;
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+      const __m256 f = _mm256_cvtepi32_ps(s32[r]);
       acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d[rb])), acc[r]);
       acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[rb]), acc[r]);
     }
@@ -225,27 +282,16 @@ inline void q4_1_tile(const uint8_t* qs, const uint16_t* wd, const uint16_t* wm,
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
-// R rows x 8 columns of one Q8_0 tile: byte c*4+i of load j holds w[c][4j+i].
+// R rows x 8 columns of one Q8_0 tile: per block, acc += s * (d_w d_x).
 template <int R>
 inline void q8_0_tile(const uint8_t* qs, const uint16_t* wd, const uint16_t*, const Act& a, int64_t r0,
                       __m256* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < a.nb; ++b) {
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wd + b * NC)));
-    const uint8_t* blk = qs + b * 256;
     __m256i s32[R];
-    for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
-      const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, with sign moved onto x
-      for (int r = 0; r < R; ++r) {
-        const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
-        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w);
-        s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
-      }
-    }
+    q8_0_block_dot<R>(qs + b * 256, a, r0, b, s32);
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * a.nb + b;
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[rb])), acc[r]);
@@ -423,22 +469,42 @@ void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor
   }
 }
 
-// Softmax-weighted sum of V rows for one query head over the cells listed in `cells`.
-// Scores go 4 keys at a time with independent accumulators; every step's order depends only
-// on the number of cells, so a row's result never depends on what else is in the batch.
-template <int ND, typename T>
-void attend_head(const float* qh, const T* K, const T* V, const int32_t* cells, int64_t n, int64_t nd_rt,
-                 float scale, float* sc, float* o) {
-  const int64_t nd = ND > 0 ? ND : nd_rt;
-  const int64_t D = nd * 8;
-  __m256 qv[ND > 0 ? ND : 32];
-  for (int64_t i = 0; i < nd; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_set1_ps(scale));
+// Cells per block of keys (values) read at once: a block's rows are widened to float32 once and
+// then serve every row of the sequence in the call from L1.
+constexpr int64_t ATT_BLOCK = 64;
+constexpr int64_t ATT_ROWS = 16;  // rows of one sequence that share a call's reads at most
+
+template <typename V>
+inline void grow(std::vector<V>& v, int64_t n) {
+  if ((int64_t)v.size() < n) v.resize(n);
+}
+
+// Pointers to `cnt` cache rows (cells[0..cnt)): the rows themselves (E = the cache's type), or
+// float16 rows widened into buf (cnt x D floats) when several query rows will read them.
+template <typename E>
+inline void rows_f32(const E* base, const int32_t* cells, int64_t cnt, int64_t D, float*, const E** out) {
+  for (int64_t j = 0; j < cnt; ++j) out[j] = base + (int64_t)cells[j] * D;
+}
+inline void rows_f32(const uint16_t* base, const int32_t* cells, int64_t cnt, int64_t D, float* buf,
+                     const float** out) {
+  for (int64_t j = 0; j < cnt; ++j) {
+    const uint16_t* src = base + (int64_t)cells[j] * D;
+    float* dst = buf + j * D;
+    for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+    out[j] = dst;
+  }
+}
+
+// Scores of one query head (qv = q * scale, nd registers of 8) against keys kr[0..cnt), which
+// are the cells j0.. of the row's n. Keys go 4 at a time with independent accumulators while a
+// whole group of 4 fits in n, then one at a time; the order depends only on j and n, so a score
+// never depends on the other rows of the batch or on the block size (a multiple of 4).
+template <int ND, typename E>
+inline void scores_block(const __m256* qv, int64_t nd, const E* const* kr, int64_t j0, int64_t cnt, int64_t n,
+                         float* sc) {
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const T* k0 = K + (int64_t)cells[j] * D;
-    const T* k1 = K + (int64_t)cells[j + 1] * D;
-    const T* k2 = K + (int64_t)cells[j + 2] * D;
-    const T* k3 = K + (int64_t)cells[j + 3] * D;
+  for (; j + 4 <= cnt && j0 + j + 4 <= n; j += 4) {
+    const E *k0 = kr[j], *k1 = kr[j + 1], *k2 = kr[j + 2], *k3 = kr[j + 3];
     __m256 a0 = _mm256_mul_ps(qv[0], load8(k0)), a1 = _mm256_mul_ps(qv[0], load8(k1));
     __m256 a2 = _mm256_mul_ps(qv[0], load8(k2)), a3 = _mm256_mul_ps(qv[0], load8(k3));
     for (int64_t i = 1; i < nd; ++i) {
@@ -449,18 +515,23 @@ void attend_head(const float* qh, const T* K, const T* V, const int32_t* cells, 
     }
     // 4 horizontal sums at once: [a0 a1 a2 a3] -> 4 floats
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    _mm_storeu_ps(sc + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    _mm_storeu_ps(sc + j0 + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
   }
-  for (; j < n; ++j) {
-    const T* kr = K + (int64_t)cells[j] * D;
-    __m256 acc = _mm256_mul_ps(qv[0], load8(kr));
-    for (int64_t i = 1; i < nd; ++i) acc = _mm256_fmadd_ps(qv[i], load8(kr + 8 * i), acc);
+  for (; j < cnt; ++j) {
+    const E* k = kr[j];
+    __m256 acc = _mm256_mul_ps(qv[0], load8(k));
+    for (int64_t i = 1; i < nd; ++i) acc = _mm256_fmadd_ps(qv[i], load8(k + 8 * i), acc);
     const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 h2 = _mm_hadd_ps(lo, lo);
-    sc[j] = _mm_cvtss_f32(_mm_hadd_ps(h2, h2));
+    sc[j0 + j] = _mm_cvtss_f32(_mm_hadd_ps(h2, h2));
   }
+}
+
+// sc[0..n) -> exp(sc - max) in place (the tail up to a multiple of 8 is zeroed); returns 1 / sum.
+inline float softmax_unnormalized(float* sc, int64_t n) {
   __m256 mx8 = _mm256_set1_ps(-INFINITY);
-  for (j = 0; j + 8 <= n; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
   float mx = hmax(mx8);
   for (; j < n; ++j) mx = sc[j] > mx ? sc[j] : mx;
   for (j = n; j < ((n + 7) & ~int64_t(7)); ++j) sc[j] = -INFINITY;  // exp -> 0 in the padded tail
@@ -473,15 +544,58 @@ void attend_head(const float* qh, const T* K, const T* V, const int32_t* cells, 
     _mm256_storeu_ps(sc + j, e);
     sum8 = _mm256_add_ps(sum8, e);
   }
-  const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum8));
-  __m256 acc[ND > 0 ? ND : 32];
-  for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_setzero_ps();
-  for (j = 0; j < n; ++j) {
-    const T* vr = V + (int64_t)cells[j] * D;
-    const __m256 pj = _mm256_set1_ps(sc[j]);
-    for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(vr + 8 * i), acc[i]);
+  return 1.0f / hsum(sum8);
+}
+
+// One query head for R rows of one sequence (a verification's drafted rows), each over its own
+// first n[r] of the sequence's cells (a row with a lower limit sees a prefix of the same list):
+// the softmax-weighted sum of V rows. Every row's arithmetic is the one-row arithmetic in the same
+// order (scores in cell order, the V sum in cell order per lane); the rows only share the reads of
+// K and V and their widening to float32, so a row's result never depends on what shares its call.
+// q[r], o[r]: the head's D values of row r.
+// E: the element type the rows are read as (T itself, or float for float16 rows widened once).
+template <int ND, typename T, typename E>
+void attend_rows(const float* const* q, float* const* o, const int64_t* n, int64_t R, const T* K, const T* V,
+                 const int32_t* cells, int64_t nd_rt, float scale, float* sc, int64_t ldsc, float* kvbuf,
+                 float* accbuf) {
+  const int64_t nd = ND > 0 ? ND : nd_rt;
+  const int64_t D = nd * 8;
+  int64_t nmax = 0;
+  for (int64_t r = 0; r < R; ++r) nmax = std::max(nmax, n[r]);
+  const E* rows[ATT_BLOCK];
+  __m256 qv[ND > 0 ? ND : 32];
+  for (int64_t c0 = 0; c0 < nmax; c0 += ATT_BLOCK) {
+    const int64_t cnt = std::min(ATT_BLOCK, nmax - c0);
+    rows_f32(K, cells + c0, cnt, D, kvbuf, rows);
+    for (int64_t r = 0; r < R; ++r) {
+      if (n[r] <= c0) continue;
+      for (int64_t i = 0; i < nd; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q[r] + 8 * i), _mm256_set1_ps(scale));
+      scores_block<ND, E>(qv, nd, rows, c0, std::min(cnt, n[r] - c0), n[r], sc + r * ldsc);
+    }
   }
-  for (int64_t i = 0; i < nd; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], inv));
+  float inv[ATT_ROWS];
+  for (int64_t r = 0; r < R; ++r) inv[r] = softmax_unnormalized(sc + r * ldsc, n[r]);
+  for (int64_t i = 0; i < R * D; ++i) accbuf[i] = 0.0f;
+  __m256 acc[ND > 0 ? ND : 32];
+  for (int64_t c0 = 0; c0 < nmax; c0 += ATT_BLOCK) {
+    const int64_t cnt = std::min(ATT_BLOCK, nmax - c0);
+    rows_f32(V, cells + c0, cnt, D, kvbuf, rows);
+    for (int64_t r = 0; r < R; ++r) {
+      if (n[r] <= c0) continue;
+      float* ar = accbuf + r * D;
+      const float* pr = sc + r * ldsc + c0;
+      const int64_t cr = std::min(cnt, n[r] - c0);
+      for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_loadu_ps(ar + 8 * i);
+      for (int64_t j = 0; j < cr; ++j) {
+        const __m256 pj = _mm256_set1_ps(pr[j]);
+        for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(rows[j] + 8 * i), acc[i]);
+      }
+      for (int64_t i = 0; i < nd; ++i) _mm256_storeu_ps(ar + 8 * i, acc[i]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < nd; ++i)
+      _mm256_storeu_ps(o[r] + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(accbuf + r * D + 8 * i), _mm256_set1_ps(inv[r])));
 }
 
 template <typename T>
@@ -509,6 +623,17 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const t
   return attention_impl<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), kc, seq, pos, valid, H, scale, limit);
 }
 
+template <typename T, typename E>
+inline void attend_dispatch(int64_t D, const float* const* q, float* const* o, const int64_t* n, int64_t R, const T* K,
+                            const T* V, const int32_t* cells, float scale, float* sc, int64_t ldsc, float* kvbuf,
+                            float* accbuf) {
+  switch (D) {
+    case 64: attend_rows<8, T, E>(q, o, n, R, K, V, cells, 8, scale, sc, ldsc, kvbuf, accbuf); break;
+    case 128: attend_rows<16, T, E>(q, o, n, R, K, V, cells, 16, scale, sc, ldsc, kvbuf, accbuf); break;
+    default: attend_rows<0, T, E>(q, o, n, R, K, V, cells, D / 8, scale, sc, ldsc, kvbuf, accbuf); break;
+  }
+}
+
 template <typename T>
 torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp, const torch::Tensor& kc,
                              const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
@@ -529,29 +654,53 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   int64_t cells_seen = 0;  // an upper bound of the cells all rows attend to (holes not counted off)
   for (int64_t r = 0; r < M; ++r) cells_seen += lp[r] + 1;
   const int64_t task_work = std::max<int64_t>(1, cells_seen / M * D * 2 * (int64_t)sizeof(T));
-  chunk_pool::parallel_for(M * H, CHUNK_BYTES / task_work, [&](int64_t t0, int64_t t1) {
-    std::vector<int32_t> cells(ctx);
-    std::vector<float> sc(ctx + 8);
-    int64_t last_r = -1, n = 0;
+  // Runs of consecutive rows of one sequence (at most ATT_ROWS) share their K/V reads: one task
+  // is one query head of one run (head-major: consecutive tasks reuse one head's K/V from L2).
+  std::vector<int64_t> run_start{0};
+  for (int64_t r = 1; r < M; ++r)
+    if (sp[r] != sp[r - 1] || r - run_start.back() == ATT_ROWS) run_start.push_back(r);
+  const int64_t nrun = (int64_t)run_start.size();
+  run_start.push_back(M);
+  int64_t rmax = 1;
+  for (int64_t i = 0; i < nrun; ++i) rmax = std::max(rmax, run_start[i + 1] - run_start[i]);
+  chunk_pool::parallel_for(nrun * H, CHUNK_BYTES / (task_work * M / nrun), [&](int64_t t0, int64_t t1) {
+    // each thread's buffers live across calls (a chunk is often one task: no allocation per task)
+    thread_local std::vector<int32_t> cells;
+    thread_local std::vector<float> sc, kvbuf, accbuf;
+    grow(cells, ctx);
+    grow(sc, rmax * (ctx + 8));
+    grow(kvbuf, ATT_BLOCK * D);
+    grow(accbuf, rmax * D);
+    const float* qr[ATT_ROWS];
+    float* orow[ATT_ROWS];
+    int64_t n[ATT_ROWS];
+    int64_t last_run = -1;
     for (int64_t t = t0; t < t1; ++t) {
-      // head-major: consecutive tasks reuse one head's keys and values from L2
-      const int64_t head = t / M, r = t % M, h = head / G, s = sp[r], ps = lp[r];
-      if (r != last_r) {  // the cells this row sees
+      const int64_t head = t / nrun, run = t % nrun, h = head / G, r0 = run_start[run], R = run_start[run + 1] - r0;
+      const int64_t s = sp[r0];
+      if (run != last_run) {  // the cells the run's rows see: one list, each row a prefix of it
+        int64_t top = 0;
+        for (int64_t r = 0; r < R; ++r) top = std::max<int64_t>(top, lp[r0 + r]);
         const bool* vm = vp + s * ctx;
-        n = 0;
-        for (int64_t c = 0; c <= ps; ++c)
-          if (vm[c]) cells[n++] = (int32_t)c;
-        last_r = r;
+        int64_t m = 0;
+        for (int64_t c = 0; c <= top; ++c)
+          if (vm[c]) cells[m++] = (int32_t)c;
+        for (int64_t r = 0; r < R; ++r)
+          n[r] = std::upper_bound(cells.begin(), cells.begin() + m, lp[r0 + r]) - cells.begin();
+        last_run = run;
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        qr[r] = qp + (r0 + r) * ldq + head * D;
+        orow[r] = op + (r0 + r) * H * D + head * D;
       }
       const T* K = kcp + (s * Hkv + h) * ctx * D;
       const T* V = vcp + (s * Hkv + h) * ctx * D;
-      const float* qh = qp + r * ldq + head * D;
-      float* o = op + r * H * D + head * D;
-      switch (D) {
-        case 64: attend_head<8, T>(qh, K, V, cells.data(), n, 8, fscale, sc.data(), o); break;
-        case 128: attend_head<16, T>(qh, K, V, cells.data(), n, 16, fscale, sc.data(), o); break;
-        default: attend_head<0, T>(qh, K, V, cells.data(), n, D / 8, fscale, sc.data(), o); break;
-      }
+      const int64_t ld = ctx + 8;
+      if (R == 1)  // nothing to share: read the cache as it is
+        attend_dispatch<T, T>(D, qr, orow, n, R, K, V, cells.data(), fscale, sc.data(), ld, kvbuf.data(), accbuf.data());
+      else
+        attend_dispatch<T, float>(D, qr, orow, n, R, K, V, cells.data(), fscale, sc.data(), ld, kvbuf.data(),
+                                  accbuf.data());
     }
   });
   return out;
@@ -769,5 +918,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "causal attention over each row's sequence", nogil);
   m.def("layer_forward", &layer_forward, "a whole decoder layer in one call", nogil);
   m.def("embed_rows", &embed_rows, "token embedding rows from the file's blocks", nogil);
+  m.def("isa", []() { return std::string(SPECPLUG_VNNI ? "avx512" : "avx2"); }, "the instruction set this build uses");
   m.def("pair_head_step", &pair_head_step, "one draft step of a pair head, top-1 included", nogil);
 }

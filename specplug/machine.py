@@ -1,0 +1,67 @@
+"""Where a figure was measured: one dict every results JSON carries, and the line its report prints.
+
+The project's machines change between sessions, and a ratio between runs on two machines means
+nothing, so each result says what ran it: the CPU model, the gguf kernels' instruction-set path
+and its compiler flags, the threads, the GPU where one was used, and the torch / specplug
+versions and git commit.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+@functools.lru_cache(maxsize=1)
+def _git_commit() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode:
+        return None
+    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def _version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specplug")
+    except PackageNotFoundError:
+        return None
+
+
+def describe(device: str | None = None) -> dict:
+    """The machine and software of this process (cheap: nothing is built or loaded)."""
+    import torch
+
+    from specplug.runtime import native
+
+    isa = None if native.unavailable_reason() else native.chosen_isa()
+    info = {"cpu": native.cpu_model(), "machine": platform.machine(), "cores": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity") else os.cpu_count(), "threads": torch.get_num_threads(),
+            "kernel_isa": isa, "kernel_flags": list(native.ISA_CFLAGS.get(isa, ())),
+            "isas_available": native.available_isas(), "torch": torch.__version__,
+            "specplug": _version(), "commit": _git_commit()}
+    if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def line(info: dict) -> str:
+    """One line for a report: 'machine: AMD EPYC, 2 cores, 2 threads, kernels avx512; torch ...'."""
+    parts = [f"machine: {info.get('cpu')}", f"{info.get('cores')} cores", f"{info.get('threads')} threads",
+             f"kernels {info.get('kernel_isa') or 'none'}"]
+    if info.get("gpu"):
+        parts.append(f"GPU {info['gpu']}")
+    parts.append(f"torch {info.get('torch')}, specplug {info.get('specplug')} @ {info.get('commit') or '?'}")
+    return ", ".join(parts)

@@ -1,0 +1,176 @@
+"""The gguf kernels' instruction-set paths (AVX2, AVX-512 VNNI): chosen from the CPU's features or
+SPECPLUG_ISA, and bit-identical to each other, kernel by kernel and for a whole model.
+
+Integer dot products are exact and the float operations are the same on every path, in the same
+order, so a path that computes anything else is a bug. The comparisons need a CPU with more than
+one path; on an AVX2-only CPU they skip and say so (the AVX2 path is covered by test_native.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specplug.errors import ModelError
+from specplug.runtime import load_target, native
+from specplug.testing import RandomDrafts, assert_greedy_equal, greedy_outputs, isa_env, write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
+                                reason=f"gguf kernels unavailable: {native.unavailable_reason()}")
+
+OTHER = [isa for isa in native.available_isas() if isa != "avx2"]
+other_paths = pytest.mark.skipif(not OTHER, reason=f"this CPU ({native.cpu_model()}) runs only the AVX2 kernels: "
+                                                   "no other path to compare with AVX2")
+AVX2_ONLY = frozenset(native.ISA_CPU_FLAGS["avx2"])
+AVX512 = frozenset(native.ISA_CPU_FLAGS["avx512"])
+
+
+# ---- choosing a path ---------------------------------------------------------------------------
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend the CPU has the given feature flags."""
+    def set_flags(flags):
+        monkeypatch.setattr(native, "_cpuinfo", lambda: ("Test CPU", frozenset(flags)))
+    return set_flags
+
+
+def test_the_best_path_the_cpu_has_is_the_default(cpu, monkeypatch):
+    monkeypatch.delenv(native.ISA_ENV, raising=False)
+    cpu(AVX512)
+    assert native.available_isas() == ["avx512", "avx2"] and native.chosen_isa() == "avx512"
+    cpu(AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl"})  # AVX-512 without VNNI: AVX2
+    assert native.available_isas() == ["avx2"] and native.chosen_isa() == "avx2"
+
+
+def test_specplug_isa_forces_a_path_and_a_wrong_one_is_one_clear_error(cpu, monkeypatch):
+    cpu(AVX512)
+    monkeypatch.setenv(native.ISA_ENV, "AVX2")
+    assert native.chosen_isa() == "avx2"
+    monkeypatch.setenv(native.ISA_ENV, "sse4")
+    with pytest.raises(ModelError, match="SPECPLUG_ISA=sse4 is not a kernel path; choose one of avx2, avx512"):
+        native.chosen_isa()
+    assert "not a kernel path" in native.unavailable_reason()
+    cpu(AVX2_ONLY)
+    monkeypatch.setenv(native.ISA_ENV, "avx512")
+    with pytest.raises(ModelError, match="this CPU lacks avx512f, avx512bw, avx512vl, avx512_vnni; it runs avx2"):
+        native.check_isa_env()
+
+
+def test_a_wrong_specplug_isa_stops_quant_auto_instead_of_falling_back(tmp_path, monkeypatch):
+    path = write_tiny_gguf(tmp_path / "q.gguf", tensor_type="Q4_1", seed=1)
+    monkeypatch.setenv(native.ISA_ENV, "avx1024")
+    with pytest.raises(ModelError, match="SPECPLUG_ISA=avx1024"):
+        load_target(str(path), device="cpu", quant="auto")
+
+
+def test_no_avx2_means_no_gguf_kernels(cpu, monkeypatch):
+    monkeypatch.delenv(native.ISA_ENV, raising=False)
+    cpu({"sse2"})
+    assert native.available_isas() == []
+    assert "need an x86 CPU with AVX2" in native.unavailable_reason()
+
+
+def test_describe_names_the_cpu_and_the_path(monkeypatch):
+    monkeypatch.delenv(native.ISA_ENV, raising=False)
+    d = native.describe()
+    assert d["cpu"] == native.cpu_model() and d["isa"] == native.available_isas()[0]
+    assert d["isa_flags"] == list(native.ISA_CFLAGS[d["isa"]])
+    assert native.kernels(d["isa"]).isa() == d["isa"]  # the build really is that path
+
+
+# ---- every path computes the same bits ---------------------------------------------------------
+
+def _q4_1_linear(n: int, k: int, seed: int):
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 32, 20), dtype=np.uint8)
+    raw[:, :, 0:2] = np.frombuffer(np.float16(0.013).tobytes(), np.uint8)
+    raw[:, :, 2:4] = np.frombuffer(np.float16(-0.07).tobytes(), np.uint8)
+    return native.QuantLinear.from_blocks(raw.reshape(n, -1), "Q4_1", (n, k))
+
+
+@other_paths
+@pytest.mark.parametrize("isa", OTHER)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_linears_are_bit_identical_to_avx2(isa, kind):
+    g = torch.Generator().manual_seed(3)
+    n, k = 100, 192  # 100 outputs: a partial last tile
+    lin = _q4_1_linear(n, k, 3) if kind == "Q4_1" else native.QuantLinear.from_float(torch.randn(n, k, generator=g))
+    lin.bias = torch.nn.functional.pad(torch.randn(n, generator=g), (0, (-n) % 8))
+    for rows in (1, 2, 3, 4, 5, 9, 16):
+        x = torch.randn(rows, k, generator=g) * 3
+        res = torch.randn(rows, n, generator=g)
+        outs = []
+        for path in ("avx2", isa):
+            lin.k = native.kernels(path)
+            outs.append(lin(x, res))
+        assert torch.equal(outs[0], outs[1]), (rows, (outs[0] - outs[1]).abs().max())
+
+
+def _attention_case(dtype, H, Hkv, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ctx, nseq = 200, 3
+    kc = torch.randn(nseq, Hkv, ctx, D, generator=g).to(dtype)
+    vc = torch.randn(nseq, Hkv, ctx, D, generator=g).to(dtype)
+    valid = torch.rand(nseq, ctx, generator=g) > 0.15  # holes, as rollbacks leave them
+    # runs of rows of one sequence (drafted rows), limits in any order, and other sequences' rows
+    seq = torch.tensor([0, 0, 0, 0, 1, 2, 2, 2, 1], dtype=torch.int32)
+    pos = torch.tensor([64, 65, 66, 67, 1, 130, 128, 199, 0], dtype=torch.int32)
+    valid[seq.long(), pos.long()] = True
+    q = torch.randn(len(seq), (H + 2 * Hkv) * D, generator=g)
+    return q, kc, vc, seq, pos, valid
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 4, 32), (4, 2, 128)])
+def test_attention_rows_sharing_a_call_equal_each_row_alone(dtype, H, Hkv, D):
+    """Rows of one sequence share their K/V reads in one call; each row's result is still the one
+    it gets alone (batch invariance, on the path this CPU uses by default)."""
+    q, kc, vc, seq, pos, valid = _attention_case(dtype, H, Hkv, D)
+    k = native.kernels()
+    together = k.attention(q, kc, vc, seq, pos, valid, H, D ** -0.5, None)
+    for r in range(len(seq)):
+        alone = k.attention(q[r:r + 1], kc, vc, seq[r:r + 1], pos[r:r + 1], valid, H, D ** -0.5, None)
+        assert torch.equal(together[r:r + 1], alone), r
+
+
+@other_paths
+@pytest.mark.parametrize("isa", OTHER)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_attention_is_bit_identical_to_avx2(isa, dtype):
+    q, kc, vc, seq, pos, valid = _attention_case(dtype, 9, 3, 64, seed=1)
+    limit = pos.clone()
+    limit[1:4] = 67  # a block drafter's rows see their whole block
+    a, b = (native.kernels(p).attention(q, kc, vc, seq, pos, valid, 9, 0.125, limit) for p in ("avx2", isa))
+    assert torch.equal(a, b)
+
+
+@other_paths
+@pytest.mark.parametrize("isa", OTHER)
+@pytest.mark.parametrize("ttype", ["Q4_1", "Q8_0"])
+def test_a_model_gives_bit_identical_logits_and_greedy_text_on_every_path(tmp_path, isa, ttype):
+    path = write_tiny_gguf(tmp_path / "m.gguf", tensor_type=ttype, n_layer=3, seed=7)
+    targets = {}
+    for p in ("avx2", isa):
+        with isa_env(p):
+            targets[p] = load_target(str(path), device="cpu", quant="gguf")
+    ids = list(range(20, 60))
+    logits = [t.model.forward(ids, list(range(len(ids))), [0] * len(ids), t.model.new_cache(1, 64)).logits
+              for t in targets.values()]
+    assert torch.equal(logits[0], logits[1])
+    prompts = [list(range(40, 60)), [3, 1, 4, 1, 5, 9, 2, 6]]
+    plain = [greedy_outputs(t, [], prompts, max_tokens=24)[0] for t in targets.values()]
+    assert plain[0] == plain[1]
+    # and speculative == plain on the other path too
+    assert_greedy_equal(targets[isa], [RandomDrafts(targets[isa].model.config.vocab_size, seed=2)], prompts,
+                        max_tokens=24)
+
+
+def test_results_say_where_they_ran():
+    from specplug import machine
+
+    info = machine.describe("cpu")
+    assert info["cpu"] == native.cpu_model() and info["kernel_isa"] == native.chosen_isa()
+    assert info["threads"] == torch.get_num_threads() and info["torch"] == torch.__version__
+    line = machine.line(info)
+    assert line.startswith(f"machine: {info['cpu']}") and f"kernels {info['kernel_isa']}" in line
