@@ -1,4 +1,6 @@
-"""`specplug heads show FILE [--target MODEL.gguf]`: what a head file is, and whether it fits a target."""
+"""`specplug heads show FILE [--target MODEL.gguf]`: what a head file is, where it came from (its recipe
+and, for a fine-tuned head, its lineage), and whether it fits a target. `specplug heads eval` is in
+`specplug.heads.eval`."""
 from __future__ import annotations
 
 import json
@@ -62,9 +64,29 @@ def _text(r: dict) -> str:
                      f"{final.get('val_top1_per_depth')}")
         if rec.get("command"):
             lines.append(f"               {rec['command']}")
+        lines += _lineage(rec)
     else:
         lines.append("  recipe       (none recorded)")
     return "\n".join(lines)
+
+
+def _lineage(rec: dict) -> list[str]:
+    """The heads this one was fine-tuned from (`--init`), newest first, down to the one trained from scratch."""
+    init = rec.get("init")
+    if not init:
+        return []
+    start = init.get("start") or {}
+    lines = [f"  lineage      fine-tuned from {init.get('file')} (sha256 {str(init.get('sha256'))[:12]}), "
+             f"{rec.get('total_steps', '?')} steps in all; its draft vocabulary kept; before fine-tuning on this data: "
+             f"top-1 per depth {start.get('val_top1_per_depth')}, loss {start.get('val_loss')}"]
+    while init:
+        data = init.get("data") or {}
+        where = f"data {str(data.get('manifest_sha256'))[:12]} ({data.get('path')})" if data else "data not recorded"
+        lines.append(f"    <- {init.get('file')} (sha256 {str(init.get('sha256'))[:12]}): {init.get('steps', '?')} "
+                     f"steps on {where}; validation top-1 per depth {init.get('val_top1_per_depth')}"
+                     + ("" if init.get("init") else " (trained from scratch)" if init.get("steps") else ""))
+        init = init.get("init")
+    return lines
 
 
 def cmd_show(args) -> int:
@@ -74,14 +96,17 @@ def cmd_show(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("heads", help="inspect trained head files")
-    hsub = p.add_subparsers(dest="heads_command", required=True, metavar="{show}")
+    p = sub.add_parser("heads", help="inspect and evaluate trained head files")
+    hsub = p.add_subparsers(dest="heads_command", required=True, metavar="{show,eval}")
     s = hsub.add_parser("show", help="a head file's method, target fingerprint, tensors, draft vocabulary and recipe")
     s.add_argument("file", metavar="FILE.gguf", help="the head file")
     s.add_argument("--target", metavar="MODEL.gguf", default=None,
                    help="also say whether the head can serve this target model (exit 1 when it cannot)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.set_defaults(func=cmd_show)
+    from specplug.heads.eval import add_parser as add_eval
+
+    add_eval(hsub)
 
 
 __all__ = ["cmd_show", "register", "report", "target_of"]

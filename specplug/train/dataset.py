@@ -64,7 +64,8 @@ class TrainData:
 
     taps: the hidden states the method needs; a data set without one of them is an error that
     says how to make it. limit_tokens: use only the first sequences up to that many tokens (for
-    data-scaling experiments; the validation split is unaffected).
+    data-scaling experiments; the validation split is unaffected). val_fraction 1 holds out every
+    sequence (`specplug heads eval`).
     """
 
     def __init__(self, path: str | Path, taps: Sequence[str], val_fraction: float = 0.03,
@@ -129,7 +130,7 @@ class TrainData:
                 kept.append(s)
                 n += s[1]
             train = kept
-        if not train or not val:
+        if not val or (not train and val_fraction < 1):  # val_fraction 1: every sequence held out (evaluation)
             raise SpecplugError(f"{self.path}: too few sequences ({len(self.seqs)}) for a train/validation split")
         self.split = {"train": train, "val": val}
 

@@ -5,10 +5,12 @@ YAML `type`, value = a class following `Trainer`); the core never imports it. Th
 everything else: AdamW with warm-up and cosine decay, gradient clipping, a validation split
 with top-1 agreement per draft depth, checkpoints (`--resume`), seeding, a progress bar, and
 `metrics.json` + `training.png` (loss and validation acceptance per depth over training)
-beside the head file.
+beside the head file. `--init HEAD.gguf` starts from a head file instead of a fresh head (a
+trainer that supports it follows `specplug.train.finetune`).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -19,7 +21,7 @@ import typing
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, Sequence
+from typing import Any, ClassVar, Iterable, Protocol, Sequence
 
 import torch
 
@@ -35,6 +37,8 @@ class Trainer(Protocol):
 
     The loop builds it as `cls(options, data, device)`; `options` is an instance of the class
     attribute `Options` (a dataclass whose fields become `--flags` of `specplug train <type>`).
+    To start from a head file (`--init`, `specplug heads eval`) it also needs what
+    `specplug.train.finetune` lists; it is then built as `cls(options, data, device, init=head)`.
     """
 
     Options: ClassVar[type]
@@ -132,12 +136,14 @@ def _add_fields(p, cls: type, group: str) -> None:
         tp = hints[f.name]
         base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
         text = (helps[f.name] + " " if f.name in helps else "") + f"(default {f.default})"
+        # a flag not given leaves no attribute (`_options` takes the field's default): --init tells
+        # the flags given from those left out
         if base is bool:
             g.add_argument(_flag(f.name), dest=f.name, type=lambda v: v.lower() in ("1", "true", "yes", "on"),
-                           default=f.default, metavar="BOOL", help=text.replace("%", "%%"))
+                           default=argparse.SUPPRESS, metavar="BOOL", help=text.replace("%", "%%"))
         else:
             g.add_argument(_flag(f.name), dest=f.name, type=base if base in (int, float, str) else str,
-                           default=f.default, help=text.replace("%", "%%"))
+                           default=argparse.SUPPRESS, help=text.replace("%", "%%"))
 
 
 def add_trainer_parsers(tsub) -> None:
@@ -149,6 +155,9 @@ def add_trainer_parsers(tsub) -> None:
         p.add_argument("--resume", action="store_true", help="continue from the checkpoint next to the output")
         p.add_argument("--restart", action="store_true", help="discard an existing checkpoint and start over")
         p.add_argument("--model", default=None, help="the target .gguf if it moved since the data was made")
+        p.add_argument("--init", default=None, metavar="HEAD.gguf",
+                       help="fine-tune this head file instead of starting a fresh head: its shape (draft vocabulary, "
+                            "taps, layers) comes from the file, its recipe's method options are the defaults")
         _add_fields(p, LoopOptions, "training loop")
         try:
             _add_fields(p, load_trainer(name).Options, f"{name} options")
@@ -157,8 +166,13 @@ def add_trainer_parsers(tsub) -> None:
         p.set_defaults(func=run_trainer, trainer=name)
 
 
+def _given(cls: type, args) -> dict[str, Any]:
+    """The fields of an options dataclass given as flags."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+
+
 def _options(cls: type, args) -> Any:
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    kw = _given(cls, args)
     try:
         return cls(**kw)
     except SpecplugError:
@@ -170,14 +184,23 @@ def _options(cls: type, args) -> Any:
 @exit_1_on_write_error
 def run_trainer(args) -> int:
     cls = load_trainer(args.trainer)
-    loop, opts = _options(LoopOptions, args), _options(cls.Options, args)
+    loop = _options(LoopOptions, args)
+    init = None
+    if args.init:
+        from specplug.heads import HeadFile
+        from specplug.train.finetune import BaseHead
+
+        init = BaseHead(HeadFile(args.init, args.trainer), cls)
+        opts = init.options(_given(cls.Options, args))  # the head's shape; its flags given are an error
+    else:
+        opts = _options(cls.Options, args)
     out = Path(args.output)
     if out.suffix != ".gguf":
         raise SpecplugError(f"-o {out}: the head file must end in .gguf")
     if not out.parent.is_dir():
         raise SpecplugError(f"-o {out}: folder {out.parent} does not exist")
     train(cls, opts, loop, Path(args.data), out, resume=args.resume, restart=args.restart,
-          command=" ".join(sys.argv), model=args.model)
+          command=" ".join(sys.argv), model=args.model, init=init)
     return 0
 
 
@@ -195,21 +218,79 @@ def work_dir(out: Path) -> Path:
 
 
 def train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, resume: bool = False,
-          restart: bool = False, command: str = "", model: str | None = None, quiet: bool = False) -> dict:
+          restart: bool = False, command: str = "", model: str | None = None, quiet: bool = False,
+          init: Any = None) -> dict:
     """Train `cls` on `data_dir` and write the head to `out`; returns the final metrics.
 
+    `init`: a head file (path, or a `specplug.train.finetune.BaseHead`) to fine-tune instead of a
+    fresh head; `opts` may then be None (the head's options), or must agree with what the head fixes.
     The head file (and with it its `.train/` folder of checkpoint, metrics and plot) is claimed for
     the whole call (specplug.outputs): a second trainer of the same head fails at once. The head,
     the checkpoint and the metrics are each replaced atomically."""
     for key in ("steps", "batch_tokens", "max_len", "val_every", "save_every", "val_tokens"):
         if getattr(loop, key) < 1:
             raise SpecplugError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(loop, key)}")
+    if init is not None:
+        from specplug.train.finetune import BaseHead
+
+        init = init if isinstance(init, BaseHead) else BaseHead(init, cls)
+        opts = init.options(opts)
     with claim(out, "-o"):
-        return _train(cls, opts, loop, data_dir, out, resume, restart, command, model, quiet)
+        return _train(cls, opts, loop, data_dir, out, resume, restart, command, model, quiet, init)
+
+
+def build(cls: type, opts: Any, data_dir: Path, device: torch.device, val_fraction: float,
+          limit_tokens: int | None = None, max_len: int | None = None, model: str | None = None,
+          init: Any = None) -> tuple[TrainData, Any]:
+    """The data set (the taps the method needs) and the trainer on it; with `init` (a
+    `specplug.train.finetune.BaseHead`) checked to fit the data set and started from its weights."""
+    manifest = read_manifest(data_dir)
+    if init is not None:
+        init.check_fits(manifest, data_dir)
+    taps = cls.taps(opts, manifest["target"])
+    data = TrainData(data_dir, taps, val_fraction, limit_tokens, max_len)
+    if model:
+        data.target = dict(data.target, path=model)
+    trainer = cls(opts, data, device) if init is None else cls(opts, data, device, init=init.head)
+    return data, trainer
+
+
+def score(trainer: Any, data: TrainData, groups: Iterable[Sequence], device: torch.device,
+          with_loss: bool = False) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """The validation of a trainer over batch groups of `data`: per depth, tokens where the head's top-1
+    is the target's greedy token and tokens counted (`evaluate` summed), and with `with_loss` the
+    method's loss averaged over the batches (weighted by their tokens). Seeded, and the random state restored after: a loss that samples (DFlash's
+    anchors) gives the same figure every time and leaves the training's draws alone."""
+    trainer.module.eval()
+    hit, tot = torch.zeros(trainer.depths), torch.zeros(trainer.depths)
+    loss_sum, loss_n = 0.0, 0
+    forked = [device.index or 0] if device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=forked):
+        torch.manual_seed(0)
+        for g in groups:
+            batch = data.collate(g, device)
+            h, t = trainer.evaluate(batch)
+            hit, tot = hit + h.cpu(), tot + t.cpu()
+            if with_loss:
+                loss, _ = trainer.loss(batch)
+                loss_sum, loss_n = loss_sum + float(loss) * batch.n_tokens, loss_n + batch.n_tokens
+    trainer.module.train()
+    return hit, tot, (loss_sum / loss_n if loss_n else None)
+
+
+def _val_groups(data: TrainData, loop: LoopOptions) -> list:
+    """The validation batches: the first of the held-out split, up to val_tokens."""
+    n, kept = 0, []
+    for g in data.batches("val", loop.batch_tokens, shuffle=False):
+        if n >= loop.val_tokens:
+            break
+        kept.append(g)
+        n += sum(s[1] for s in g)
+    return kept
 
 
 def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, resume: bool, restart: bool,
-           command: str, model: str | None, quiet: bool) -> dict:
+           command: str, model: str | None, quiet: bool, init: Any = None) -> dict:
     from tqdm import tqdm
 
     if loop.threads:
@@ -221,58 +302,56 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, r
         raise SpecplugError(f"{ckpt} exists from an earlier run: add --resume to continue it, or --restart to start over")
     random.seed(loop.seed)
     torch.manual_seed(loop.seed)
-    taps = cls.taps(opts, read_manifest(data_dir)["target"])
-    data = TrainData(data_dir, taps, loop.val_fraction, loop.limit_tokens or None, loop.max_len)
-    if model:
-        data.target = dict(data.target, path=model)
-    trainer = cls(opts, data, device)
+    data, trainer = build(cls, opts, data_dir, device, loop.val_fraction, loop.limit_tokens or None, loop.max_len,
+                          model, init)
     params = [p for p in trainer.module.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=loop.lr, betas=(0.9, 0.95), weight_decay=loop.weight_decay)
     history: list[dict] = []
     step, pos = 0, (0, 0)
     t_spent = 0.0
+    start = None  # with --init: the base head's validation on this data, before any step
+    base_id = init.sha256 if init is not None else None
     if ckpt.is_file() and resume:
         state = torch.load(ckpt, weights_only=False)
         known = (data.manifest_sha256, data.legacy_manifest_sha256)  # checkpoints from before the content-only hash
         if state["options"] != dataclasses.asdict(opts) or state["data"] not in known:
             raise SpecplugError(f"{ckpt} was made with other method options or another data set; use --restart")
+        if state.get("init") != base_id:
+            was = f"--init of a head with sha256 {state['init'][:12]}" if state.get("init") else "a fresh head"
+            raise SpecplugError(f"{ckpt} was made from {was}; give the same --init to resume it, or use --restart")
         trainer.module.load_state_dict(state["module"])
         optim.load_state_dict(state["optim"])
         step, pos, history, t_spent = state["step"], tuple(state["pos"]), state["history"], state["seconds"]
+        start = state.get("start")
         torch.set_rng_state(state["rng"])
         if not quiet:
             print(f"specplug: resuming {ckpt} at step {step}", file=sys.stderr)
     wd.mkdir(parents=True, exist_ok=True)
-    val_groups = data.batches("val", loop.batch_tokens, shuffle=False)
-    n, kept = 0, []
-    for g in val_groups:
-        if n >= loop.val_tokens:
-            break
-        kept.append(g)
-        n += sum(s[1] for s in g)
-    val_groups = kept
+    val_groups = _val_groups(data, loop)
 
-    def validate() -> list[float]:
-        trainer.module.eval()
-        hit = tot = None
-        with torch.no_grad():
-            for g in val_groups:
-                h, t = trainer.evaluate(data.collate(g, device))
-                hit, tot = (h, t) if hit is None else (hit + h, tot + t)
-        trainer.module.train()
-        return [round(float(a) / max(1.0, float(b)), 4) for a, b in zip(hit, tot)]
+    def validate() -> tuple[list[float], float | None]:
+        hit, tot, loss = score(trainer, data, val_groups, device, with_loss=True)
+        return [round(float(a) / max(1.0, float(b)), 4) for a, b in zip(hit, tot)], \
+            (None if loss is None else round(loss, 5))
 
     def save() -> None:
         with replacing(ckpt) as tmp, open(tmp, "wb") as f:  # a file object: a full disk raises OSError
             torch.save({"module": trainer.module.state_dict(), "optim": optim.state_dict(), "step": step,
                         "pos": list(pos), "history": history, "rng": torch.get_rng_state(),
-                        "options": dataclasses.asdict(opts), "data": data.manifest_sha256, "seconds": t_spent}, f)
+                        "options": dataclasses.asdict(opts), "data": data.manifest_sha256, "seconds": t_spent,
+                        "init": base_id, "start": start}, f)
 
+    if init is not None and step == 0:
+        top1, loss = validate()
+        start = {"val_top1_per_depth": top1, "val_loss": loss}
+        if not quiet:
+            _say_init(init, trainer, start)
     it = data.epochs(loop.batch_tokens, loop.seed, pos)
     bar = tqdm(total=loop.steps, initial=step, unit="step", file=sys.stderr, disable=quiet,
                desc=f"train {cls.__name__} ({data.count('train') / 1e6:.2f}M tokens)")
     t0 = time.perf_counter() - t_spent
     last_val = history[-1]["val_top1"] if history and "val_top1" in history[-1] else None
+    last_loss = history[-1].get("val_loss") if history else None
     running = None
     try:
         while step < loop.steps:
@@ -291,8 +370,8 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, r
             rec = {"step": step, "loss": round(lv, 5), "lr": optim.param_groups[0]["lr"],
                    "grad_norm": round(gnorm, 4), "epoch": epoch, **figs}
             if step % loop.val_every == 0 or step == loop.steps:
-                last_val = validate()
-                rec["val_top1"] = last_val
+                last_val, last_loss = validate()
+                rec["val_top1"], rec["val_loss"] = last_val, last_loss
             t_spent = time.perf_counter() - t0
             rec["seconds"] = round(t_spent, 1)
             history.append(rec)
@@ -311,12 +390,18 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, r
         raise
     bar.close()
     save()
-    final = {"val_top1_per_depth": last_val, "val_tokens": sum(sum(s[1] for s in g) for g in val_groups)}
+    final = {"val_top1_per_depth": last_val, "val_loss": last_loss,
+             "val_tokens": sum(sum(s[1] for s in g) for g in val_groups)}
     recipe = {"command": command, "data": {"path": str(data_dir), "manifest_sha256": data.manifest_sha256,
               "train_tokens": data.count("train"), "val_tokens": data.count("val"),
               "target_sha256": data.target.get("sha256")},
               "loop": dataclasses.asdict(loop), "options": dataclasses.asdict(opts), "steps": step,
               "train_seconds": round(t_spent, 1), "final": final}
+    if init is not None:
+        from specplug.train.finetune import total_steps
+
+        recipe["init"] = {**init.lineage(), "start": start}
+        recipe["total_steps"] = total_steps(recipe)
     trainer.export(out, recipe)
     metrics = {"recipe": recipe, "history": history}
     write_atomic(wd / "metrics.json", json.dumps(metrics, indent=1))
@@ -325,6 +410,18 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, r
         print(f"specplug: wrote {out} ({out.stat().st_size / 1e6:.1f} MB); validation top-1 per depth "
               f"{last_val}; metrics and plot in {wd}", file=sys.stderr)
     return metrics
+
+
+def _say_init(init: Any, trainer: Any, start: dict) -> None:
+    """What fine-tuning starts from: the base head, its kept draft vocabulary, its figures on this data."""
+    r = init.head.meta.recipe
+    n = int(trainer.d2t.numel()) if hasattr(trainer, "d2t") else None
+    cover = getattr(trainer, "coverage", None)
+    print(f"specplug: starting from {init.path} ({init.head.meta.method}, {r.get('steps', '?')} steps, sha256 "
+          f"{init.sha256[:12]}); its draft vocabulary is kept ({n} tokens"
+          + (f", covering {cover:.1%} of this data set's validation answers" if cover is not None else "")
+          + "), not chosen anew from this data; validation before fine-tuning: top-1 per depth "
+          f"{start['val_top1_per_depth']}, loss {start['val_loss']}", file=sys.stderr)
 
 
 def plot_history(history: list[dict], path: Path, title: str = "") -> Path | None:

@@ -100,17 +100,29 @@ class TrainLayer(nn.Module):
         n_ff = self.shape.n_ff
         return x + F.linear(F.silu(gu[..., :n_ff]) * gu[..., n_ff:], self.w_down)
 
-    def head_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """The weights under the names `specplug.heads.layer_from_head` reads."""
+    def head_params(self, prefix: str) -> dict[str, nn.Parameter]:
+        """The parameters themselves under the names `specplug.heads.layer_from_head` reads."""
         out = {prefix + "attn_qkv": self.wqkv, prefix + "attn_output": self.wo, prefix + "ffn_norm": self.ffn_norm.weight,
                prefix + "ffn_gate_up": self.w_gate_up, prefix + "ffn_down": self.w_down}
         if self.attn_norm is not None:
             out[prefix + "attn_norm"] = self.attn_norm.weight
-        return {k: v.detach().float().cpu() for k, v in out.items()}
+        return out
+
+    def head_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The weights under the names `specplug.heads.layer_from_head` reads (copies, float32, on the CPU)."""
+        return {k: v.detach().float().cpu() for k, v in self.head_params(prefix).items()}
 
     @staticmethod
     def quantized_names(prefix: str) -> set[str]:
         return {prefix + n for n in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")}
+
+
+def load_head_params(params: dict[str, nn.Parameter], head) -> None:
+    """Start from a head file: copy its tensors (dequantized) into the parameters of the same names,
+    as a module's `head_params` gives them; a missing tensor or another shape is a HeadError."""
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(head.tensor(name, tuple(p.shape)).to(p.device, p.dtype))
 
 
 def _shift(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -100,10 +100,15 @@ class DFlashTrain(nn.Module):
             x = layer.finish(o, x)
         return x.view(Bs, K, S, -1)
 
-    def head_tensors(self, d2t: torch.Tensor) -> dict[str, torch.Tensor]:
+    def head_params(self) -> dict[str, nn.Parameter]:
+        """The trained parameters under their head file names (`load_head_params` fills them from a file)."""
         t = {"fc": self.fc, "mask_emb": self.mask_emb, "norm": self.norm.weight}
         for i, layer in enumerate(self.layers):
-            t.update(layer.head_tensors(f"blk.{i}."))
+            t.update(layer.head_params(f"blk.{i}."))
+        return t
+
+    def head_tensors(self, d2t: torch.Tensor) -> dict[str, torch.Tensor]:
+        t = self.head_params()
         return {**{k: v.detach().float().cpu() for k, v in t.items()}, "d2t": d2t.to(torch.int32)}
 
 

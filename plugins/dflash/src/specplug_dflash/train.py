@@ -9,16 +9,19 @@ acceptance rate given that positions 1..i-1 were accepted: how greedy verificati
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from specplug.errors import SpecplugError
+from specplug.heads import HeadFile
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets
+from specplug.train.finetune import check_config
+from specplug.train.modules import load_head_params
 from specplug.train.target import TargetWeights, draft_vocab
-from specplug_dflash.head import DFlashConfig, DFlashTrain, write_dflash
+from specplug_dflash.head import METHOD, DFlashConfig, DFlashTrain, write_dflash
 
 
 def _taps(spec: str, n_layer: int) -> tuple[str, ...]:
@@ -53,24 +56,43 @@ class DFlashTrainer:
             if self.init_layers not in ("first", "random") or self.weights not in ("q8_0", "f16", "f32"):
                 raise SpecplugError(f"dflash options: init_layers is first|random and weights q8_0|f16|f32; got {self}")
 
+    method = METHOD  # head files it writes, and can start from (--init)
+    depth_option = None  # the block size (the head's shape) fixes the depths `evaluate` reports
+
     @classmethod
     def taps(cls, options, target: dict) -> tuple[str, ...]:
         return _taps(options.taps, int(target["n_layer"]))
 
-    def __init__(self, options: "DFlashTrainer.Options", data: TrainData, device: torch.device):
+    @classmethod
+    def options_of_head(cls, head: HeadFile) -> dict:
+        """The options a head fixes (--init): taps, layers, block, draft vocabulary; init_layers only
+        matters for a fresh start."""
+        c = head.meta.config
+        return {"taps": ",".join(str(t) for t in c.get("taps", [])), "n_layers": int(c.get("n_layers", 0)),
+                "block": int(c.get("block", 0)), "draft_vocab": int(head.shape("d2t")[0]),
+                "init_layers": cls.Options.init_layers}
+
+    def __init__(self, options: "DFlashTrainer.Options", data: TrainData, device: torch.device,
+                 init: HeadFile | None = None):
         self.opts, self.data = options, data
         self.depths = options.block - 1
         tw = self.target = TargetWeights(data.target)
         cfg = tw.config
         vocab = cfg.vocab_size
         self.tap_names = _taps(options.taps, cfg.n_layer)
-        self.d2t = draft_vocab(data.answer_tokens("train"), min(options.draft_vocab, vocab), vocab)
-        self.t2d = invert(self.d2t, vocab).to(device)
         self.cfg = DFlashConfig(cfg.n_embd, options.n_layers, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff,
                                 cfg.rms_eps, cfg.rope_base, options.block, self.tap_names)
+        if init is not None:  # the base head's vocabulary, not one chosen anew from this data
+            check_config(init, asdict(self.cfg))
+            self.d2t = init.tensor("d2t").long()
+        else:
+            self.d2t = draft_vocab(data.answer_tokens("train"), min(options.draft_vocab, vocab), vocab)
+        self.t2d = invert(self.d2t, vocab).to(device)
         self.module = DFlashTrain(self.cfg, tw.embeddings(), tw.output_norm(),
                                   tw.output_weight(self.d2t.tolist())).to(device)
-        if options.init_layers == "first":
+        if init is not None:
+            load_head_params(self.module.head_params(), init)
+        elif options.init_layers == "first":
             for i, layer in enumerate(self.module.layers):
                 layer.load_target_layer(tw.layer(min(i, cfg.n_layer - 1)))
         self.coverage = float((self.t2d.cpu()[data.answer_tokens("val")] >= 0).float().mean())

@@ -99,9 +99,13 @@ class Eagle3Train(nn.Module):
             yield r, out
             h = _shift(out)
 
+    def head_params(self) -> dict[str, nn.Parameter]:
+        """The trained parameters under their head file names (`load_head_params` fills them from a file)."""
+        return {"fc": self.fc, "blk.input_norm": self.input_norm.weight, "blk.hidden_norm": self.hidden_norm.weight,
+                **self.layer.head_params("blk."), "norm": self.norm.weight, "lm_head": self.lm_head}
+
     def head_tensors(self, d2t: torch.Tensor) -> dict[str, torch.Tensor]:
-        t = {"fc": self.fc, "blk.input_norm": self.input_norm.weight, "blk.hidden_norm": self.hidden_norm.weight,
-             **self.layer.head_tensors("blk."), "norm": self.norm.weight, "lm_head": self.lm_head}
+        t = self.head_params()
         return {**{k: v.detach().float().cpu() for k, v in t.items()}, "d2t": d2t.to(torch.int32)}
 
 

@@ -3,16 +3,19 @@ distillation against the target's recorded distribution restricted to the draft 
 validation acceptance per draft depth (the core loop does the rest)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from specplug.errors import SpecplugError
+from specplug.heads import HeadFile
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
+from specplug.train.finetune import check_config
+from specplug.train.modules import load_head_params
 from specplug.train.target import TargetWeights, draft_vocab
-from specplug_eagle3.head import Eagle3Config, Eagle3Train, default_layers, write_eagle3
+from specplug_eagle3.head import METHOD, Eagle3Config, Eagle3Train, default_layers, write_eagle3
 
 
 def _parse_layers(spec: str, n_layer: int | None = None) -> tuple[int, ...] | None:
@@ -47,6 +50,9 @@ class Eagle3Trainer:
             if self.weights not in ("q8_0", "f16", "f32"):
                 raise SpecplugError(f"eagle3 options: weights must be q8_0, f16 or f32, got {self.weights!r}")
 
+    method = METHOD  # head files it writes, and can start from (--init)
+    depth_option = "unroll"  # what sets the depths `evaluate` reports
+
     @classmethod
     def taps(cls, options, target: dict) -> tuple[str, ...]:
         layers = _parse_layers(options.layers, int(target["n_layer"]))
@@ -54,19 +60,32 @@ class Eagle3Trainer:
             raise SpecplugError(f"eagle3 options: layers {list(layers)} go past the target's {target['n_layer']} layers")
         return tuple(str(x) for x in layers)
 
-    def __init__(self, options: "Eagle3Trainer.Options", data: TrainData, device: torch.device):
+    @classmethod
+    def options_of_head(cls, head: HeadFile) -> dict:
+        """The options a head fixes (--init): its tapped layers and its draft vocabulary."""
+        layers = head.meta.config.get("layers") or []
+        return {"layers": ",".join(str(int(x)) for x in layers), "draft_vocab": int(head.shape("d2t")[0])}
+
+    def __init__(self, options: "Eagle3Trainer.Options", data: TrainData, device: torch.device,
+                 init: HeadFile | None = None):
         self.opts, self.data = options, data
         self.depths = options.unroll
         tw = self.target = TargetWeights(data.target)
         cfg = tw.config
         self.layers = _parse_layers(options.layers, cfg.n_layer)
         vocab = cfg.vocab_size
-        self.d2t = draft_vocab(data.answer_tokens("train"), min(options.draft_vocab, vocab), vocab)
-        self.t2d = invert(self.d2t, vocab).to(device)
         self.cfg = Eagle3Config(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rms_eps,
                                 cfg.rope_base, self.layers)
+        if init is not None:  # the base head's vocabulary, not one chosen anew from this data
+            check_config(init, asdict(self.cfg))
+            self.d2t = init.tensor("d2t").long()
+        else:
+            self.d2t = draft_vocab(data.answer_tokens("train"), min(options.draft_vocab, vocab), vocab)
+        self.t2d = invert(self.d2t, vocab).to(device)
         self.module = Eagle3Train(self.cfg, tw.embeddings(), tw.output_norm(),
                                   tw.output_weight(self.d2t.tolist())).to(device)
+        if init is not None:
+            load_head_params(self.module.head_params(), init)
         self.coverage = float((self.t2d.cpu()[data.answer_tokens("val")] >= 0).float().mean())
 
     def _taps(self, batch: SeqBatch) -> list[torch.Tensor]:

@@ -101,11 +101,15 @@ class MTPTrain(nn.Module):
             yield r, out
             h_in = _shift(out)
 
+    def head_params(self) -> dict[str, nn.Parameter]:
+        """The trained parameters under their head file names (`load_head_params` fills them from a file)."""
+        return {"hnorm": self.hnorm.weight, "enorm": self.enorm.weight, "proj": self.proj,
+                **self.layer.head_params("blk.")}
+
     def export(self, path, target_info, d2t: torch.Tensor, recipe: dict, weights: str = "q8_0") -> None:
         """Write the head file; `weights`: q8_0 | f16 | f32 for the matrices (vectors stay f32)."""
         meta = HeadMeta.for_target(target_info, METHOD, VERSION, ["final"], asdict(self.cfg), recipe)
-        tensors = {"hnorm": self.hnorm.weight, "enorm": self.enorm.weight, "proj": self.proj,
-                   **self.layer.head_tensors("blk."), "d2t": d2t.to(torch.int32)}
+        tensors = {**{k: v.detach() for k, v in self.head_params().items()}, "d2t": d2t.to(torch.int32)}
         mats = {"proj"} | TrainLayer.quantized_names("blk.")
         write_head(path, meta, {k: v.detach().float().cpu() if v.is_floating_point() else v for k, v in tensors.items()},
                    quantize=mats if weights == "q8_0" else (), f16=mats if weights == "f16" else ())

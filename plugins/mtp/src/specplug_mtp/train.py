@@ -9,16 +9,19 @@ rate at that draft depth given that the earlier tokens were accepted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from specplug.errors import SpecplugError
+from specplug.heads import HeadFile
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
+from specplug.train.finetune import check_config
+from specplug.train.modules import load_head_params
 from specplug.train.target import TargetWeights, draft_vocab
-from specplug_mtp.head import MTPConfig, MTPTrain
+from specplug_mtp.head import METHOD, MTPConfig, MTPTrain
 
 
 class MTPTrainer:
@@ -39,22 +42,36 @@ class MTPTrainer:
             if self.weights not in ("q8_0", "f16", "f32"):
                 raise SpecplugError(f"mtp options: weights must be q8_0, f16 or f32, got {self.weights!r}")
 
+    method = METHOD  # head files it writes, and can start from (--init)
+    depth_option = "unroll"  # what sets the depths `evaluate` reports
+
     @classmethod
     def taps(cls, options, target: dict) -> tuple[str, ...]:
         return ("final",)
 
-    def __init__(self, options: "MTPTrainer.Options", data: TrainData, device: torch.device):
+    @classmethod
+    def options_of_head(cls, head: HeadFile) -> dict:
+        """The options a head fixes (--init): its draft vocabulary; init_layer only matters for a fresh start."""
+        return {"draft_vocab": int(head.shape("d2t")[0]), "init_layer": cls.Options.init_layer}
+
+    def __init__(self, options: "MTPTrainer.Options", data: TrainData, device: torch.device,
+                 init: HeadFile | None = None):
         self.opts, self.data = options, data
         self.depths = options.unroll
         tw = self.target = TargetWeights(data.target)
         cfg = tw.config
         vocab = cfg.vocab_size
-        n = options.draft_vocab or vocab
-        self.d2t = draft_vocab(data.answer_tokens("train"), n, vocab)
-        self.t2d = invert(self.d2t, vocab).to(device)
         hc = MTPConfig(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rms_eps, cfg.rope_base)
+        if init is not None:  # the base head's vocabulary, not one chosen anew from this data
+            check_config(init, asdict(hc))
+            self.d2t = init.tensor("d2t").long()
+        else:
+            self.d2t = draft_vocab(data.answer_tokens("train"), options.draft_vocab or vocab, vocab)
+        self.t2d = invert(self.d2t, vocab).to(device)
         self.module = MTPTrain(hc, tw.embeddings(), tw.output_norm(), tw.output_weight(self.d2t.tolist())).to(device)
-        if options.init_layer != -2:
+        if init is not None:
+            load_head_params(self.module.head_params(), init)
+        elif options.init_layer != -2:
             li = cfg.n_layer - 1 if options.init_layer == -1 else options.init_layer
             self.module.layer.load_target_layer(tw.layer(li))
         answers = data.answer_tokens("val")

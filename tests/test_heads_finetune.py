@@ -1,0 +1,132 @@
+"""`specplug train <head> --init HEAD.gguf`: fine-tuning from a head file, for every head trainer
+(mtp, eagle3, dflash), on a tiny random target."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specplug.cli import main
+from specplug.heads import HeadFile
+from specplug.heads.eval import evaluate_head
+from specplug.testing import make_train_data, repetitive_prompts, write_tiny_gguf
+from specplug.train.datagen import file_sha256
+from specplug.train.loop import work_dir
+
+LOOP = ["--steps", "2", "--batch-tokens", "1024", "--val-fraction", "0.2", "--val-every", "2", "--warmup", "1",
+        "--save-every", "1000", "--threads", "2"]
+SCRATCH = {"mtp": ["--draft-vocab", "40"],
+           "eagle3": ["--layers", "0,1,2", "--draft-vocab", "40"],
+           "dflash": ["--taps", "1,2,final", "--n-layers", "1", "--block", "4", "--draft-vocab", "40"]}
+METHODS = sorted(SCRATCH)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("finetune")
+
+
+@pytest.fixture(scope="module")
+def data(work) -> Path:
+    tiny = write_tiny_gguf(work / "tiny.gguf", n_layer=3, tensor_type="Q8_0", scale=1.5)
+    return make_train_data(tiny, work / "data", repetitive_prompts(80), taps="final,0,1,2", max_tokens=24,
+                           shard_prompts=40)
+
+
+def _train(method: str, data: Path, out: Path, *extra: str) -> int:
+    return main(["train", method, "--data", str(data), "-o", str(out), *LOOP, "--restart", *extra])
+
+
+def _recipe(head: Path) -> dict:
+    return json.loads((work_dir(head) / "metrics.json").read_text())["recipe"]
+
+
+@pytest.fixture(scope="module")
+def bases(data, work) -> dict[str, Path]:
+    """Every method's head, 2 steps from scratch, matrices in f32 (so that the file holds the weights exactly)."""
+    out = {}
+    for m in METHODS:
+        out[m] = work / f"{m}-base.gguf"
+        assert _train(m, data, out[m], *SCRATCH[m], "--weights", "f32") == 0
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_init_starts_where_the_base_head_ended_and_records_its_lineage(method, data, bases, work, capsys):
+    base, out = bases[method], work / f"{method}-ft.gguf"
+    capsys.readouterr()
+    assert _train(method, data, out, "--init", str(base)) == 0
+    err = capsys.readouterr().err
+    assert f"starting from {base}" in err and "draft vocabulary is kept (40 tokens" in err
+    before, after = _recipe(base), _recipe(out)
+    start = after["init"]["start"]
+    # the same validation batches, the same weights: the fine-tuning starts at the loss the base ended with
+    assert start["val_loss"] == pytest.approx(before["final"]["val_loss"], rel=1e-5)
+    assert start["val_top1_per_depth"] == before["final"]["val_top1_per_depth"]
+    assert after["final"]["val_loss"] != pytest.approx(start["val_loss"], rel=1e-6)  # and it did train
+    # the base's draft vocabulary, not one chosen anew; the method options from the base's recipe
+    assert torch.equal(HeadFile(out).tensor("d2t"), HeadFile(base).tensor("d2t"))
+    assert after["options"]["draft_vocab"] == 40 and after["options"]["weights"] == "f32"
+    init = after["init"]
+    assert init["file"] == base.name and init["sha256"] == file_sha256(base) and init["steps"] == 2
+    assert init["data"]["manifest_sha256"] == before["data"]["manifest_sha256"] and after["total_steps"] == 4
+    assert main(["heads", "show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert f"lineage      fine-tuned from {base.name} (sha256 {init['sha256'][:12]}), 4 steps in all" in shown
+    assert f"<- {base.name}" in shown and "(trained from scratch)" in shown
+
+
+def test_a_chain_of_fine_tunings_is_listed_back_to_the_head_trained_from_scratch(data, bases, work, capsys):
+    first, second = work / "mtp-chain-1.gguf", work / "mtp-chain-2.gguf"
+    assert _train("mtp", data, first, "--init", str(bases["mtp"])) == 0
+    assert _train("mtp", data, second, "--init", str(first), "--steps", "3") == 0
+    assert _recipe(second)["total_steps"] == 7
+    capsys.readouterr()
+    assert main(["heads", "show", str(second)]) == 0
+    lineage = capsys.readouterr().out.split("lineage")[1].splitlines()
+    assert "7 steps in all" in lineage[0]
+    assert first.name in lineage[1] and bases["mtp"].name in lineage[2] and "(trained from scratch)" in lineage[2]
+
+
+@pytest.mark.parametrize("method, flags", [("mtp", ["--draft-vocab", "64", "--init-layer", "-2"]),
+                                           ("eagle3", ["--layers", "0,1,1"]),
+                                           ("dflash", ["--block", "6", "--taps", "2,final"])])
+def test_shape_flags_beside_init_are_one_error_naming_them(method, flags, data, bases, work, capsys):
+    out = work / f"{method}-flags.gguf"
+    assert _train(method, data, out, "--init", str(bases[method]), *flags) == 2
+    err = capsys.readouterr().err
+    assert "cannot be given with --init" in err and all(f in err for f in flags[::2])
+    assert not out.exists()
+
+
+def test_a_head_that_does_not_fit_the_data_set_is_one_error_naming_what_differs(bases, work, capsys):
+    other = write_tiny_gguf(work / "other.gguf", n_layer=2, n_embd=96, n_head=4, n_head_kv=2, scale=1.5)
+    other_data = make_train_data(other, work / "other-data", repetitive_prompts(12), taps="0", max_tokens=8)
+    capsys.readouterr()
+    out = work / "mtp-other.gguf"
+    assert _train("mtp", other_data, out, "--init", str(bases["mtp"])) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "does not fit the data set" in err
+    assert "n_embd 64 (head) vs 96 (data set)" in err
+    assert "taps final that the head reads are not in the data set" in err
+    assert not out.exists()
+
+
+def test_a_head_of_another_method_or_a_resume_without_its_init_is_refused(data, bases, work, capsys):
+    assert _train("eagle3", data, work / "e-from-mtp.gguf", "--init", str(bases["mtp"])) == 2
+    assert "not a 'eagle3' head" in capsys.readouterr().err
+    out = work / "mtp-resume.gguf"
+    assert _train("mtp", data, out, "--init", str(bases["mtp"])) == 0
+    rc = main(["train", "mtp", "--data", str(data), "-o", str(out), *LOOP, "--steps", "4", "--resume",
+               "--draft-vocab", "40", "--weights", "f32"])
+    assert rc == 2 and "give the same --init to resume it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_heads_eval_runs_every_method_from_its_file(method, data, bases):
+    r = evaluate_head(bases[method], data)
+    assert r["depths"] == 3 and len(r["overall"]["top1"]) == 3
+    assert all(0.0 <= v <= 1.0 for v in r["overall"]["top1"])
+    assert r["overall"]["sequences"] == 80
