@@ -7,6 +7,11 @@ being read, so prompt processing and decoding share forwards. Every token of a s
 the final one included, is fed through the target, so every row has its taps and its
 next-token distribution.
 
+With turns=2 (`--turns 2`), a prompt with two user turns gives two sequences: the first turn and
+its answer, then the whole conversation (first question, the target's answer as text, second
+question) through the chat template, as `specplug bench` and `specplug run` feed a second turn, with
+the second answer. Both sequences carry the prompt's index, first turn first.
+
 Output DIR:
   shard-00000-<key>.safetensors ...  one per `shard_prompts` prompts, written atomically when complete;
                                <key> derives from the shard's prompt ids, the recipe and the target,
@@ -22,7 +27,8 @@ Tensors of a shard (N rows = the shard's sequences concatenated):
                                     "<i>" = input of layer i), as the host delivers it to heads
   topk_ids       [N, k] int32       the target's k likeliest next tokens after each row
   topk_logprobs  [N, k] f16         their log-probabilities (rows before the last prompt token: 0)
-  prompt_index   [S] int64          index of the sequence's prompt in manifest["prompts"]
+  prompt_index   [S] int64          index of the sequence's prompt in manifest["prompts"] (a two-turn
+                                    prompt has two sequences, in turn order; its entry says "turns": 2)
 """
 from __future__ import annotations
 
@@ -115,7 +121,7 @@ def shard_record(out_dir: Path, name: str, index: int) -> dict:
 
 @dataclass
 class _Seq:
-    index: int  # prompt index
+    index: object  # the caller's key of the sequence (a prompt index)
     tokens: list[int]
     prompt_len: int
     fed: int = 0  # tokens already in the target's cache
@@ -142,8 +148,9 @@ class DataGenerator:
         self.disagree = 0  # rows of known sequences whose next token is not the target's greedy choice
 
     def run(self, prompts: list[tuple], on_done) -> None:
-        """Generate for (prompt index, prompt ids) in order; on_done(index, arrays) as each finishes.
-        An entry (prompt index, all ids, prompt length) is a sequence whose answer is already known
+        """Generate for (key, prompt ids) in order; on_done(key, arrays) as each finishes. on_done may
+        return more such entries (a conversation's next turn): they start next.
+        An entry (key, all ids, prompt length) is a sequence whose answer is already known
         (a rebuild from tokens): it is read by prefill like a prompt, and its rows are recorded the
         same way (the kernels are batch-invariant, so exactly as when it was generated)."""
         pending = list(reversed(prompts))
@@ -160,7 +167,8 @@ class DataGenerator:
             for slot in [s for s, q in slots.items() if q.final and q.fed == len(q.tokens)]:
                 q = slots.pop(slot)
                 free.append(slot)
-                on_done(q.index, self._arrays(q))
+                more = on_done(q.index, self._arrays(q))
+                pending.extend(reversed(more or ()))
 
     def _step(self, slots: dict[int, _Seq]) -> None:
         toks, pos, sids, logit_rows, spans = [], [], [], [], []
@@ -220,6 +228,22 @@ class DataGenerator:
         return out
 
 
+def answer_text(tok, arrays: dict[str, torch.Tensor]) -> str:
+    """A generated sequence's answer as the next turn's history holds it: the tokens after the prompt,
+    the end-of-turn token left out, decoded without special tokens (as `specplug bench` and `run` do)."""
+    ans = arrays["tokens"][int(arrays["prompt_len"]):].tolist()
+    if ans and ans[-1] in tok.eot_ids:
+        ans = ans[:-1]
+    return tok.decode(ans, skip_special=True)
+
+
+def second_turn_messages(turns: Sequence[str], first_answer: str) -> list[dict]:
+    """The conversation a second turn is answered after: the messages `specplug bench` and `specplug run`
+    give the chat template (specplug.api.prompt_ids) for it."""
+    return [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": first_answer},
+            {"role": "user", "content": turns[1]}]
+
+
 def _concat(seqs: list[tuple[int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
     """Sequences (prompt index, arrays) -> one shard's tensors."""
     lens = [a["tokens"].shape[0] for _, a in seqs]
@@ -239,19 +263,21 @@ def _concat(seqs: list[tuple[int, dict[str, torch.Tensor]]]) -> dict[str, torch.
 
 def generate_dataset(target, prompts: list[TrainPrompt], out_dir: Path, taps: list[str], max_tokens: int,
                      parallel: int, topk: int, context: int, shard_prompts: int, settings: dict,
-                     sources: dict, prompt_ids, ray_pool: dict | None = None) -> dict:
+                     sources: dict, prompt_ids, ray_pool: dict | None = None, turns: int = 1) -> dict:
     """Generate (or resume) a data set in out_dir; returns the manifest. The folder is claimed
     meanwhile (specplug.outputs; `specplug train data` claims it before the model loads).
+    `prompt_ids` turns a text or a list of chat messages into the prompt's token ids.
     With `ray_pool` ({"address", "workers", "threads"}) the shards are made by Ray actors
-    (specplug.train.ray_data); the manifest is the same either way."""
+    (specplug.train.ray_data); the manifest is the same either way. With turns=2 the second turn
+    of each prompt that has one is generated too (see the module docstring; not with Ray)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with claim(out_dir, "-o"):
         return _generate_dataset(target, prompts, out_dir, taps, max_tokens, parallel, topk, context, shard_prompts,
-                                 settings, sources, prompt_ids, ray_pool)
+                                 settings, sources, prompt_ids, ray_pool, turns)
 
 
 def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel, topk, context, shard_prompts,
-                      settings, sources, prompt_ids, ray_pool=None) -> dict:
+                      settings, sources, prompt_ids, ray_pool=None, turns=1) -> dict:
     from tqdm import tqdm
 
     model, tok = target.model, target.tokenizer
@@ -262,9 +288,13 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
                    "arch": cfg.arch, "name": cfg.name, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
                    "vocab_size": cfg.vocab_size, "token_table_sha256": token_table_sha256(tok.token_texts),
                    "quant": model.quant}
-    prompt_list = [{"id": p.id, "source": p.source} for p in prompts]
+    two = [turns > 1 and len(p.user_turns()) > 1 for p in prompts]  # prompts whose second turn is generated too
+    if any(two) and ray_pool is not None:
+        raise SpecplugError("--turns 2 runs on one machine (a second turn needs the first answer); drop --ray")
+    prompt_list = [{"id": p.id, "source": p.source, **({"turns": 2} if t else {})} for p, t in zip(prompts, two)]
     plan = {"format": FORMAT_VERSION, "taps": taps, "topk": topk, "max_tokens": max_tokens, "context": context,
             "shard_prompts": shard_prompts, "chat": settings.get("chat", True), "system": settings.get("system"),
+            **({"turns": 2} if any(two) else {}),  # absent for one turn: one-turn data sets keep their identity
             "prompts_sha256": hashlib.sha256(json.dumps(prompt_list).encode()).hexdigest()}
     manifest = {**plan, "target": target_desc, "settings": settings, "sources": sources, "prompts": prompt_list,
                 "shards": [], "totals": {}}
@@ -312,30 +342,45 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
             stale.unlink()
         _add_generation(manifest, time.perf_counter() - t0, generated)
         return _finish(manifest, mpath)
-    todo = [(i, prompt_ids(prompts[i].text)) for k in todo_shards for i in shard_range(k)]
+    todo = [((i, 1), prompt_ids(prompts[i].text)) for k in todo_shards for i in shard_range(k)]
     gen = DataGenerator(target, taps, max_tokens, parallel, topk, context)
-    results: dict[int, dict] = {}
-    bar = tqdm(total=len(todo), unit="prompt", file=sys.stderr, desc=f"train data -> {out_dir.name}", smoothing=0.05)
+    results: dict[tuple[int, int], dict | None] = {}  # (prompt index, turn) -> arrays; None: a turn left out
+    skipped = {"second_turn_no_room": 0}
+    bar = tqdm(total=len(todo) + sum(two[i] for (i, _), _ in todo), unit="answer", file=sys.stderr,
+               desc=f"train data -> {out_dir.name}", smoothing=0.05)
     t0 = time.perf_counter()
     answered = {"tokens": 0}
     next_shard = iter(todo_shards)
     state = {"shard": next(next_shard)}
 
-    def on_done(index: int, arrays: dict) -> None:
-        results[index] = arrays
+    def on_done(key: tuple[int, int], arrays: dict) -> list:
+        i, turn = key
+        results[key] = arrays
         answered["tokens"] += int(arrays["tokens"].shape[0])
         bar.update(1)
+        more = []
+        if turn == 1 and two[i]:  # the second turn, after this answer
+            ids = prompt_ids(second_turn_messages(prompts[i].user_turns(), answer_text(target.tokenizer, arrays)))
+            if context - len(ids) - 1 >= 1:  # room for an answer (as the bench decides)
+                more.append(((i, 2), ids))
+            else:
+                results[(i, 2)] = None
+                skipped["second_turn_no_room"] += 1
+                bar.update(1)
         dt = time.perf_counter() - t0
         bar.set_postfix_str(f"{gen.generated / dt:.0f} gen tok/s, {answered['tokens'] / dt:.0f} tok/s total")
         while state["shard"] is not None:
             k = state["shard"]
-            idx = shard_range(k)
-            if not all(i in results for i in idx):
+            keys = [(i, t) for i in shard_range(k) for t in ((1, 2) if two[i] else (1,))]
+            if not all(key in results for key in keys):
                 break
-            manifest["shards"].append(write_shard(out_dir, names[k], k, _concat([(i, results.pop(i)) for i in idx])))
+            seqs = [(key[0], results.pop(key)) for key in keys]
+            seqs = [(i, arrays) for i, arrays in seqs if arrays is not None]
+            manifest["shards"].append(write_shard(out_dir, names[k], k, _concat(seqs)))
             manifest["shards"].sort(key=lambda s: s["index"])
             write_json_atomic(mpath, manifest)
             state["shard"] = next(next_shard, None)
+        return more
 
     try:
         gen.run(todo, on_done)
@@ -345,6 +390,9 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
               f"(the shard in progress is dropped). Run the same command again to resume.", file=sys.stderr)
         raise
     bar.close()
+    if any(two):
+        g = manifest.setdefault("generation", {})
+        g["second_turn_no_room"] = g.get("second_turn_no_room", 0) + skipped["second_turn_no_room"]
     _add_generation(manifest, time.perf_counter() - t0, gen.generated)
     return _finish(manifest, mpath)
 

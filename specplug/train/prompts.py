@@ -1,11 +1,13 @@
 """Training prompts: read the usual prompt files, add code prompts from Python's standard library,
 and drop anything that overlaps an evaluation prompt.
 
-Accepted JSONL (plain or .gz) records, one prompt each:
-  {"turns": [...]}            the first turn (Spec-Bench / MT-bench layout)
+Accepted files, plain or .gz: JSONL (one record a line) or a JSON array of records (GPTeacher,
+Alpaca-style). A record is one prompt:
+  {"turns": [...]}            a conversation (Spec-Bench / MT-bench layout); its text is the first turn
   {"prompt": "..."} / {"text": "..."}
   {"question": "..."}         GSM8K
   {"instruction": "...", "instances": [{"input": "..."}]}   self-instruct (instruction + first input)
+  {"instruction": "...", "input": "..."}                     GPTeacher / Alpaca (instruction + input)
 """
 from __future__ import annotations
 
@@ -26,27 +28,65 @@ OVERLAP_N = 13  # a training prompt sharing a 13-token n-gram with an evaluation
 
 @dataclass(frozen=True)
 class TrainPrompt:
-    id: str  # "<file stem>:<line>" or "stdlib:<module>.<function>"
+    id: str  # "<file stem>:<line>" (JSONL), "<file stem>:<index>" (JSON array), or "stdlib:<module>.<function>"
     source: str  # file name, or "stdlib-docstrings"
-    text: str
+    text: str  # the first (or only) user turn
+    turns: tuple[str, ...] = ()  # every user turn of a {"turns": [...]} record (turns[0] == text); else empty
+
+    def user_turns(self, n: int | None = None) -> tuple[str, ...]:
+        """The first `n` user turns (all when n is None); a one-prompt record has one."""
+        return (self.turns or (self.text,))[:n]
 
 
-def _text_of(rec: dict) -> str | None:
+_NO_PROMPT = "no prompt found (expected 'turns', 'prompt', 'text', 'question' or 'instruction')"
+
+
+def _turns_of(rec: dict) -> list[str] | str:
+    """The user turns of one record, or why there are none (a message)."""
     turns = rec.get("turns")
-    if isinstance(turns, list) and turns and isinstance(turns[0], str):
-        return turns[0]
+    if turns is not None:
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            return "'turns' must be a non-empty list of non-empty strings"
+        return [t.strip() for t in turns]
     for key in ("prompt", "text", "question"):
         if isinstance(rec.get(key), str):
-            return rec[key]
+            return [rec[key].strip()] if rec[key].strip() else _NO_PROMPT
     if isinstance(rec.get("instruction"), str):
-        inst = rec.get("instances") or []
-        extra = inst[0].get("input", "") if inst and isinstance(inst[0], dict) else ""
-        return rec["instruction"] + ("\n\n" + extra if isinstance(extra, str) and extra.strip() else "")
-    return None
+        if isinstance(rec.get("input"), str):  # GPTeacher / Alpaca
+            extra = rec["input"]
+        else:  # self-instruct
+            inst = rec.get("instances") or []
+            extra = inst[0].get("input", "") if inst and isinstance(inst[0], dict) else ""
+        text = (rec["instruction"] + ("\n\n" + extra if isinstance(extra, str) and extra.strip() else "")).strip()
+        return [text] if text else _NO_PROMPT
+    return _NO_PROMPT
+
+
+def _records(path: Path, text: str) -> Iterable[tuple[str, int, object]]:
+    """(where, number, record) of a file's text: JSONL lines (number: the line, from 1), or the items of
+    one JSON array (number: the index, from 0). Malformed JSON is an error naming file and place."""
+    if text.lstrip()[:1] == "[":  # one JSON array
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecplugError(f"{path}: not a valid JSON array ({exc.msg} at line {exc.lineno}, column "
+                                f"{exc.colno})") from None
+        for i, rec in enumerate(items):
+            yield f"{path}: record {i}", i, rec
+        return
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SpecplugError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        yield f"{path}:{lineno}", lineno, rec
 
 
 def read_prompt_file(path: str | Path) -> list[TrainPrompt]:
-    """Every prompt of one JSONL file; a malformed line is an error naming file and line."""
+    """Every prompt of one JSONL or JSON-array file; a malformed record is an error naming file and
+    line (JSONL) or record index (JSON array)."""
     path = Path(path)
     if not path.is_file():
         raise SpecplugError(f"prompt file not found: {path}")
@@ -55,20 +95,15 @@ def read_prompt_file(path: str | Path) -> list[TrainPrompt]:
     out = []
     try:
         with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise SpecplugError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                text = _text_of(rec) if isinstance(rec, dict) else None
-                if not text or not text.strip():
-                    raise SpecplugError(f"{path}:{lineno}: no prompt found (expected 'turns', 'prompt', 'text', "
-                                        f"'question' or 'instruction')")
-                out.append(TrainPrompt(f"{stem}:{lineno}", path.name, text.strip()))
+            text = f.read()
     except (UnicodeDecodeError, OSError, EOFError) as exc:
-        raise SpecplugError(f"{path}: cannot be read as UTF-8 JSONL ({exc})") from None
+        raise SpecplugError(f"{path}: cannot be read as UTF-8 JSON or JSONL ({exc})") from None
+    for where, number, rec in _records(path, text):
+        turns = _turns_of(rec) if isinstance(rec, dict) else "each record must be a JSON object"
+        if isinstance(turns, str):
+            raise SpecplugError(f"{where}: {turns}")
+        out.append(TrainPrompt(f"{stem}:{number}", path.name, turns[0],
+                               tuple(turns) if isinstance(rec.get("turns"), list) else ()))
     if not out:
         raise SpecplugError(f"{path}: no prompts in the file")
     return out

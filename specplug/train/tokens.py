@@ -70,7 +70,7 @@ def export_tokens(data_dir: str | Path, out_dir: str | Path) -> dict:
                            "answer_tokens": sh["answer_tokens"],
                            "sha256": hashlib.sha256(buf.getvalue()).hexdigest()})
         keep = ("target", "settings", "sources", "prompts", "max_tokens", "context", "shard_prompts", "chat", "system",
-                "prompts_sha256", "generation")
+                "turns", "prompts_sha256", "generation")
         out = {"kind": TOKENS_KIND, "version": TOKENS_VERSION, **{k: man[k] for k in keep if k in man},
                "shards": shards, "totals": {"shards": len(shards), "sequences": sum(x["sequences"] for x in shards),
                                             "tokens": sum(x["tokens"] for x in shards),
@@ -149,6 +149,7 @@ def rebuild_dataset(target, token_dirs: Sequence[str | Path], out_dir: str | Pat
     plan = {"format": FORMAT_VERSION, "taps": taps, "topk": topk, "max_tokens": first.get("max_tokens"),
             "context": max(int(m.get("context", 2048)) for _, m in mans), "shard_prompts": first.get("shard_prompts"),
             "chat": first.get("chat", True), "system": first.get("system"),
+            **({"turns": first["turns"]} if first.get("turns", 1) > 1 else {}),
             "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()}
     manifest = {**plan, "target": target_desc,
                 "settings": {"command": command, "from_tokens": [str(d) for d, _ in mans]},
@@ -175,10 +176,11 @@ def rebuild_dataset(target, token_dirs: Sequence[str | Path], out_dir: str | Pat
             a = _read_token_shard(d, sh)
             off, plens, pidx = a["offsets"].tolist(), a["prompt_lens"].tolist(), a["prompt_index"].tolist()
             toks = a["tokens"].astype(np.int64)
-            seqs = [(base + pidx[s], toks[off[s]:off[s + 1]].tolist(), plens[s]) for s in range(len(plens))]
+            # keyed by the sequence's place in the shard: a two-turn prompt has two sequences
+            seqs = [(s, toks[off[s]:off[s + 1]].tolist(), plens[s]) for s in range(len(plens))]
             results: dict[int, dict] = {}
-            gen.run(seqs, lambda index, arrays: results.__setitem__(index, arrays))
-            tensors = _concat([(i, results[i]) for i, _, _ in seqs])
+            gen.run(seqs, lambda s, arrays: results.__setitem__(s, arrays))
+            tensors = _concat([(base + pidx[s], results[s]) for s in range(len(plens))])
             name = f"shard-{k:05d}.safetensors"
             with replacing(out_dir / name, "-o") as tmp:
                 save_file(tensors, str(tmp), metadata={"format": str(FORMAT_VERSION)})
