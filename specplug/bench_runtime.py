@@ -160,7 +160,7 @@ def main(model, repeats: int, json_path: str | None, with_profile: bool = False)
 # --- the roofline report (--profile) ----------------------------------------------------------------
 PROFILE_K = (1, 2, 4, 8, 16)
 PROFILE_CTX = (128, 512, 1024)
-_CATEGORY = {"matmul_q4_1": "linear", "matmul_q8_0": "linear", "quantize_rows": "quantize",
+_CATEGORY = {"matmul_q4_1": "linear", "matmul_q8_0": "linear", "matmul": "linear", "quantize_rows": "quantize",
              "silu_mul_quantize": "quantize", "rope_store": "rope_store", "attention": "attention"}
 
 
@@ -190,8 +190,9 @@ class _Timed:
             self.time[cat] += time.perf_counter() - t0
             if cat == "linear":
                 xa, qs, d = args[0], args[1], args[2]
-                m = args[3] if name == "matmul_q4_1" else None
-                self.weight_bytes += qs.numel() + 2 * d.numel() + (2 * m.numel() if m is not None else 0)
+                m = args[3] if name in ("matmul_q4_1", "matmul") else None
+                self.weight_bytes += qs.numel() + d.numel() * d.element_size() + (
+                    m.numel() * m.element_size() if m is not None else 0)
                 self.linear_macs += xa[0].shape[0] * xa[0].shape[1] * args[-1]
             elif cat == "attention":
                 kc, seq, pos, valid, H = args[1], args[3], args[4], args[5], args[6]

@@ -71,13 +71,32 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
+K_QUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per super-block of 256 values
+
+
+def random_k_quant(rows: int, cols: int, qtype: str, rng: np.random.Generator, scale: float = 4.0) -> np.ndarray:
+    """Random valid K-quant blocks [rows, bytes] whose weights have about the spread of
+    scale / sqrt(cols): random values and sub-block scales, with the super-block scales set."""
+    assert cols % 256 == 0, "K-quant rows are whole super-blocks of 256 values"
+    b = rng.integers(0, 256, (rows * cols // 256, K_QUANT_BYTES[qtype]), dtype=np.uint8)
+    std = scale / np.sqrt(cols)
+    f16 = lambda v: np.frombuffer(np.float16(v).tobytes(), np.uint8)  # noqa: E731
+    if qtype == "Q6_K":  # int8 sub-block scales (|s| ~ 64) times values -32..31 (std ~ 18)
+        b[:, 208:210] = f16(std / (64 * 18))
+    else:  # 6-bit scales and mins (~32) times values 0..15 / 0..31 (std ~ 4.6 / 9.2), minus the mins
+        b[:, 0:2] = f16(std / (32 * (4.6 if qtype == "Q4_K" else 9.2)))
+        b[:, 2:4] = f16(std * (7.5 if qtype == "Q4_K" else 15.5) / (32 * (4.6 if qtype == "Q4_K" else 9.2)))
+    return b.reshape(rows, -1)
+
+
 def write_tiny_gguf(path: str | Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
                     n_ff: int = 96, context: int = 512, seed: int = 0, arch: str = "llama",
                     tensor_type: str = "F32", tied: bool = True, scale: float = 4.0,
                     skip_tensors: Sequence[str] = (), head_dim: int | None = None) -> Path:
     """Write a random decoder-only model with a real byte-level tokenizer; returns the path.
 
-    `tensor_type` (F32, F16, Q8_0, Q4_0, Q4_1, ...) applies to the 2-D weight matrices;
+    `tensor_type` (F32, F16, Q8_0, Q4_0, Q4_1, ..., and Q4_K / Q5_K / Q6_K as random blocks, which
+    need widths that are multiples of 256) applies to the 2-D weight matrices;
     the weights are scaled so that greedy decoding is varied (not one repeated token).
     `skip_tensors` leaves matrices out (to test missing-tensor errors).
     """
@@ -120,6 +139,8 @@ def write_tiny_gguf(path: str | Path, *, n_layer: int = 2, n_embd: int = 64, n_h
             w.add_tensor(name, a)
         elif qtype == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, a.astype(np.float16))
+        elif tensor_type in ("Q4_K", "Q5_K", "Q6_K"):  # gguf-py has no K-quant quantizer: random blocks
+            w.add_tensor(name, random_k_quant(rows, cols, tensor_type, rng, scale), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
 

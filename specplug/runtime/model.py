@@ -210,7 +210,8 @@ class Transformer:
         def lin(names: list[str], heads: list[int | None] | None = None, b: torch.Tensor | None = None,
                 norm: torch.Tensor | None = None) -> Linear:
             """The named tensors stacked by rows; heads[i]: neox-permute part i. On the native backend
-            Q4_0/Q4_1/Q8_0 stay as stored, other types are re-quantized to Q8_0."""
+            the types the kernels know (native.NATIVE_TYPES) are computed as stored when all parts share
+            one; mixed types (a Q4_K_M file's Q4_K q/k beside a Q6_K v) and others become Q8_0."""
             heads = heads or [None] * len(names)
             if backend.native:
                 parts = [gguf.raw(n) for n in names]

@@ -1,7 +1,8 @@
 """The `gguf` weight path: compute on the GGUF file's own quantized blocks, as llama.cpp does.
 
-Q4_1 and Q8_0 tensors are used as stored (Q4_0 becomes the equivalent Q4_1); any other
-type is dequantized and re-quantized to Q8_0. Activations are quantized per row to 8 bits
+Q4_1 and Q8_0 tensors are used as stored (Q4_0 becomes the equivalent Q4_1); Q4_K, Q5_K and
+Q6_K are unpacked at load into their integer values and float32 scales (exactly the weights gguf's
+dequantizer gives); any other type is dequantized and re-quantized to Q8_0. Activations are quantized per row to 8 bits
 per block of 32 and dotted in integers, on the best instruction set the CPU has (AVX-512 VNNI,
 else AVX2; `SPECPLUG_ISA=avx2|avx512` forces one); every path gives bit-identical results. That
 reads ~97 MB per token for SmolLM2-135M instead of 540 MB of float32 weights, and verifying a few drafted rows costs little more
@@ -37,7 +38,8 @@ _ext_error: dict[str, str] = {}  # ISA -> why it could not be built
 Q4_1_BLOCK = 20  # f16 d, f16 m, 16 bytes of nibbles
 Q8_0_BLOCK = 34  # f16 d, 32 int8
 Q4_0_BLOCK = 18  # f16 d, 16 bytes of nibbles (value = (q - 8) * d)
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # used as stored; other types are re-quantized to Q8_0
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # unpacked at load into integer values and float32 scales (exact)
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0") + K_QUANTS  # computed on their own values; others re-quantized to Q8_0
 
 # ---- one build of the kernels per instruction set ------------------------------------------------
 # The same source compiled with each ISA's flags; the source picks its inner loops from the
@@ -221,6 +223,44 @@ def kernels(isa: str | None = None):
     return _ext[isa]
 
 
+def k_quant_parts(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A K-quant's super-blocks ([n, bytes]) as (q, d, m): integer values q [n, 256] (Q4_K 0..15, Q5_K
+    0..31, Q6_K -32..31), float32 scales d per 32 values [n, 8] (Q6_K: per 16, [n, 16]) and offsets
+    m per 32 [n, 8] (None for Q6_K), with weight = d * q + m.
+
+    The index arithmetic is gguf's own dequantizer's (gguf.quants), stopped before the multiply:
+    d = f16 d times the integer sub-block scale and m = -(f16 dmin times the integer min) are exact in
+    float32, so d * q + m is bit for bit gguf's d * q - dm."""
+    from gguf.quants import Q4_K
+
+    b = np.ascontiguousarray(blocks).view(np.uint8)
+    n = b.shape[0]
+    if qtype in ("Q4_K", "Q5_K"):
+        d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16])
+        rest = b[:, 16:]
+        if qtype == "Q5_K":
+            qh, qs = rest[:, :32], rest[:, 32:]
+        else:
+            qh, qs = None, rest
+        q = (qs.reshape(n, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+        q = q.reshape(n, -1, 32)
+        if qh is not None:
+            hi = (qh.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & np.uint8(1)
+            q = q | (hi.reshape(n, -1, 32) << np.uint8(4))
+        return (q.reshape(n, 256).astype(np.int16), d * sc.astype(np.float32),
+                -(dmin * mn.astype(np.float32)))
+    if qtype == "Q6_K":
+        ql, qh, scales = b[:, :128], b[:, 128:192], b[:, 192:208]
+        d = b[:, 208:210].copy().view(np.float16).astype(np.float32)
+        lo = (ql.reshape(n, -1, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+        hi = (qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+        q = (lo.reshape(n, -1, 32) | (hi.reshape(n, -1, 32) << np.uint8(4))).astype(np.int16) - 32
+        return q.reshape(n, 256), d * scales.view(np.int8).astype(np.float32), None
+    raise ValueError(qtype)
+
+
 def _f16_as_i16(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16))
 
@@ -244,10 +284,12 @@ class QuantLinear:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_blocks(cls, raw: np.ndarray, qtype: str, shape: tuple[int, int], **kw) -> "QuantLinear":
-        """From a GGUF tensor's raw bytes ([rows, bytes per row]) of type Q4_0, Q4_1 or Q8_0."""
+        """From a GGUF tensor's raw bytes ([rows, bytes per row]) of type Q4_0, Q4_1, Q8_0 or a K-quant."""
         n, k = shape
         nb = k // 32
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
+        if qtype in K_QUANTS:
+            return cls.from_k_quant(raw, qtype, shape, **kw)
         if qtype == "Q8_0":
             blocks = raw.reshape(n, nb, Q8_0_BLOCK)
             return cls._q8_0(blocks[:, :, 2:], blocks[:, :, :2].copy().view(np.float16)[..., 0], n, **kw)
@@ -261,6 +303,21 @@ class QuantLinear:
             d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
             return cls._q4_1(blocks[:, :, 2:], d, (d.astype(np.float32) * -8).astype(np.float16), n, **kw)
         raise ValueError(qtype)
+
+    @classmethod
+    def from_k_quant(cls, raw: np.ndarray, qtype: str, shape: tuple[int, int], **kw) -> "QuantLinear":
+        """Q4_K / Q5_K / Q6_K rows as their integer values and float32 scales per 32 (Q6_K: per 16)
+        values, which represent exactly the weights gguf's dequantizer computes (k_quant_parts)."""
+        n, k = shape
+        q, d, m = k_quant_parts(raw.reshape(n * (k // 256), -1), qtype)
+        nb = k // 32
+        q, d = q.reshape(n, nb, 32), d.reshape(n, nb, -1)
+        if qtype == "Q4_K":  # GGUF's Q4_1 nibble pairing: byte i holds values i and 16 + i
+            nib = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+            return cls._q4_1(nib, d[..., 0], m.reshape(n, nb), n, kind="q4_k", **kw)
+        if qtype == "Q5_K":
+            return cls._q8_0(q.astype(np.uint8), d[..., 0], n, m=m.reshape(n, nb), kind="q5_k", **kw)
+        return cls._q8_0(q.astype(np.int8).view(np.uint8), d, n, kind="q6_k", **kw)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, **kw) -> "QuantLinear":
@@ -278,22 +335,34 @@ class QuantLinear:
         pad = (-n) % 8
         return a if pad == 0 else np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
 
+    @staticmethod
+    def _scale_tiles(a: np.ndarray, nt: int, nb: int) -> torch.Tensor:
+        """Per-block scales [rows, nb(, 2)] -> [tile, block(, 2), column]: float16 ones as int16 bits
+        (the kernels widen them), float32 ones as they are."""
+        per = a.shape[2] if a.ndim == 3 else 1
+        t = np.ascontiguousarray(a.reshape(nt, 8, nb, per).transpose(0, 2, 3, 1).reshape(nt, nb * per, 8))
+        return _f16_as_i16(t) if t.dtype == np.float16 else torch.from_numpy(t.astype(np.float32))
+
     @classmethod
-    def _q4_1(cls, nibbles: np.ndarray, d: np.ndarray, m: np.ndarray, n: int, **kw) -> "QuantLinear":
+    def _q4_1(cls, nibbles: np.ndarray, d: np.ndarray, m: np.ndarray, n: int, kind: str = "q4_1",
+              **kw) -> "QuantLinear":
         nib, d, m = cls._pad_rows(nibbles, n), cls._pad_rows(d, n), cls._pad_rows(m, n)
         nt, nb = nib.shape[0] // 8, nib.shape[1]
         # [tile, col, block, p, i] -> [tile, block, p, col, i]: byte j = 4p + i keeps GGUF's nibble pairing
         qs = nib.reshape(nt, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(nt, nb, 128)
-        tiles = lambda a: _f16_as_i16(a.reshape(nt, 8, nb).transpose(0, 2, 1))  # noqa: E731
-        return cls("q4_1", torch.from_numpy(np.ascontiguousarray(qs)), tiles(d), tiles(m), n, **kw)
+        return cls(kind, torch.from_numpy(np.ascontiguousarray(qs)), cls._scale_tiles(d, nt, nb),
+                   cls._scale_tiles(m, nt, nb), n, **kw)
 
     @classmethod
-    def _q8_0(cls, qbytes: np.ndarray, d: np.ndarray, n: int, **kw) -> "QuantLinear":
+    def _q8_0(cls, qbytes: np.ndarray, d: np.ndarray, n: int, m: np.ndarray | None = None, kind: str = "q8_0",
+              **kw) -> "QuantLinear":
+        """Byte tiles: Q8_0 (signed, float16 scales), Q5_K (unsigned 0..31, float32 scales and
+        offsets m), Q6_K (signed -32..31, two float32 scales a block: d is [rows, nb, 2])."""
         qb, d = cls._pad_rows(qbytes, n), cls._pad_rows(d, n)
         nt, nb = qb.shape[0] // 8, qb.shape[1]
         qs = qb.reshape(nt, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(nt, nb, 256)
-        tiles = _f16_as_i16(d.reshape(nt, 8, nb).transpose(0, 2, 1))
-        return cls("q8_0", torch.from_numpy(np.ascontiguousarray(qs)), tiles, None, n, **kw)
+        mt = None if m is None else cls._scale_tiles(cls._pad_rows(m, n), nt, nb)
+        return cls(kind, torch.from_numpy(np.ascontiguousarray(qs)), cls._scale_tiles(d, nt, nb), mt, n, **kw)
 
     def packed(self) -> tuple[list[torch.Tensor], int]:
         """([qs, d, m, bias, norm_weight], out_features) as the fused layer kernel takes them (absent: empty)."""
@@ -308,7 +377,9 @@ class QuantLinear:
     def matmul(self, xa, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.kind == "q4_1":
             return self.k.matmul_q4_1(xa, self.qs, self.d, self.m, self.bias, residual, self.out_features)
-        return self.k.matmul_q8_0(xa, self.qs, self.d, self.bias, residual, self.out_features)
+        if self.kind == "q8_0":
+            return self.k.matmul_q8_0(xa, self.qs, self.d, self.bias, residual, self.out_features)
+        return self.k.matmul(xa, self.qs, self.d, self.m, self.bias, residual, self.out_features)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.matmul(self.quantize(x.contiguous()), residual)

@@ -261,56 +261,104 @@ inline void q8_0_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t
   }
 }
 
-// R rows x 8 columns of one Q4_1 tile: per block, acc += s * (d_w d_x) + m_w (d_x sum(x_q)).
+// Unsigned bytes (Q5_K's 5-bit values 0..31): byte c*4+i of load j holds w[c][4j+i]. A maddubs
+// lane sums two products of at most 31*127, which fits int16.
 template <int R>
-inline void q4_1_tile(const uint8_t* qs, const uint16_t* wd, const uint16_t* wm, const Act& a, int64_t r0,
-                      __m256* out) {
+inline void u8_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* s) {
+#if !SPECPLUG_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
+#if SPECPLUG_VNNI
+      s[r] = _mm256_dpbusd_epi32(s[r], w, _mm256_set1_epi32(xr[j]));
+#else
+      s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(xr[j])), ones));
+#endif
+    }
+  }
+}
+
+// Signed bytes in two halves of 16 values (Q6_K's sub-blocks, each with its own scale): lo[r] sums
+// loads 0-3 (values 0..15 of each column), hi[r] loads 4-7.
+template <int R>
+inline void q6_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* lo, __m256i* hi) {
+#if !SPECPLUG_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
+      const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w);
+      __m256i& acc = j < 4 ? lo[r] : hi[r];
+#if SPECPLUG_VNNI
+      acc = _mm256_dpbusd_epi32(acc, aw, xs);
+#else
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+#endif
+    }
+  }
+}
+
+// 8 scales of a tile's block as floats: float16 (Q4_1, Q8_0 as stored) or float32 (the K-quants'
+// super-block scale times a sub-block's integer scale, exact in float32).
+inline __m256 scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
+
+// The weight kinds a tile can hold (QuantLinear.kind): bytes per block of a tile (4-bit nibbles or
+// bytes), scale type, a per-block offset m or not, and one scale per 32 values or two (per 16).
+enum Kind { KQ4_1 = 0, KQ8_0 = 1, KQ4_K = 2, KQ5_K = 3, KQ6_K = 4 };
+template <int K> struct KindOf;
+template <> struct KindOf<KQ4_1> { using S = uint16_t; static constexpr int bytes = 128, nsc = 1; static constexpr bool m = true; };
+template <> struct KindOf<KQ8_0> { using S = uint16_t; static constexpr int bytes = 256, nsc = 1; static constexpr bool m = false; };
+template <> struct KindOf<KQ4_K> { using S = float; static constexpr int bytes = 128, nsc = 1; static constexpr bool m = true; };
+template <> struct KindOf<KQ5_K> { using S = float; static constexpr int bytes = 256, nsc = 1; static constexpr bool m = true; };
+template <> struct KindOf<KQ6_K> { using S = float; static constexpr int bytes = 256, nsc = 2; static constexpr bool m = false; };
+
+// R rows x 8 columns of one tile. Per block b, with s the integer dot of the row's 8-bit block with
+// each column's values:
+//   offset kinds (Q4_1, Q4_K, Q5_K):  acc += s * (d_w d_x) + m_w (d_x sum(x_q))
+//   Q8_0:                             acc += s * (d_w d_x)
+//   Q6_K (two halves of 16):          acc += s_lo * (d_lo d_x) + s_hi * (d_hi d_x)
+// The same float operations in the same order on every ISA path.
+template <int R, int KIND>
+inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const typename KindOf<KIND>::S* wm,
+                 const Act& a, int64_t r0, __m256* out) {
+  using KO = KindOf<KIND>;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wd + b * NC)));
-    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wm + b * NC)));
-    __m256i s32[R];
-    q4_1_block_dot<R>(qs + b * 128, a, r0, b, s32);
+    const uint8_t* blk = qs + b * KO::bytes;
+    const __m256 dw = scales8(wd + b * NC * KO::nsc);
+    __m256i s32[R], s_hi[R];
+    if constexpr (KIND == KQ4_1 || KIND == KQ4_K)
+      q4_1_block_dot<R>(blk, a, r0, b, s32);
+    else if constexpr (KIND == KQ8_0)
+      q8_0_block_dot<R>(blk, a, r0, b, s32);
+    else if constexpr (KIND == KQ5_K)
+      u8_block_dot<R>(blk, a, r0, b, s32);
+    else
+      q6_block_dot<R>(blk, a, r0, b, s32, s_hi);
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * a.nb + b;
-      const __m256 f = _mm256_cvtepi32_ps(s32[r]);
-      acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(a.d[rb])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[rb]), acc[r]);
+      const __m256 dx = _mm256_set1_ps(a.d[rb]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, dx), acc[r]);
+      if constexpr (KO::m) acc[r] = _mm256_fmadd_ps(scales8(wm + b * NC), _mm256_set1_ps(a.s[rb]), acc[r]);
+      if constexpr (KO::nsc == 2)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_hi[r]), _mm256_mul_ps(scales8(wd + b * NC * 2 + NC), dx), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
-}
-
-// R rows x 8 columns of one Q8_0 tile: per block, acc += s * (d_w d_x).
-template <int R>
-inline void q8_0_tile(const uint8_t* qs, const uint16_t* wd, const uint16_t*, const Act& a, int64_t r0,
-                      __m256* out) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wd + b * NC)));
-    __m256i s32[R];
-    q8_0_block_dot<R>(qs + b * 256, a, r0, b, s32);
-    for (int r = 0; r < R; ++r) {
-      const int64_t rb = (r0 + r) * a.nb + b;
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[rb])), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = acc[r];
-}
-
-template <int R, bool Q4>
-inline void run_tile(const uint8_t* qs, const uint16_t* wd, const uint16_t* wm, const Act& a, int64_t r0,
-                     __m256* out) {
-  if constexpr (Q4)
-    q4_1_tile<R>(qs, wd, wm, a, r0, out);
-  else
-    q8_0_tile<R>(qs, wd, wm, a, r0, out);
 }
 
 // y[M, N] = x @ W.T (+ bias) (+ residual), W given as tiles (see the tile kernels).
-template <bool Q4>
+template <int KIND>
 torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Tensor& qs, const torch::Tensor& wd,
                           const c10::optional<torch::Tensor>& wm, const c10::optional<torch::Tensor>& bias,
                           const c10::optional<torch::Tensor>& residual, int64_t n_out) {
@@ -325,8 +373,13 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
   const Act a{xq.data_ptr<int8_t>(), xa[1].data_ptr<float>(), xa[2].data_ptr<float>(), K, nb};
   const uint8_t* qsp = qs.data_ptr<uint8_t>();
   const int64_t tile_bytes = qs.stride(0);
-  const uint16_t* wdp = (const uint16_t*)wd.data_ptr();
-  const uint16_t* wmp = wm.has_value() ? (const uint16_t*)wm->data_ptr() : nullptr;
+  using S = typename KindOf<KIND>::S;
+  constexpr int NSC = KindOf<KIND>::nsc;
+  TORCH_CHECK(tile_bytes == nb * KindOf<KIND>::bytes && wd.numel() == ntile * nb * NC * NSC &&
+                  wd.element_size() == (int64_t)sizeof(S) && wm.has_value() == KindOf<KIND>::m,
+              "weight tiles do not match their kind (", KIND, ")");
+  const S* wdp = (const S*)wd.data_ptr();
+  const S* wmp = wm.has_value() ? (const S*)wm->data_ptr() : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const float* rp = nullptr;
   int64_t ldr = 0;
@@ -337,13 +390,14 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
     ldr = residual->stride(0);
   }
   float* yp = y.data_ptr<float>();
-  const int64_t tile_work = (tile_bytes + nb * NC * 2 * (wmp ? 2 : 1)) * ((M + RT - 1) / RT);
+  const int64_t scale_bytes = nb * NC * (int64_t)sizeof(S) * NSC;  // a tile's d (and as many of m)
+  const int64_t tile_work = (tile_bytes + scale_bytes * (wmp ? 2 : 1)) * ((M + RT - 1) / RT);
   chunk_pool::parallel_for(ntile, CHUNK_BYTES / tile_work, [&](int64_t t0, int64_t t1) {
     __m256 out[4];
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* tq = qsp + t * tile_bytes;
-      const uint16_t* td = wdp + t * nb * NC;
-      const uint16_t* tm = wmp ? wmp + t * nb * NC : nullptr;
+      const S* td = wdp + t * nb * NC * NSC;
+      const S* tm = wmp ? wmp + t * nb * NC : nullptr;
       // With one or two rows a tile's compute is short and the weight stream sets the pace: ask
       // for a later tile while this one computes. With more rows compute dominates and the
       // prefetches only take load slots (measured: -8% time at 1 row, +7% at 4 rows). Past the
@@ -351,21 +405,21 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
       if (PREFETCH_TILES > 0 && M <= 2 && t + PREFETCH_TILES < ntile) {
         const char* nq = (const char*)(tq + PREFETCH_TILES * tile_bytes);
         for (int64_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(nq + off, _MM_HINT_T0);
-        const char* nd = (const char*)(td + PREFETCH_TILES * nb * NC);
-        for (int64_t off = 0; off < nb * NC * 2; off += 64) _mm_prefetch(nd + off, _MM_HINT_T0);
+        const char* nd = (const char*)(td + PREFETCH_TILES * nb * NC * NSC);
+        for (int64_t off = 0; off < scale_bytes; off += 64) _mm_prefetch(nd + off, _MM_HINT_T0);
         if (tm) {
           const char* nm = (const char*)(tm + PREFETCH_TILES * nb * NC);
-          for (int64_t off = 0; off < nb * NC * 2; off += 64) _mm_prefetch(nm + off, _MM_HINT_T0);
+          for (int64_t off = 0; off < scale_bytes; off += 64) _mm_prefetch(nm + off, _MM_HINT_T0);
         }
       }
       const __m256 bv = bp ? _mm256_loadu_ps(bp + t * NC) : _mm256_setzero_ps();
       for (int64_t r0 = 0; r0 < M; r0 += RT) {
         const int64_t R = std::min<int64_t>(RT, M - r0);
         switch (R) {
-          case 4: run_tile<4, Q4>(tq, td, tm, a, r0, out); break;
-          case 3: run_tile<3, Q4>(tq, td, tm, a, r0, out); break;
-          case 2: run_tile<2, Q4>(tq, td, tm, a, r0, out); break;
-          default: run_tile<1, Q4>(tq, td, tm, a, r0, out); break;
+          case 4: tile<4, KIND>(tq, td, tm, a, r0, out); break;
+          case 3: tile<3, KIND>(tq, td, tm, a, r0, out); break;
+          case 2: tile<2, KIND>(tq, td, tm, a, r0, out); break;
+          default: tile<1, KIND>(tq, td, tm, a, r0, out); break;
         }
         const int64_t nc = std::min<int64_t>(NC, n_out - t * NC);  // the last tile may be partial
         for (int64_t r = 0; r < R; ++r) {
@@ -388,16 +442,42 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
   return y;
 }
 
+// Which kind a linear's tiles hold, from their shapes and types: nibble tiles (128 bytes a block)
+// are Q4_1 (float16 scales) or Q4_K (float32); byte tiles (256) are Q8_0 (float16), Q5_K (float32
+// with offsets) or Q6_K (float32, two scales a block).
+int kind_of(const torch::Tensor& qs, const torch::Tensor& wd, bool has_m) {
+  TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous(),
+              "weight tiles must be contiguous uint8 [tiles, blocks, bytes]");
+  TORCH_CHECK(wd.is_contiguous(), "weight scales must be contiguous");
+  const bool f32 = wd.scalar_type() == torch::kFloat32;
+  if (qs.size(2) == 128) return f32 ? KQ4_K : KQ4_1;
+  TORCH_CHECK(qs.size(2) == 256, "weight tiles hold 128 (4-bit) or 256 (8-bit) bytes a block, not ", qs.size(2));
+  if (!f32) return KQ8_0;
+  return has_m ? KQ5_K : KQ6_K;
+}
+
+torch::Tensor matmul(const std::vector<torch::Tensor>& xa, const torch::Tensor& qs, const torch::Tensor& wd,
+                     const c10::optional<torch::Tensor>& wm, const c10::optional<torch::Tensor>& bias,
+                     const c10::optional<torch::Tensor>& residual, int64_t n_out) {
+  switch (kind_of(qs, wd, wm.has_value())) {
+    case KQ4_1: return matmul_impl<KQ4_1>(xa, qs, wd, wm, bias, residual, n_out);
+    case KQ8_0: return matmul_impl<KQ8_0>(xa, qs, wd, wm, bias, residual, n_out);
+    case KQ4_K: return matmul_impl<KQ4_K>(xa, qs, wd, wm, bias, residual, n_out);
+    case KQ5_K: return matmul_impl<KQ5_K>(xa, qs, wd, wm, bias, residual, n_out);
+    default: return matmul_impl<KQ6_K>(xa, qs, wd, wm, bias, residual, n_out);
+  }
+}
+
 torch::Tensor matmul_q4_1(const std::vector<torch::Tensor>& xa, const torch::Tensor& qs, const torch::Tensor& wd,
                           const torch::Tensor& wm, const c10::optional<torch::Tensor>& bias,
                           const c10::optional<torch::Tensor>& residual, int64_t n_out) {
-  return matmul_impl<true>(xa, qs, wd, wm, bias, residual, n_out);
+  return matmul_impl<KQ4_1>(xa, qs, wd, wm, bias, residual, n_out);
 }
 
 torch::Tensor matmul_q8_0(const std::vector<torch::Tensor>& xa, const torch::Tensor& qs, const torch::Tensor& wd,
                           const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& residual,
                           int64_t n_out) {
-  return matmul_impl<false>(xa, qs, wd, c10::nullopt, bias, residual, n_out);
+  return matmul_impl<KQ8_0>(xa, qs, wd, c10::nullopt, bias, residual, n_out);
 }
 
 // D floats into a cache row of float32, or of float16 (round to nearest even).
@@ -707,11 +787,10 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
 }
 
 // One linear given as [qs, d, m, bias, norm_weight] (absent ones as empty tensors) and its
-// output width; q4 says which tile kernel.
+// output width; the tiles' shapes and types say which kind (kind_of).
 struct Lin {
   torch::Tensor qs, d, m, bias, norm;
   int64_t n_out;
-  bool q4;
 };
 
 inline c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
@@ -720,12 +799,11 @@ inline c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
 
 Lin unpack(const std::vector<torch::Tensor>& w, int64_t n_out) {
   TORCH_CHECK(w.size() == 5, "a linear is [qs, d, m, bias, norm_weight]");
-  return Lin{w[0], w[1], w[2], w[3], w[4], n_out, w[2].numel() > 0};
+  return Lin{w[0], w[1], w[2], w[3], w[4], n_out};
 }
 
 torch::Tensor apply(const Lin& l, const std::vector<torch::Tensor>& xa, const c10::optional<torch::Tensor>& residual) {
-  return l.q4 ? matmul_impl<true>(xa, l.qs, l.d, l.m, opt(l.bias), residual, l.n_out)
-              : matmul_impl<false>(xa, l.qs, l.d, c10::nullopt, opt(l.bias), residual, l.n_out);
+  return matmul(xa, l.qs, l.d, opt(l.m), opt(l.bias), residual, l.n_out);
 }
 
 // The layer after its attention input is quantized (xq): qkv, RoPE and the cache write, attention,
@@ -914,6 +992,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_quantize", &silu_mul_quantize, "silu(g) * u -> Q8 blocks", nogil);
   m.def("matmul_q4_1", &matmul_q4_1, "Q8 activations x Q4_1 weight tiles", nogil);
   m.def("matmul_q8_0", &matmul_q8_0, "Q8 activations x Q8_0 weight tiles", nogil);
+  m.def("matmul", &matmul, "Q8 activations x weight tiles of any kind (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)", nogil);
   m.def("rope_store", &rope_store, "RoPE (and q/k norm) in place, k/v into the cache", nogil);
   m.def("attention", &attention, "causal attention over each row's sequence", nogil);
   m.def("layer_forward", &layer_forward, "a whole decoder layer in one call", nogil);
