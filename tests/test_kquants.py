@@ -104,3 +104,68 @@ def test_greedy_speculative_equals_plain_on_a_k_quant_model(kq_model):
         t = load_target(str(path), device="cpu", quant="gguf")
     prompts = [list(range(40, 60)), [3, 1, 4, 1, 5, 9, 2, 6]]
     assert_greedy_equal(t, [RandomDrafts(t.model.config.vocab_size, seed=4)], prompts, max_tokens=24)
+
+
+@pytest.mark.parametrize("qtype,kind", [("Q5_0", "q8_0"), ("Q5_1", "q5_k")])
+def test_q5_0_and_q5_1_run_natively_on_their_own_values(qtype, kind):
+    """Q5_0 is (q - 16) d: exactly a Q8_0 block; Q5_1 is q d + m: Q5_K's unsigned-byte tiles."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    g = torch.Generator().manual_seed(6)
+    n, k = 36, 96
+    raw = quantize(torch.randn(n, k, generator=g).numpy(), GGMLQuantizationType[qtype])
+    w = torch.from_numpy(_dequantize(raw, qtype, (n, k)).astype(np.float64))
+    lin = QuantLinear.from_blocks(raw, qtype, (n, k))
+    assert lin.kind == kind
+    x = torch.randn(5, k, generator=g)
+    out = lin(x)
+    ref = _q8(x) @ w.T
+    assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    if qtype == "Q5_0":  # the converted blocks dequantize to the very same weights
+        conv = native.q5_0_as_q8_0(raw).reshape(n, -1)
+        assert np.array_equal(_dequantize(conv, "Q8_0", (n, k)), _dequantize(raw, qtype, (n, k)))
+
+
+def test_a_q5_0_model_with_a_q8_0_tensor_fuses_them_natively(tmp_path, monkeypatch):
+    """A Q4_K_M file of a model whose widths are not multiples of 256 is mostly Q5_0, with a Q8_0
+    attn_v: the fused q/k/v linear takes both as Q8_0 bytes, nothing re-quantized."""
+    import gguf
+
+    path = write_tiny_gguf(tmp_path / "q5.gguf", tensor_type="Q5_0", seed=8)
+    # rewrite attn_v of layer 0 as Q8_0 (same shape) in a copy of the file
+    r = gguf.GGUFReader(str(path))
+    out = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "llama")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        val = f.contents()
+        vtype = f.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            out.add_key_value(f.name, val, vtype, sub_type=f.types[-1])
+        else:
+            out.add_key_value(f.name, val, vtype)
+    for t in r.tensors:
+        data = np.array(t.data)
+        if t.name == "blk.0.attn_v.weight":
+            w = gguf.quants.dequantize(data, t.tensor_type)
+            out.add_tensor(t.name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                           raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            out.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
+    requantized = []
+    from_float = QuantLinear.from_float.__func__
+    with monkeypatch.context() as mp:  # which weights are re-quantized to Q8_0 while loading
+        mp.setattr(QuantLinear, "from_float",
+                   classmethod(lambda cls, w, **kw: requantized.append(tuple(w.shape)) or from_float(cls, w, **kw)))
+        t = load_target(str(tmp_path / "mixed.gguf"), device="cpu", quant="gguf")
+    cfg = t.model.config
+    assert requantized == [(cfg.vocab_size, cfg.n_embd)]  # only the tied output head (a float32 table here)
+    assert [layer.qkv.kind for layer in t.model.layers] == ["q8_0"] * len(t.model.layers)
+    assert t.model.layers[0].gate_up.kind == "q8_0"
+    prompts = [list(range(40, 60))]
+    assert_greedy_equal(t, [RandomDrafts(t.model.config.vocab_size, seed=5)], prompts, max_tokens=16)

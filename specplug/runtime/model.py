@@ -211,10 +211,13 @@ class Transformer:
                 norm: torch.Tensor | None = None) -> Linear:
             """The named tensors stacked by rows; heads[i]: neox-permute part i. On the native backend
             the types the kernels know (native.NATIVE_TYPES) are computed as stored when all parts share
-            one; mixed types (a Q4_K_M file's Q4_K q/k beside a Q6_K v) and others become Q8_0."""
+            one (or are Q5_0 beside Q8_0); other mixes (Q4_K beside Q6_K) and other types become Q8_0."""
             heads = heads or [None] * len(names)
             if backend.native:
                 parts = [gguf.raw(n) for n in names]
+                if {qt for _, qt, _ in parts} == {"Q5_0", "Q8_0"}:  # a Q4_K_M file's q/k beside its v: one kind
+                    parts = [(native.q5_0_as_q8_0(r).reshape(sh[0], -1), "Q8_0", sh) if qt == "Q5_0" else (r, qt, sh)
+                             for r, qt, sh in parts]
                 types = {qt for _, qt, _ in parts}
                 if len(types) == 1 and types <= set(native.NATIVE_TYPES):
                     rows = [torch.from_numpy(np.array(r)) for r, _, _ in parts]

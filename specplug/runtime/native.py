@@ -39,7 +39,9 @@ Q4_1_BLOCK = 20  # f16 d, f16 m, 16 bytes of nibbles
 Q8_0_BLOCK = 34  # f16 d, 32 int8
 Q4_0_BLOCK = 18  # f16 d, 16 bytes of nibbles (value = (q - 8) * d)
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # unpacked at load into integer values and float32 scales (exact)
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0") + K_QUANTS  # computed on their own values; others re-quantized to Q8_0
+# computed on their own values (Q4_0 as the equal Q4_1, Q5_0 as the equal Q8_0 bytes, Q5_1 like Q5_K);
+# any other type is re-quantized to Q8_0
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") + K_QUANTS
 
 # ---- one build of the kernels per instruction set ------------------------------------------------
 # The same source compiled with each ISA's flags; the source picks its inner loops from the
@@ -261,6 +263,25 @@ def k_quant_parts(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarra
     raise ValueError(qtype)
 
 
+def _q5_values(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 blocks' 5-bit values 0..31 ([n, 32]) from their 16 nibble bytes and 4 high-bit
+    bytes, in gguf's order (value i: low nibble of byte i, value 16 + i: high nibble; bit i of qh)."""
+    n = qs.shape[0]
+    hi = (np.ascontiguousarray(qh).view("<u4").reshape(n, 1) >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
+    lo = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+    return (lo | (hi.astype(np.uint8) << np.uint8(4))).astype(np.uint8)
+
+
+def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks ([n, 22]: f16 d, 4 bytes of high bits, 16 of nibbles) as the Q8_0 blocks ([n, 34])
+    of the same weights: (q - 16) as int8 beside the same d, so exactly the same values."""
+    b = np.ascontiguousarray(blocks).view(np.uint8).reshape(-1, 22)
+    out = np.empty((b.shape[0], 34), np.uint8)
+    out[:, :2] = b[:, :2]
+    out[:, 2:] = (_q5_values(b[:, 6:], b[:, 2:6]).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    return out
+
+
 def _f16_as_i16(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16))
 
@@ -290,6 +311,14 @@ class QuantLinear:
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
         if qtype in K_QUANTS:
             return cls.from_k_quant(raw, qtype, shape, **kw)
+        if qtype == "Q5_0":  # (q - 16) d: a signed byte times the same float16 d, i.e. Q8_0
+            qtype, raw = "Q8_0", q5_0_as_q8_0(raw.reshape(n * nb, -1)).reshape(n, -1)
+        if qtype == "Q5_1":  # q d + m with q in 0..31: Q5_K's unsigned bytes, the scales widened
+            blocks = raw.reshape(n, nb, 24)
+            d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            return cls._q8_0(_q5_values(blocks[:, :, 8:].reshape(n * nb, 16), blocks[:, :, 4:8].reshape(n * nb, 4))
+                             .reshape(n, nb, 32).astype(np.uint8), d, n, m=m, kind="q5_k", **kw)
         if qtype == "Q8_0":
             blocks = raw.reshape(n, nb, Q8_0_BLOCK)
             return cls._q8_0(blocks[:, :, 2:], blocks[:, :, :2].copy().view(np.float16)[..., 0], n, **kw)

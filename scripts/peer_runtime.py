@@ -1,0 +1,107 @@
+"""specplug's runtime beside llama.cpp's on the same machine, the same GGUF files, the same threads.
+
+For each file and thread count, in alternated rounds (so the machine's drift falls on both):
+- llama.cpp: `llama-bench -p 512 -n 128` (prefill tok/s, decode tok/s), and `-p 1,2,4,8 -n 0 -d 512`
+  (one forward of k rows after 512 tokens: what verifying k drafted tokens costs);
+- specplug: `specplug bench-runtime` (decode at ctx 128, prefill 512, T(k) after 512 tokens).
+Medians over the rounds; JSON with every figure and the machine (specplug.machine).
+
+    python scripts/peer_runtime.py --llama-bench /tmp/llama-build/bin/llama-bench \
+        --models smollm2.Q4_1.gguf smollm2.Q8_0.gguf smollm2.Q4_K_M.gguf --threads 1 2 --rounds 3 \
+        --json docs/results/peer-runtime.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+KS = (1, 2, 4, 8)
+
+
+def llama(bench: str, model: str, threads: int) -> dict:
+    def run(*args) -> list[dict]:
+        out = subprocess.run([bench, "-m", model, "-t", str(threads), "-o", "json", *args], capture_output=True,
+                             text=True, timeout=600)
+        if out.returncode:
+            raise SystemExit(f"llama-bench failed:\n{out.stderr[-2000:]}")
+        return json.loads(out.stdout)
+
+    res: dict = {}
+    for r in run("-p", "512", "-n", "128"):
+        key = "prefill_tok_s" if r["n_prompt"] else "decode_tok_s"
+        res[key] = r["avg_ts"]
+    res["decode_ms"] = 1e3 / res["decode_tok_s"]
+    res["verify_ms"] = {r["n_prompt"]: r["avg_ns"] / 1e6 for r in run("-p", ",".join(map(str, KS)), "-n", "0",
+                                                                         "-d", "512")}
+    res["build"] = {"commit": r.get("build_commit"), "cpu_info": r.get("cpu_info"), "backends": r.get("backends")}
+    return res
+
+
+def ours(model: str, threads: int, repeats: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "r.json"
+        out = subprocess.run([sys.executable, "-m", "specplug.cli", "bench-runtime", "--model", model, "--threads",
+                              str(threads), "--repeats", str(repeats), "--json", str(path)], capture_output=True,
+                             text=True, timeout=900)
+        if out.returncode:
+            raise SystemExit(f"bench-runtime failed:\n{out.stderr[-2000:]}")
+        r = json.loads(path.read_text())
+    return {"decode_ms": r["decode_ms"]["128"] if "128" in r["decode_ms"] else r["decode_ms"][128],
+            "prefill_tok_s": r["prefill_tok_s"], "verify_ms": {int(k): v for k, v in r["verify_ms"].items()
+                                                              if int(k) in KS}, "machine": r.get("machine")}
+
+
+def median_of(runs: list[dict]) -> dict:
+    out = {k: round(statistics.median(r[k] for r in runs), 3) for k in ("decode_ms", "prefill_tok_s")}
+    out["verify_ms"] = {k: round(statistics.median(r["verify_ms"][k] for r in runs), 3) for k in KS}
+    out["verify_ratio"] = {k: round(out["verify_ms"][k] / out["verify_ms"][1], 3) for k in KS}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-bench", required=True)
+    p.add_argument("--models", nargs="+", required=True)
+    p.add_argument("--threads", nargs="+", type=int, default=[2])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=20, help="bench-runtime --repeats")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    raw: dict = {}
+    for rnd in range(args.rounds):
+        for model in args.models:
+            for t in args.threads:
+                order = ("llama.cpp", "specplug") if rnd % 2 == 0 else ("specplug", "llama.cpp")
+                for who in order:
+                    r = llama(args.llama_bench, model, t) if who == "llama.cpp" else ours(model, t, args.repeats)
+                    raw.setdefault(f"{Path(model).name}|{t}|{who}", []).append(r)
+                    print(f"round {rnd} {Path(model).name} t={t} {who}: decode {r['decode_ms']:.2f} ms, prefill "
+                          f"{r['prefill_tok_s']:.0f} tok/s, T(k) " +
+                          " ".join(f"{k}:{r['verify_ms'][k]:.2f}" for k in KS), file=sys.stderr, flush=True)
+    table = {k: median_of(v) for k, v in raw.items()}
+    machine = next((r["machine"] for v in raw.values() for r in v if r.get("machine")), None)
+    llama_build = next((r["build"] for v in raw.values() for r in v if r.get("build")), None)
+    print(f"| file | threads | engine | decode ms (ctx 128 / tg128) | prefill 512 tok/s | T(2)/T(1) | T(4)/T(1) | "
+          f"T(8)/T(1) | T(1) ms at depth 512 |\n|---|---|---|---|---|---|---|---|---|")
+    for key, r in table.items():
+        f, t, who = key.split("|")
+        v = r["verify_ratio"]
+        print(f"| {f} | {t} | {who} | {r['decode_ms']:.2f} | {r['prefill_tok_s']:.0f} | {v[2]:.2f} | {v[4]:.2f} | "
+              f"{v[8]:.2f} | {r['verify_ms'][1]:.2f} |")
+    for model in args.models:
+        for t in args.threads:
+            a, b = table[f"{Path(model).name}|{t}|specplug"], table[f"{Path(model).name}|{t}|llama.cpp"]
+            print(f"{Path(model).name} t={t}: specplug decode {b['decode_ms'] / a['decode_ms']:.2f}x, prefill "
+                  f"{a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x llama.cpp's")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine,
+                                               "llama_cpp": llama_build, "medians": table, "runs": raw}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
