@@ -201,6 +201,10 @@ struct Act {
 #else
 #define SPECPLUG_VNNI 0
 #endif
+// Software prefetch of weight tiles for calls of at most this many rows (see matmul_impl).
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS (SPECPLUG_VNNI ? 0 : 1)
+#endif
 
 // Q4_1: qs holds nb blocks of 4 x 32 bytes; byte c*4+i of load p holds w[c][4p+i] (low nibble)
 // and w[c][16+4p+i] (high nibble), as GGUF stores them.
@@ -398,11 +402,13 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
       const uint8_t* tq = qsp + t * tile_bytes;
       const S* td = wdp + t * nb * NC * NSC;
       const S* tm = wmp ? wmp + t * nb * NC : nullptr;
-      // With one or two rows a tile's compute is short and the weight stream sets the pace: ask
-      // for a later tile while this one computes. With more rows compute dominates and the
-      // prefetches only take load slots (measured: -8% time at 1 row, +7% at 4 rows). Past the
-      // chunk's end too: a thread's next chunk is usually the next one of its share.
-      if (PREFETCH_TILES > 0 && M <= 2 && t + PREFETCH_TILES < ntile) {
+      // With one row a tile's compute is short and the weight stream sets the pace: on the AVX2
+      // machine this was tuned on (Zen 3) asking for a later tile while this one computes saved 8%
+      // at one row (and cost 7% at 4). On the AVX-512 one (Zen 4) its hardware prefetchers do
+      // better alone: without the software prefetch one row is 7% (2 threads) to 11% (1 thread)
+      // faster, and two rows 16% faster than with it. Past the chunk's end too: a thread's next
+      // chunk is usually the next one of its share.
+      if (PREFETCH_TILES > 0 && M <= PREFETCH_ROWS && t + PREFETCH_TILES < ntile) {
         const char* nq = (const char*)(tq + PREFETCH_TILES * tile_bytes);
         for (int64_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(nq + off, _MM_HINT_T0);
         const char* nd = (const char*)(td + PREFETCH_TILES * nb * NC * NSC);
@@ -549,8 +555,9 @@ void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor
   }
 }
 
-// Cells per block of keys (values) read at once: a block's rows are widened to float32 once and
-// then serve every row of the sequence in the call from L1.
+// Cells per block of keys (values): a block's K (V) rows, read by the first of a call's rows of one
+// sequence, serve the others from L1. (Widening a block to float32 once for all the rows was
+// slower than widening as each row loads: 1.2-1.5x at 2-8 rows.)
 constexpr int64_t ATT_BLOCK = 64;
 constexpr int64_t ATT_ROWS = 16;  // rows of one sequence that share a call's reads at most
 
@@ -559,20 +566,10 @@ inline void grow(std::vector<V>& v, int64_t n) {
   if ((int64_t)v.size() < n) v.resize(n);
 }
 
-// Pointers to `cnt` cache rows (cells[0..cnt)): the rows themselves (E = the cache's type), or
-// float16 rows widened into buf (cnt x D floats) when several query rows will read them.
-template <typename E>
-inline void rows_f32(const E* base, const int32_t* cells, int64_t cnt, int64_t D, float*, const E** out) {
+// Pointers to `cnt` cache rows (cells[0..cnt)).
+template <typename T>
+inline void cell_rows(const T* base, const int32_t* cells, int64_t cnt, int64_t D, const T** out) {
   for (int64_t j = 0; j < cnt; ++j) out[j] = base + (int64_t)cells[j] * D;
-}
-inline void rows_f32(const uint16_t* base, const int32_t* cells, int64_t cnt, int64_t D, float* buf,
-                     const float** out) {
-  for (int64_t j = 0; j < cnt; ++j) {
-    const uint16_t* src = base + (int64_t)cells[j] * D;
-    float* dst = buf + j * D;
-    for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
-    out[j] = dst;
-  }
 }
 
 // Scores of one query head (qv = q * scale, nd registers of 8) against keys kr[0..cnt), which
@@ -631,26 +628,24 @@ inline float softmax_unnormalized(float* sc, int64_t n) {
 // first n[r] of the sequence's cells (a row with a lower limit sees a prefix of the same list):
 // the softmax-weighted sum of V rows. Every row's arithmetic is the one-row arithmetic in the same
 // order (scores in cell order, the V sum in cell order per lane); the rows only share the reads of
-// K and V and their widening to float32, so a row's result never depends on what shares its call.
+// K and V from L1, so a row's result never depends on what shares its call.
 // q[r], o[r]: the head's D values of row r.
-// E: the element type the rows are read as (T itself, or float for float16 rows widened once).
-template <int ND, typename T, typename E>
+template <int ND, typename T>
 void attend_rows(const float* const* q, float* const* o, const int64_t* n, int64_t R, const T* K, const T* V,
-                 const int32_t* cells, int64_t nd_rt, float scale, float* sc, int64_t ldsc, float* kvbuf,
-                 float* accbuf) {
+                 const int32_t* cells, int64_t nd_rt, float scale, float* sc, int64_t ldsc, float* accbuf) {
   const int64_t nd = ND > 0 ? ND : nd_rt;
   const int64_t D = nd * 8;
   int64_t nmax = 0;
   for (int64_t r = 0; r < R; ++r) nmax = std::max(nmax, n[r]);
-  const E* rows[ATT_BLOCK];
+  const T* rows[ATT_BLOCK];
   __m256 qv[ND > 0 ? ND : 32];
   for (int64_t c0 = 0; c0 < nmax; c0 += ATT_BLOCK) {
     const int64_t cnt = std::min(ATT_BLOCK, nmax - c0);
-    rows_f32(K, cells + c0, cnt, D, kvbuf, rows);
+    cell_rows(K, cells + c0, cnt, D, rows);
     for (int64_t r = 0; r < R; ++r) {
       if (n[r] <= c0) continue;
       for (int64_t i = 0; i < nd; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q[r] + 8 * i), _mm256_set1_ps(scale));
-      scores_block<ND, E>(qv, nd, rows, c0, std::min(cnt, n[r] - c0), n[r], sc + r * ldsc);
+      scores_block<ND, T>(qv, nd, rows, c0, std::min(cnt, n[r] - c0), n[r], sc + r * ldsc);
     }
   }
   float inv[ATT_ROWS];
@@ -659,7 +654,7 @@ void attend_rows(const float* const* q, float* const* o, const int64_t* n, int64
   __m256 acc[ND > 0 ? ND : 32];
   for (int64_t c0 = 0; c0 < nmax; c0 += ATT_BLOCK) {
     const int64_t cnt = std::min(ATT_BLOCK, nmax - c0);
-    rows_f32(V, cells + c0, cnt, D, kvbuf, rows);
+    cell_rows(V, cells + c0, cnt, D, rows);
     for (int64_t r = 0; r < R; ++r) {
       if (n[r] <= c0) continue;
       float* ar = accbuf + r * D;
@@ -703,14 +698,13 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const t
   return attention_impl<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), kc, seq, pos, valid, H, scale, limit);
 }
 
-template <typename T, typename E>
+template <typename T>
 inline void attend_dispatch(int64_t D, const float* const* q, float* const* o, const int64_t* n, int64_t R, const T* K,
-                            const T* V, const int32_t* cells, float scale, float* sc, int64_t ldsc, float* kvbuf,
-                            float* accbuf) {
+                            const T* V, const int32_t* cells, float scale, float* sc, int64_t ldsc, float* accbuf) {
   switch (D) {
-    case 64: attend_rows<8, T, E>(q, o, n, R, K, V, cells, 8, scale, sc, ldsc, kvbuf, accbuf); break;
-    case 128: attend_rows<16, T, E>(q, o, n, R, K, V, cells, 16, scale, sc, ldsc, kvbuf, accbuf); break;
-    default: attend_rows<0, T, E>(q, o, n, R, K, V, cells, D / 8, scale, sc, ldsc, kvbuf, accbuf); break;
+    case 64: attend_rows<8, T>(q, o, n, R, K, V, cells, 8, scale, sc, ldsc, accbuf); break;
+    case 128: attend_rows<16, T>(q, o, n, R, K, V, cells, 16, scale, sc, ldsc, accbuf); break;
+    default: attend_rows<0, T>(q, o, n, R, K, V, cells, D / 8, scale, sc, ldsc, accbuf); break;
   }
 }
 
@@ -746,10 +740,9 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   chunk_pool::parallel_for(nrun * H, CHUNK_BYTES / (task_work * M / nrun), [&](int64_t t0, int64_t t1) {
     // each thread's buffers live across calls (a chunk is often one task: no allocation per task)
     thread_local std::vector<int32_t> cells;
-    thread_local std::vector<float> sc, kvbuf, accbuf;
+    thread_local std::vector<float> sc, accbuf;
     grow(cells, ctx);
     grow(sc, rmax * (ctx + 8));
-    grow(kvbuf, ATT_BLOCK * D);
     grow(accbuf, rmax * D);
     const float* qr[ATT_ROWS];
     float* orow[ATT_ROWS];
@@ -776,11 +769,7 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
       const T* K = kcp + (s * Hkv + h) * ctx * D;
       const T* V = vcp + (s * Hkv + h) * ctx * D;
       const int64_t ld = ctx + 8;
-      if (R == 1)  // nothing to share: read the cache as it is
-        attend_dispatch<T, T>(D, qr, orow, n, R, K, V, cells.data(), fscale, sc.data(), ld, kvbuf.data(), accbuf.data());
-      else
-        attend_dispatch<T, float>(D, qr, orow, n, R, K, V, cells.data(), fscale, sc.data(), ld, kvbuf.data(),
-                                  accbuf.data());
+      attend_dispatch<T>(D, qr, orow, n, R, K, V, cells.data(), fscale, sc.data(), ld, accbuf.data());
     }
   });
   return out;
