@@ -137,3 +137,14 @@ def check_config(head: HeadFile, expected: dict) -> None:
     differ = [f"{k} {cfg.get(k)!r} (head) vs {v!r} (target)" for k, v in expected.items() if not same(cfg.get(k), v)]
     if differ:
         raise SpecplugError(f"{head.path} does not fit the data set's target: {'; '.join(differ)}")
+
+
+def draft_vocabulary(init: HeadFile | None, expected: dict, data, size: int, vocab: int):
+    """A reduced-vocabulary head's d2t: the base head's own under --init (after check_config against
+    `expected`), else the `size` most frequent answer tokens of the training split."""
+    if init is not None:  # the base head's vocabulary, not one chosen anew from this data
+        check_config(init, expected)
+        return init.tensor("d2t").long()
+    from specplug.train.target import draft_vocab
+
+    return draft_vocab(data.answer_tokens("train"), min(size, vocab), vocab)

@@ -18,9 +18,9 @@ from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets
-from specplug.train.finetune import check_config
+from specplug.train.finetune import draft_vocabulary
 from specplug.train.modules import load_head_params
-from specplug.train.target import TargetWeights, draft_vocab
+from specplug.train.target import TargetWeights
 from specplug_dflash.head import METHOD, DFlashConfig, DFlashTrain, write_dflash
 
 
@@ -82,11 +82,7 @@ class DFlashTrainer:
         self.tap_names = _taps(options.taps, cfg.n_layer)
         self.cfg = DFlashConfig(cfg.n_embd, options.n_layers, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff,
                                 cfg.rms_eps, cfg.rope_base, options.block, self.tap_names)
-        if init is not None:  # the base head's vocabulary, not one chosen anew from this data
-            check_config(init, asdict(self.cfg))
-            self.d2t = init.tensor("d2t").long()
-        else:
-            self.d2t = draft_vocab(data.answer_tokens("train"), min(options.draft_vocab, vocab), vocab)
+        self.d2t = draft_vocabulary(init, asdict(self.cfg), data, options.draft_vocab, vocab)
         self.t2d = invert(self.d2t, vocab).to(device)
         self.module = DFlashTrain(self.cfg, tw.embeddings(), tw.output_norm(),
                                   tw.output_weight(self.d2t.tolist())).to(device)
