@@ -233,5 +233,6 @@ def test_model_verify_cost_follows_its_runtime(tiny_target):
     from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
 
     m = tiny_target.model
-    key = "gguf" if m.quant == "gguf" else "cpu"
+    key = {"gguf": f"gguf-{m.isa}" if f"gguf-{m.isa}" in VERIFY_COST_CURVES else "gguf"}.get(m.quant, "cpu")
+    assert m.cost_curve == key
     assert m.verify_cost(8) == interpolate_cost(VERIFY_COST_CURVES[key], 8) > 1.0

@@ -33,7 +33,11 @@ QUANTS = ("auto", "none", "int8", "gguf")
 # ~0.25-0.35 of a step: its compute, at the kernels' peak (`bench-runtime --profile`). CUDA: not measured
 # here (no GPU was lent); a small model's forward is launch-bound for dozens of rows, hence nearly flat.
 VERIFY_COST_CURVES = {
+    # the gguf kernels' AVX2 path (AMD EPYC Zen 3, 2 threads, issue 13)
     "gguf": ((1, 1.0), (2, 1.27), (3, 1.58), (4, 1.76), (6, 2.66), (8, 3.21), (12, 4.85), (16, 6.86), (32, 12.39)),
+    # their AVX-512 VNNI path (AMD EPYC Zen 4, 2 threads, ctx 512; scripts/kernel_builds.py, medians of 3
+    # alternated rounds, docs/results/kernels-isa-t2-2026-11-25.json)
+    "gguf-avx512": ((1, 1.0), (2, 1.09), (4, 1.33), (8, 2.08), (16, 3.71)),
     "cpu": ((1, 1.0), (2, 1.11), (3, 1.17), (4, 1.29), (6, 1.39), (8, 1.54), (12, 1.79), (16, 2.07), (32, 3.06)),
     "cuda": ((1, 1.0), (32, 1.3)),
 }
@@ -200,6 +204,7 @@ class Transformer:
                 raise ModelError(f"{gguf.path}: quant: gguf is not possible here: {problem} (use quant: none)")
             native.kernels()
         self.quant = quant
+        self.isa = native.chosen_isa() if quant == "gguf" else None  # the kernels' instruction-set path
         self.backend = backend = Backend(device, dtype, quant)
         self.governor = None  # a ThreadGovernor under `threads: auto` (specplug.runtime.governor)
         self.static = None  # a StaticRunner once use_static() is called (specplug.runtime.static)
@@ -289,8 +294,14 @@ class Transformer:
 
     def verify_cost(self, n_rows: int) -> float:
         """Estimated time of a forward of `n_rows` new rows, in units of a one-row forward."""
-        key = "gguf" if self.quant == "gguf" else ("cuda" if self.device.type == "cuda" else "cpu")
-        return interpolate_cost(VERIFY_COST_CURVES[key], n_rows)
+        return interpolate_cost(VERIFY_COST_CURVES[self.cost_curve], n_rows)
+
+    @property
+    def cost_curve(self) -> str:
+        """The key of this runtime's curve in VERIFY_COST_CURVES (the gguf kernels' per ISA path)."""
+        if self.quant == "gguf":
+            return f"gguf-{self.isa}" if f"gguf-{self.isa}" in VERIFY_COST_CURVES else "gguf"
+        return "cuda" if self.device.type == "cuda" else "cpu"
 
     def new_cache(self, n_seq: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         """A KV cache for `n_seq` sequences of up to `max_ctx` positions each (dtype: see
