@@ -219,10 +219,8 @@ class Transformer:
             one (or are Q5_0 beside Q8_0); other mixes (Q4_K beside Q6_K) and other types become Q8_0."""
             heads = heads or [None] * len(names)
             if backend.native:
-                parts = [gguf.raw(n) for n in names]
-                if {qt for _, qt, _ in parts} == {"Q5_0", "Q8_0"}:  # a Q4_K_M file's q/k beside its v: one kind
-                    parts = [(native.q5_0_as_q8_0(r).reshape(sh[0], -1), "Q8_0", sh) if qt == "Q5_0" else (r, qt, sh)
-                             for r, qt, sh in parts]
+                # in the kernels' blocks: a Q4_K_M file's Q5_0 q/k stack with its Q8_0 v
+                parts = [(*native.kernel_blocks(np.asarray(r), qt), sh) for r, qt, sh in map(gguf.raw, names)]
                 types = {qt for _, qt, _ in parts}
                 if len(types) == 1 and types <= set(native.NATIVE_TYPES):
                     rows = [torch.from_numpy(np.array(r)) for r, _, _ in parts]

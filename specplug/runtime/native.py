@@ -105,9 +105,13 @@ def _isa_problem(isa: str | None) -> str | None:
     return None
 
 
+def _forced_isa() -> str | None:
+    return os.environ.get(ISA_ENV, "").strip().lower() or None
+
+
 def chosen_isa() -> str:
     """The kernel path used: ${ISA_ENV} when set (checked against the CPU), else the best the CPU has."""
-    forced = os.environ.get(ISA_ENV, "").strip().lower() or None
+    forced = _forced_isa()
     problem = _isa_problem(forced)
     if problem:
         raise ModelError(problem)
@@ -116,7 +120,7 @@ def chosen_isa() -> str:
 
 def check_isa_env() -> None:
     """Raise ModelError when ${ISA_ENV} is set to a path that is unknown or that this CPU lacks."""
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    forced = _forced_isa()
     if forced and available_isas():
         problem = _isa_problem(forced)
         if problem:
@@ -272,6 +276,16 @@ def _q5_values(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
     return (lo | (hi.astype(np.uint8) << np.uint8(4))).astype(np.uint8)
 
 
+def kernel_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, str]:
+    """A tensor's rows ([rows, bytes]) as the blocks the kernels take for its type: Q5_0 as the Q8_0
+    blocks of the same weights ((q - 16) d is a signed byte times the same float16 d); any other
+    type as it is. Parts of one linear (q/k/v) that agree after this can be stacked."""
+    if qtype != "Q5_0":
+        return raw, qtype
+    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1)
+    return q5_0_as_q8_0(rows).reshape(rows.shape[0], -1), "Q8_0"
+
+
 def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
     """Q5_0 blocks ([n, 22]: f16 d, 4 bytes of high bits, 16 of nibbles) as the Q8_0 blocks ([n, 34])
     of the same weights: (q - 16) as int8 beside the same d, so exactly the same values."""
@@ -311,8 +325,7 @@ class QuantLinear:
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
         if qtype in K_QUANTS:
             return cls.from_k_quant(raw, qtype, shape, **kw)
-        if qtype == "Q5_0":  # (q - 16) d: a signed byte times the same float16 d, i.e. Q8_0
-            qtype, raw = "Q8_0", q5_0_as_q8_0(raw.reshape(n * nb, -1)).reshape(n, -1)
+        raw, qtype = kernel_blocks(raw, qtype)
         if qtype == "Q5_1":  # q d + m with q in 0..31: Q5_K's unsigned bytes, the scales widened
             blocks = raw.reshape(n, nb, 24)
             d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
