@@ -16,9 +16,9 @@ import json
 import os
 import statistics
 import sys
-import time
 
 from specplug import machine
+from specplug.bench_runtime import _median_ms
 from specplug.runtime import load_target, native
 from specplug.runtime.native import QuantLinear
 
@@ -61,14 +61,7 @@ def main() -> None:
     cache = m.new_cache(1, 2048)
 
     def timed(fn, n: int) -> float:
-        for _ in range(3):
-            fn()
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
+        return _median_ms(fn, n, warmup=3)
 
     def fill(ctx: int) -> None:
         cache.clear(0)
