@@ -1,0 +1,84 @@
+"""The server's Prometheus metrics: HTTP-side counters, and the engine's figures read at scrape time."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from specplug.server.worker import EngineWorker
+
+if TYPE_CHECKING:
+    from specplug.server.prompts import Prompts
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry, so several apps can live in one process)."""
+
+    def __init__(self, worker: EngineWorker):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specplug_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("specplug_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter("specplug_completion_tokens", "Tokens returned to clients", registry=r)
+        self.ttft = Histogram("specplug_time_to_first_token_seconds", "Arrival to first token", registry=r,
+                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.step_seconds = Histogram("specplug_step_seconds", "Time per engine step (admissions + one verify)",
+                                      registry=r, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+        self.rejected = Counter("specplug_rejected_requests", "Requests refused because the queue was full", registry=r)
+        self.engine_failures = Counter("specplug_engine_failures", "Engine steps that raised (the engine then stops "
+                                       "serving)", registry=r)
+        self.engine_stalls = Counter("specplug_engine_stalls", "Engine steps that ran over step_timeout_s (the engine "
+                                     "then stops serving)", registry=r)
+        self._worker = worker
+        self.prompts: Prompts | None = None
+        r.register(self)  # the engine-side figures are read at scrape time
+
+    def collect(self):
+        w = self._worker
+        eng = w.engine
+        yield GaugeMetricFamily("specplug_requests_running", "Requests in a sequence slot", value=eng.n_running)
+        yield GaugeMetricFamily("specplug_requests_waiting", "Requests queued for a slot (queue depth)", value=w.waiting)
+        yield GaugeMetricFamily("specplug_slots", "Sequence slots (parallel)", value=eng.n_parallel)
+        yield GaugeMetricFamily("specplug_engine_up", "1 while the engine serves, 0 once it died or stalled",
+                                value=0.0 if w.failure is not None else 1.0)
+        if self.prompts is not None:
+            yield CounterMetricFamily("specplug_prompt_rejected_requests", "Requests refused because no prompt worker "
+                                      "was free (429 / 503)", value=self.prompts.rejected)
+        st = eng.stats
+        yield CounterMetricFamily("specplug_target_forwards", "Decoding forwards of the target", value=st.target_forwards)
+        yield CounterMetricFamily("specplug_emitted_tokens", "Tokens the target produced, stop tokens included",
+                                  value=st.emitted_tokens)
+        yield GaugeMetricFamily("specplug_mean_accepted_length", "Tokens per decoding forward over all requests",
+                                value=st.emitted_tokens / st.target_forwards if st.target_forwards else 0.0)
+        drafted = CounterMetricFamily("specplug_spec_drafted_tokens", "Draft tokens verified", labels=["speculator"])
+        accepted = CounterMetricFamily("specplug_spec_accepted_tokens", "Draft tokens accepted", labels=["speculator"])
+        drafts = CounterMetricFamily("specplug_spec_drafts", "Drafts verified", labels=["speculator"])
+        rate = GaugeMetricFamily("specplug_spec_acceptance_rate", "Accepted / drafted tokens", labels=["speculator"])
+        mal = GaugeMetricFamily("specplug_spec_mean_accepted_length",
+                                "Tokens per forward when this speculator's draft was verified", labels=["speculator"])
+        enabled = GaugeMetricFamily("specplug_spec_enabled", "1 while the speculator runs, 0 once disabled",
+                                    labels=["speculator"])
+        hook_s = CounterMetricFamily("specplug_spec_hook_seconds", "Time in each hook of the speculator (every "
+                                     "sequence waits for it)", labels=["speculator", "hook"])
+        hook_calls = CounterMetricFamily("specplug_spec_hook_calls", "Calls of each hook of the speculator",
+                                         labels=["speculator", "hook"])
+        asked = CounterMetricFamily("specplug_spec_asked_steps", "Sequence-steps the speculator was asked to draft "
+                                    "(the others of spec_possible_steps: paused, or no draft could pay)",
+                                    labels=["speculator"])
+        possible = CounterMetricFamily("specplug_spec_possible_steps", "Sequence-steps the speculator could have "
+                                       "drafted for", labels=["speculator"])
+        for s in eng.specs:
+            ss = s.stats
+            for hook, sec in list(ss.hook_s.items()):
+                hook_s.add_metric([s.name, hook], sec)
+                hook_calls.add_metric([s.name, hook], ss.hook_calls.get(hook, 0))
+            asked.add_metric([s.name], ss.asked)
+            possible.add_metric([s.name], ss.seq_steps)
+            drafted.add_metric([s.name], ss.drafted_tokens)
+            accepted.add_metric([s.name], ss.accepted_tokens)
+            drafts.add_metric([s.name], ss.drafts)
+            rate.add_metric([s.name], ss.acceptance_rate)
+            mal.add_metric([s.name], (ss.accepted_tokens + ss.drafts) / ss.drafts if ss.drafts else 0.0)
+            enabled.add_metric([s.name], 1.0 if s.enabled else 0.0)
+        yield from (drafted, accepted, drafts, rate, mal, enabled, hook_s, hook_calls, asked, possible)
