@@ -9,65 +9,10 @@ from collections import Counter
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from specplug.cli_args import add_ray_args, add_step_args, non_negative, positive, step_overrides, threads_arg
 from specplug.errors import SpecplugError
 
 COMMANDS_GROUP = "specplug.commands"
-
-
-def _int_at_least(lo: int):
-    """An argparse type: an integer >= lo."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-
-    return parse
-
-
-_positive, _non_negative = _int_at_least(1), _int_at_least(0)
-
-
-def threads_arg(text: str) -> int | str:
-    """An argparse type: `auto` or an integer >= 1."""
-    return "auto" if text == "auto" else _positive(text)
-
-
-def add_ray_args(p: argparse.ArgumentParser, what: str, workers: bool = True) -> None:
-    """--ray [ADDRESS] and (with `workers`) --ray-workers N (the `specplug[ray]` extra; specplug.cluster)."""
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help=f"run on a Ray cluster: ADDRESS (e.g. auto, or HEAD:6379), or none for RAY_ADDRESS's cluster "
-                        f"or a local one; {what}")
-    if workers:
-        p.add_argument("--ray-workers", type=_positive, default=None, metavar="N",
-                       help="Ray workers (default: the cluster's CPUs / threads per worker)")
-
-
-def _compile_arg(text: str) -> bool | str:
-    value = {"auto": "auto", "on": True, "true": True, "off": False, "false": False}.get(text.lower())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}")
-    return value
-
-
-def add_step_args(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """--compile / --no-cuda-graphs / --step-tokens: how the target steps (the static-shape step of
-    specplug.runtime.static). defaults=False: None unless given (they override a YAML config)."""
-    p.add_argument("--compile", type=_compile_arg, default="auto" if defaults else None,
-                   help="the static-shape compiled step: auto (on CUDA with torch weights), on (also CPU, quant none), off")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=True if defaults else None,
-                   help="with the static step on CUDA, run it compiled but without CUDA graphs")
-    p.add_argument("--step-tokens", type=int, default=None,
-                   help="static step: every step all sequence slots x this many tokens (batch-invariant; a bucket)")
-
-
-def step_overrides(args) -> dict:
-    """The YAML overrides given by add_step_args(defaults=False)."""
-    return {key: value for key, value in [("compile", args.compile), ("cuda_graphs", args.cuda_graphs),
-                                          ("step_tokens", args.step_tokens)] if value is not None}
 
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -231,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", help="write run statistics as JSON (also when interrupted)")
     p.add_argument("--resume", action="store_true", help="continue --output: skip the answers already in it")
     p.add_argument("--force", action="store_true", help="overwrite an existing --output / --stats")
-    p.add_argument("--max-tokens", type=_positive, default=None,
+    p.add_argument("--max-tokens", type=positive, default=None,
                    help="overrides the config's max_tokens (the override is reported)")
     p.set_defaults(func=cmd_run)
 
@@ -240,9 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_step_args(p, defaults=False)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--parallel", type=_positive, default=None,
+    p.add_argument("--parallel", type=positive, default=None,
                    help="sequence slots (requests decoded at once); overrides the config's `parallel`")
-    p.add_argument("--max-queue", type=_non_negative, default=64,
+    p.add_argument("--max-queue", type=non_negative, default=64,
                    help="requests that may wait for a slot; beyond that the server answers 429 (default 64)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds to let requests in flight finish (default 30)")
@@ -259,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                  workers=False)
     p.add_argument("--threads", type=threads_arg, default=None,
                    help="CPU threads of the engine (each replica's, with --ray); overrides the config's `threads`")
-    p.add_argument("--replicas", type=_positive, default=None,
+    p.add_argument("--replicas", type=positive, default=None,
                    help="with --ray: this many replicas (overrides the config's `ray:` replicas and autoscaling)")
     p.set_defaults(func=cmd_serve)
 
@@ -267,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--max-tokens", type=_positive, default=128)
+    p.add_argument("--max-tokens", type=positive, default=128)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)

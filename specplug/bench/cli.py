@@ -34,7 +34,7 @@ def select_prompts(records: list[dict], categories: str | None, limit: int | Non
 @exit_1_on_write_error
 def cmd_bench(args) -> int:
     from specplug.bench.data import DATASETS, dataset_path, read_jsonl_prompts
-    from specplug.cli import step_overrides
+    from specplug.cli_args import step_overrides
     from specplug.config import load_config
 
     overrides = ({"max_tokens": args.max_tokens} if args.max_tokens else {}) | step_overrides(args)
@@ -123,7 +123,7 @@ def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
 
 
 def register(sub) -> None:
-    from specplug.cli import add_ray_args, add_step_args, threads_arg
+    from specplug.cli_args import add_ray_args, add_step_args, threads_arg
 
     p = sub.add_parser("bench", help="speculative vs plain decoding on real prompt sets")
     p.add_argument("config")

@@ -217,7 +217,7 @@ def cmd_train(args) -> int:
 
 
 def register(sub) -> None:
-    from specplug.cli import add_ray_args, threads_arg
+    from specplug.cli_args import add_ray_args, threads_arg
 
     p = sub.add_parser("train", help="make training data from the target, or train a speculator head")
     tsub = p.add_subparsers(dest="train_command", required=True, metavar="{data,prompts,tokens," + ",".join(_trainer_names()) + "}")

@@ -26,7 +26,7 @@ class DataWorker:
 
     def __init__(self, model_path: str, quant: str, threads: int, recipe: dict, out_dir: str):
         from specplug.runtime import load_target
-        from specplug.train.datagen import DataGenerator
+        from specplug.train.generator import DataGenerator
 
         self.target = load_target(model_path, "cpu", "float32", quant, threads)
         self.gen = DataGenerator(self.target, recipe["taps"], recipe["max_tokens"], recipe["parallel"],
@@ -38,7 +38,7 @@ class DataWorker:
 
     def shard(self, index: int, name: str, prompts: list[tuple[int, list[int]]]) -> tuple[dict, int]:
         """Make shard `index` (prompt index, prompt ids ...) as `name`; (its record, tokens generated)."""
-        from specplug.train.datagen import _concat, shard_record, write_shard
+        from specplug.train.generator import _concat, shard_record, write_shard
 
         if (self.out_dir / name).is_file():
             return shard_record(self.out_dir, name, index), 0
