@@ -403,7 +403,9 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, r
         recipe["init"] = {**init.lineage(), "start": start}
         recipe["total_steps"] = total_steps(recipe)
     trainer.export(out, recipe)
-    metrics = {"recipe": recipe, "history": history}
+    from specplug import machine  # where it trained (issue 41): CPU, kernel path, threads, GPU, versions, commit
+
+    metrics = {"recipe": recipe, "history": history, "machine": machine.describe(str(device))}
     write_atomic(wd / "metrics.json", json.dumps(metrics, indent=1))
     plot_history(history, wd / "training.png", title=f"{cls.__name__}: {out.name}")
     if not quiet:
