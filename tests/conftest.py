@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 model (skipped when its package is missing)."""
+"""Shared fixtures: the real SmolLM2 model (skipped when its package is missing), and `launch`, which
+starts specplug subprocesses (tests/launch.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -40,3 +41,13 @@ def smollm2_gguf(smollm2_path):
     if native.unavailable_reason():
         pytest.skip(native.unavailable_reason())
     return load_target(str(smollm2_path), device="cpu", dtype="float32", quant="gguf", threads=2)
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """A `launch.Launcher`: start `specplug serve` / `specplug run` (or any Python) as subprocesses;
+    whatever still runs when the test ends is killed."""
+    from launch import Launcher
+
+    with Launcher(tmp_path) as launcher:
+        yield launcher

@@ -24,17 +24,7 @@ from specplug.testing import (Faulty, Oracle, RandomDrafts, assert_greedy_equal,
                               speculator)
 from specplug.types import Draft, EmbeddingRequest, Speculator as SpeculatorProtocol
 
-
-def _cfg(tmp_path: Path, tiny_gguf, extra: str = "") -> Path:
-    p = tmp_path / "run.yaml"
-    p.write_text(f"model: {tiny_gguf}\ndevice: cpu\nquant: none\nmax_tokens: 10\nparallel: 1\n{extra}")
-    return p
-
-
-def _prompts(tmp_path: Path, n: int = 4) -> Path:
-    p = tmp_path / "prompts.jsonl"
-    p.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"the sea number {i}"}) + "\n" for i in range(n)))
-    return p
+from launch import prompts_file, run_config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +114,7 @@ def test_kernel_build_lock_waits_for_a_live_builder(tmp_path):
 
 
 def test_run_interrupted_keeps_finished_answers_and_resumes(monkeypatch, tmp_path, tiny_gguf, capsys):
-    cfg, prompts = _cfg(tmp_path, tiny_gguf), _prompts(tmp_path, 4)
+    cfg, prompts = run_config(tmp_path, tiny_gguf), prompts_file(tmp_path, 4)
     full, out, stats = tmp_path / "full.jsonl", tmp_path / "out.jsonl", tmp_path / "stats.json"
     assert main(["run", str(cfg), "--prompts", str(prompts), "--output", str(full)]) == 0
     real_finish = Engine._finish
@@ -156,7 +146,7 @@ def test_run_interrupted_keeps_finished_answers_and_resumes(monkeypatch, tmp_pat
 
 
 def test_run_never_writes_onto_its_inputs_or_unasked(tmp_path, tiny_gguf, capsys):
-    cfg, prompts = _cfg(tmp_path, tiny_gguf), _prompts(tmp_path, 2)
+    cfg, prompts = run_config(tmp_path, tiny_gguf), prompts_file(tmp_path, 2)
     before = prompts.read_bytes()
     for target in (prompts, cfg):
         assert main(["run", str(cfg), "--prompts", str(prompts), "--output", str(target), "--force"]) == 2
@@ -187,7 +177,7 @@ def test_bad_output_paths_fail_before_the_model_loads(tmp_path, flag, capsys):
 def test_every_turn_runs_with_the_models_own_answer(tmp_path, tiny_gguf, tiny_target):
     from specplug.api import prompt_ids
 
-    cfg = _cfg(tmp_path, tiny_gguf)
+    cfg = run_config(tmp_path, tiny_gguf)
     prompts = tmp_path / "mt.jsonl"
     prompts.write_text(json.dumps({"question_id": 3, "turns": ["the cat", "and then"]}) + "\n")
     out = tmp_path / "o.jsonl"
@@ -202,7 +192,7 @@ def test_every_turn_runs_with_the_models_own_answer(tmp_path, tiny_gguf, tiny_ta
 
 
 def test_several_answers_without_output_are_printed_with_ids(tmp_path, tiny_gguf, capsys):
-    assert main(["run", str(_cfg(tmp_path, tiny_gguf)), "--prompts", str(_prompts(tmp_path, 2))]) == 0
+    assert main(["run", str(run_config(tmp_path, tiny_gguf)), "--prompts", str(prompts_file(tmp_path, 2))]) == 0
     out = capsys.readouterr().out
     assert "### p0" in out and "### p1" in out and len(out.strip().splitlines()) >= 4
 
@@ -219,7 +209,7 @@ def test_an_answer_cut_by_the_context_says_so_once(tiny_target, caplog):
 
 def test_max_tokens_override_is_reported(tmp_path, tiny_gguf, caplog):
     with caplog.at_level(logging.WARNING, logger="specplug"):
-        assert main(["run", str(_cfg(tmp_path, tiny_gguf)), "--prompt", "hi", "--max-tokens", "3"]) == 0
+        assert main(["run", str(run_config(tmp_path, tiny_gguf)), "--prompt", "hi", "--max-tokens", "3"]) == 0
     assert any("max_tokens from the command line (3) overrides the file's max_tokens: 10" in r.getMessage()
                for r in caplog.records)
 
@@ -395,7 +385,7 @@ def test_misspelled_hook_names_entry_point_and_suggests(monkeypatch, capsys):
 
 def test_broken_plugin_is_no_noise_in_unrelated_commands(monkeypatch, tmp_path, tiny_gguf, capsys):
     _fake_eps(monkeypatch, [("noop", "specplug.builtin:Noop"), ("broken", "no_such_module_xyz:Thing")])
-    assert main(["run", str(_cfg(tmp_path, tiny_gguf, "speculators:\n  - type: noop\n")), "--prompt", "hi"]) == 0
+    assert main(["run", str(run_config(tmp_path, tiny_gguf, "speculators:\n  - type: noop\n")), "--prompt", "hi"]) == 0
     assert "broken" not in capsys.readouterr().err
     assert main(["plugins"]) == 0
     assert "broken" in capsys.readouterr().out  # listed, with its failure, where plugins are the subject

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,10 +15,10 @@ import torch
 
 from specplug.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+from launch import Process, prompts_file, run_config, wait_for
 
-# a `specplug` whose every finished answer takes argv[1] seconds more (the engine's _finish is slowed)
-SLOW_RUN = """
+# every finished answer takes sys.argv[1] seconds more (the engine's _finish is slowed)
+SLOW_FINISH = """
 import sys, time
 from specplug.engine import Engine
 real = Engine._finish
@@ -27,8 +26,6 @@ def slow(self, *a, **k):
     time.sleep(float(sys.argv[1]))
     return real(self, *a, **k)
 Engine._finish = slow
-from specplug.cli import main
-sys.exit(main(sys.argv[2:]))
 """
 
 # claims every path in argv, says so, and holds them until its stdin closes
@@ -40,7 +37,7 @@ print("held", flush=True)
 sys.stdin.read()
 """
 
-# a `specplug` killed (SIGKILL) in the middle of writing the third line of the output argv[1]
+# the process is killed (SIGKILL) in the middle of writing the third line of the output sys.argv[1]
 KILLED_MID_LINE = """
 import os, signal, sys
 real = os.write
@@ -57,21 +54,7 @@ def write(fd, data):
             os.kill(os.getpid(), signal.SIGKILL)
     return real(fd, data)
 os.write = write
-from specplug.cli import main
-sys.exit(main(sys.argv[2:]))
 """
-
-
-def _cfg(tmp_path: Path, tiny_gguf, extra: str = "") -> Path:
-    p = tmp_path / "run.yaml"
-    p.write_text(f"model: {tiny_gguf}\ndevice: cpu\nquant: none\nmax_tokens: 10\nparallel: 1\n{extra}")
-    return p
-
-
-def _prompts(tmp_path: Path, n: int = 4) -> Path:
-    p = tmp_path / "prompts.jsonl"
-    p.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"the sea number {i}"}) + "\n" for i in range(n)))
-    return p
 
 
 def _rows(path: Path) -> list[dict]:
@@ -81,49 +64,38 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines()]
 
 
-def _python(*args: str, **kw) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-c", *args], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, **kw)
-
-
 def _error_lines(err: str) -> list[str]:
     return [line for line in err.replace("\r", "\n").splitlines() if line.startswith("specplug: error")]
 
 
 @pytest.fixture
-def holder():
-    """Start a process claiming the given paths; yields its Popen (its PID is the holder's)."""
-    procs = []
+def holder(launch):
+    """Start a process claiming the given paths; returns it once it holds them (its PID is the holder's)."""
 
-    def hold(*paths: Path) -> subprocess.Popen:
-        p = _python(HOLDER, *map(str, paths), stdin=subprocess.PIPE)
-        procs.append(p)
-        assert p.stdout.readline().strip() == "held", p.stderr.read()
+    def hold(*paths: Path) -> Process:
+        p = launch.python(HOLDER, *paths, stdin=True, name="holder")
+        wait_for(lambda: p.stdout.strip() == "held", f"the holder did not claim its paths:\n{p.stderr}", 60)
         return p
 
-    yield hold
-    for p in procs:
-        p.stdin.close()
-        p.wait(timeout=30)
+    return hold
 
 
 # ---------------------------------------------------------------------------------------------
 # 1. one writer per output
 
 
-def test_two_runs_racing_on_one_output_exactly_one_proceeds(tmp_path, tiny_gguf):
-    cfg, prompts, out = _cfg(tmp_path, tiny_gguf), _prompts(tmp_path, 3), tmp_path / "out.jsonl"
+def test_two_runs_racing_on_one_output_exactly_one_proceeds(tmp_path, tiny_gguf, launch):
+    cfg, prompts, out = run_config(tmp_path, tiny_gguf), prompts_file(tmp_path, 3), tmp_path / "out.jsonl"
     argv = ["run", str(cfg), "--prompts", str(prompts), "--output", str(out)]
     t0 = time.perf_counter()
-    runs = [_python(SLOW_RUN, "0.5", *argv) for _ in range(2)]  # started at once
+    runs = [launch.specplug(*argv, patch=SLOW_FINISH, patch_arg="0.5") for _ in range(2)]  # started at once
     ended = {}
     while len(ended) < 2:
         for i, p in enumerate(runs):
-            if i not in ended and p.poll() is not None:
+            if i not in ended and p.returncode is not None:
                 ended[i] = time.perf_counter() - t0
         time.sleep(0.02)
-    errs = [p.stderr.read() for p in runs]
+    errs = [p.stderr for p in runs]
     codes = [p.returncode for p in runs]
     assert sorted(codes) == [0, 2], (codes, errs)
     win, lose = (0, 1) if codes[0] == 0 else (1, 0)
@@ -136,7 +108,7 @@ def test_two_runs_racing_on_one_output_exactly_one_proceeds(tmp_path, tiny_gguf)
 
 @pytest.mark.parametrize("flags", [[], ["--resume"], ["--force"]], ids=["plain", "resume", "force"])
 def test_resume_and_force_take_the_same_claim(tmp_path, tiny_gguf, holder, capsys, flags):
-    cfg, prompts = _cfg(tmp_path, tiny_gguf), _prompts(tmp_path, 2)
+    cfg, prompts = run_config(tmp_path, tiny_gguf), prompts_file(tmp_path, 2)
     out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
     if flags:  # continuing or overwriting an output there is
         out.write_text(json.dumps({"id": "p0", "turn": 0, "text": "kept"}) + "\n")
@@ -147,15 +119,15 @@ def test_resume_and_force_take_the_same_claim(tmp_path, tiny_gguf, holder, capsy
                      *flags]) == 2
         (line,) = _error_lines(capsys.readouterr().err)
         assert str(held) in line and f"PID {h.pid}" in line and "another process" in line, line
-        h.stdin.close()
-        h.wait(timeout=30)
+        h.release()
+        h.wait(30)
     assert (out.read_bytes() if out.exists() else None) == before and not stats.exists()
 
 
 def test_every_writer_claims_its_output_before_the_model_loads(tmp_path, holder, capsys):
     """bench --out, train data -o, a trained head -o and ngram-cache build -o: a held output fails
     at once with the holder's PID (the model path does not exist: loading it would be another error)."""
-    prompts = _prompts(tmp_path, 2)
+    prompts = prompts_file(tmp_path, 2)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the sea, the sea\n")
     bench_cfg = tmp_path / "bench.yaml"
@@ -174,8 +146,8 @@ def test_every_writer_claims_its_output_before_the_model_loads(tmp_path, holder,
         (line,) = _error_lines(err)
         assert str(out) in line and f"PID {h.pid}" in line, line
         assert "no/such" not in err and "no-data" not in err
-        h.stdin.close()
-        h.wait(timeout=30)
+        h.release()
+        h.wait(30)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +155,7 @@ def test_every_writer_claims_its_output_before_the_model_loads(tmp_path, holder,
 
 
 def test_full_disk_injected_ends_in_one_line_exit_1_and_resumes(monkeypatch, tmp_path, tiny_gguf, capsys):
-    cfg, prompts = _cfg(tmp_path, tiny_gguf), _prompts(tmp_path, 4)
+    cfg, prompts = run_config(tmp_path, tiny_gguf), prompts_file(tmp_path, 4)
     out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
     real_write = os.write
     calls = {"n": 0}
@@ -256,13 +228,12 @@ def test_full_tmpfs_ends_in_one_line_exit_1_and_resumes(tmp_path, tiny_gguf, sma
 # 3. kill -9 in the middle of a line, then --resume
 
 
-def test_kill_9_mid_line_then_resume_completes_a_valid_file(tmp_path, tiny_gguf, capsys):
-    cfg, prompts = _cfg(tmp_path, tiny_gguf), _prompts(tmp_path, 4)
+def test_kill_9_mid_line_then_resume_completes_a_valid_file(tmp_path, tiny_gguf, capsys, launch):
+    cfg, prompts = run_config(tmp_path, tiny_gguf), prompts_file(tmp_path, 4)
     out, full = tmp_path / "out.jsonl", tmp_path / "full.jsonl"
     argv = ["run", str(cfg), "--prompts", str(prompts), "--output", str(out)]
-    p = _python(KILLED_MID_LINE, str(out), *argv)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == -signal.SIGKILL, err
+    p = launch.specplug(*argv, patch=KILLED_MID_LINE, patch_arg=out)
+    assert p.wait(120) == -signal.SIGKILL, p.stderr
     text = out.read_text()
     assert text.count("\n") == 2 and not text.endswith("\n")  # two whole lines and half of the third
     assert Path(str(out) + ".lock").exists()  # left by the killed run: it must not block the next one

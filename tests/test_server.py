@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from specplug.api import prompt_ids
 from specplug.server import TextOut, create_app
@@ -28,28 +23,10 @@ from specplug.engine import Request
 from specplug.hooks import hookimpl
 from specplug.testing import Faulty, Oracle, RandomDrafts, make_engine, speculator
 
-MODEL = "tiny"
+from launch import MODEL, running, stream_until_first_token, wait_for, write_config
+
 TEXTS = ["hello there the", "in the beginning was", "a", "on the other hand, the", "xyz 123", "the the the",
          "she sells sea shells", "onion"]
-
-
-@contextmanager
-def running(app):
-    """Serve `app` on a free 127.0.0.1 port in a thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline and t.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        t.join(10)
 
 
 def client(url: str) -> openai.OpenAI:
@@ -252,26 +229,6 @@ def test_malformed_json_and_bad_prompts(server):
     assert e.value.status_code == 400
 
 
-def _stream_until_first_token(url: str, body: dict):
-    """Open a streaming completion and read until its first text arrives; returns the context manager
-    and the line iterator, which must stay referenced (closing it closes the connection)."""
-    cm = httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "stream": True, **body}, timeout=30)
-    resp = cm.__enter__()
-    assert resp.status_code == 200
-    lines = resp.iter_lines()
-    for line in lines:
-        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-            break
-    return cm, lines
-
-
-def _wait_for(cond, what: str, timeout: float = 15.0) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, what
-        time.sleep(0.05)
-
-
 class Slow:
     """Makes every engine step take 20 ms (drafts nothing), so a long answer stays in flight."""
 
@@ -290,22 +247,22 @@ def test_disconnect_frees_the_slot_and_a_full_queue_gets_429(tiny_target):
     app = create_app(eng, MODEL, max_queue=1)
     with running(app) as url:
         long = {"prompt": "a", "max_tokens": 100000, "ignore_eos": True}  # runs to the context size
-        cm1, lines1 = _stream_until_first_token(url, long)
+        cm1, lines1 = stream_until_first_token(url, long)
         cm2 = httpx.stream("POST", url + "/v1/completions", json={"model": MODEL, "stream": True, **long}, timeout=30)
         waiting = []
         t = threading.Thread(target=lambda: waiting.append(cm2.__enter__()), daemon=True)
         t.start()
-        _wait_for(lambda: app.state.worker.outstanding == 2, "the second request was not queued")
+        wait_for(lambda: app.state.worker.outstanding == 2, "the second request was not queued")
         r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "b", "max_tokens": 2}, timeout=10)
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["code"] == "queue_full"
         assert "specplug_rejected_requests_total 1.0" in httpx.get(url + "/metrics", timeout=10).text
         cm1.__exit__(None, None, None)  # client 1 disconnects mid-stream: its slot goes to client 2
-        _wait_for(lambda: eng.n_running == 1 and eng.n_waiting == 0 and app.state.worker.outstanding == 1,
+        wait_for(lambda: eng.n_running == 1 and eng.n_waiting == 0 and app.state.worker.outstanding == 1,
                   "the disconnected request kept its slot")
         t.join(10)
         cm2.__exit__(None, None, None)
-        _wait_for(lambda: app.state.worker.outstanding == 0 and not eng.has_work, "the second disconnect leaked")
+        wait_for(lambda: app.state.worker.outstanding == 0 and not eng.has_work, "the second disconnect leaked")
         r = client(url).completions.create(model=MODEL, prompt="b", max_tokens=5, temperature=0)
         assert r.usage.completion_tokens == 5  # serving as before
 
@@ -348,49 +305,25 @@ def test_api_key(tiny_target):
         assert httpx.get(url + "/health", timeout=10).status_code == 200  # health needs no key
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_specplug_serve_answers_the_openai_client_and_drains_on_sigterm(tmp_path, tiny_gguf):
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"model: {tiny_gguf}\nquant: none\ncontext: 1024\nparallel: 2\n"
-                   "speculators:\n  - type: noop\n")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "specplug.cli", "serve", str(cfg), "--port", str(port),
-                             "--drain-timeout", "20", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        def up():
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        _wait_for(up, "specplug serve did not come up", 60)
-        c = client(url)
-        model = c.models.list().data[0].id
-        assert model == tiny_gguf.stem
-        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=8)
-        assert r.usage.completion_tokens <= 8 and r.choices[0].finish_reason in ("stop", "length")
-        # SIGTERM while a long answer streams: it is finished, then the server exits
-        with httpx.stream("POST", url + "/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 600,
-                                                                 "ignore_eos": True, "stream": True,
-                                                                 "stream_options": {"include_usage": True}},
-                          timeout=60) as resp:
-            lines = resp.iter_lines()
-            first = next(ln for ln in lines if ln.startswith("data: {"))
-            proc.send_signal(signal.SIGTERM)
-            rest = [ln for ln in lines if ln.startswith("data: ")]
-        usage = json.loads(rest[-2][6:])["usage"]
-        assert rest[-1] == "data: [DONE]" and usage["completion_tokens"] == 600 and first
-        assert proc.wait(30) == 0
-        assert "Traceback" not in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def test_specplug_serve_answers_the_openai_client_and_drains_on_sigterm(tmp_path, tiny_gguf, launch):
+    cfg = write_config(tmp_path / "serve.yaml", tiny_gguf, "speculators:\n  - type: noop\n", context=1024, parallel=2)
+    served = launch.serve(cfg, "--drain-timeout", "20")
+    url, proc = served.url, served.proc
+    c = client(url)
+    model = c.models.list().data[0].id
+    assert model == tiny_gguf.stem
+    r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=8)
+    assert r.usage.completion_tokens <= 8 and r.choices[0].finish_reason in ("stop", "length")
+    # SIGTERM while a long answer streams: it is finished, then the server exits
+    with httpx.stream("POST", url + "/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 600,
+                                                             "ignore_eos": True, "stream": True,
+                                                             "stream_options": {"include_usage": True}},
+                      timeout=60) as resp:
+        lines = resp.iter_lines()
+        first = next(ln for ln in lines if ln.startswith("data: {"))
+        proc.send_signal(signal.SIGTERM)
+        rest = [ln for ln in lines if ln.startswith("data: ")]
+    usage = json.loads(rest[-2][6:])["usage"]
+    assert rest[-1] == "data: [DONE]" and usage["completion_tokens"] == 600 and first
+    assert proc.wait(30) == 0
+    assert "Traceback" not in proc.stderr

@@ -8,8 +8,6 @@ exits with status 3 so that a supervisor restarts it. Simulated with a monkeypat
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +17,7 @@ import pytest
 from specplug.server import create_app
 from specplug.testing import make_engine
 
-from test_server import MODEL, _free_port, _stream_until_first_token, _wait_for, running
+from launch import MODEL, running, stream_until_first_token, wait_for, write_config
 
 LONG = {"prompt": "a", "max_tokens": 400, "ignore_eos": True}
 
@@ -58,12 +56,12 @@ def test_a_dead_or_stalled_engine_answers_every_request_and_health_says_so(tiny_
     failures = []
     app = create_app(eng, MODEL, max_queue=4, step_timeout_s=0.5, on_failure=failures.append)
     with running(app) as url:
-        cm, lines = _stream_until_first_token(url, LONG)  # in a slot
+        cm, lines = stream_until_first_token(url, LONG)  # in a slot
         queued = []  # waiting for the slot
         t = threading.Thread(target=lambda: queued.append(httpx.post(
             url + "/v1/completions", json={"model": MODEL, **LONG}, timeout=30)), daemon=True)
         t.start()
-        _wait_for(lambda: app.state.worker.outstanding == 2, "the second request was not queued")
+        wait_for(lambda: app.state.worker.outstanding == 2, "the second request was not queued")
         t0 = time.perf_counter()
         breaker.armed.set()
         events = _rest_of_stream(lines)  # the stream ends with an error, then [DONE]
@@ -104,7 +102,8 @@ def test_a_slow_step_under_the_limit_is_not_a_stall(tiny_target, monkeypatch):
         assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
-_SERVE_BROKEN = """
+# `specplug serve` whose engine steps raise or hang (sys.argv[1]: "raise" / "hang") after the third
+_BREAK_STEPS = """
 import sys, time
 import specplug.engine as engine
 real = engine.Engine.step
@@ -117,36 +116,16 @@ def step(self):
         time.sleep(3600)
     return real(self)
 engine.Engine.step = step
-from specplug.cli import main
-sys.exit(main(sys.argv[2:]))
 """
 
 
 @pytest.mark.parametrize("mode", ["raise", "hang"])
-def test_specplug_serve_exits_3_when_its_engine_fails(tmp_path, tiny_gguf, mode):
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"model: {tiny_gguf}\nquant: none\ncontext: 256\nparallel: 1\n")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE_BROKEN, mode, "serve", str(cfg), "--port", str(port),
-                             "--step-timeout", "0.5", "--drain-timeout", "5", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        def up():
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        _wait_for(up, "specplug serve did not come up", 60)
-        r = httpx.post(url + "/v1/completions", json={"model": tiny_gguf.stem, "prompt": "a", "max_tokens": 50,
-                                                      "ignore_eos": True}, timeout=30)
-        assert r.status_code == 500 and r.json()["error"]["code"] in ("engine_failed", "engine_stalled")
-        assert proc.wait(30) == 3
-        err = proc.stderr.read()
-        assert ("IndexError" if mode == "raise" else "stalled") in err and "exiting with status 3" in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def test_specplug_serve_exits_3_when_its_engine_fails(tmp_path, tiny_gguf, mode, launch):
+    cfg = write_config(tmp_path / "serve.yaml", tiny_gguf, context=256, parallel=1)
+    served = launch.serve(cfg, "--step-timeout", "0.5", "--drain-timeout", "5", patch=_BREAK_STEPS, patch_arg=mode)
+    r = httpx.post(served.url + "/v1/completions", json={"model": tiny_gguf.stem, "prompt": "a", "max_tokens": 50,
+                                                         "ignore_eos": True}, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["code"] in ("engine_failed", "engine_stalled")
+    assert served.proc.wait(30) == 3
+    err = served.proc.stderr
+    assert ("IndexError" if mode == "raise" else "stalled") in err and "exiting with status 3" in err
