@@ -130,3 +130,19 @@ def test_heads_eval_runs_every_method_from_its_file(method, data, bases):
     assert r["depths"] == 3 and len(r["overall"]["top1"]) == 3
     assert all(0.0 <= v <= 1.0 for v in r["overall"]["top1"])
     assert r["overall"]["sequences"] == 80
+
+
+def test_fine_tuning_on_a_mix_records_every_folder_and_its_share(data, bases, work, capsys):
+    """The traffic-adaptation case: new data, plus a share of the data the base head was trained on."""
+    tiny = write_tiny_gguf(work / "tiny.gguf", n_layer=3, tensor_type="Q8_0", scale=1.5)  # the same target, rewritten
+    new = make_train_data(tiny, work / "new", repetitive_prompts(30, seed=5), taps="final,0,1,2", max_tokens=24,
+                          shard_prompts=10)
+    out = work / "mtp-mix.gguf"
+    assert main(["train", "mtp", "--data", str(new), f"{data}:300", "-o", str(out), *LOOP, "--restart",
+                 "--init", str(bases["mtp"])]) == 0
+    rec = _recipe(out)["data"]
+    assert [m["path"] for m in rec["mix"]] == [str(new), str(data)] and [m["max_tokens"] for m in rec["mix"]] == [None, 300]
+    assert rec["path"] == f"{new}, {data}:300"
+    capsys.readouterr()
+    assert main(["train", "mtp", "--data", str(new), str(work / "nowhere"), "-o", str(work / "x.gguf"), *LOOP]) == 2
+    assert "nowhere: no manifest.json here" in capsys.readouterr().err

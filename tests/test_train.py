@@ -18,7 +18,7 @@ from specplug.heads import HeadError, HeadFile, HeadMeta, token_table_sha256, wr
 from specplug.runtime import load_target
 from specplug.runtime.layers import Backend
 from specplug.testing import make_train_data, repetitive_prompts, write_tiny_gguf
-from specplug.train.dataset import TrainData
+from specplug.train.dataset import DataSource, TrainData
 from specplug.train.modules import _shift, ttt_attention
 from specplug.train.prompts import OverlapFilter, read_prompt_file, stdlib_code_prompts
 
@@ -300,3 +300,62 @@ def test_token_shards_rebuild_the_same_data_set_by_prefill(tiny_q8, tiny_data, t
     assert main(["train", "data", "--model", str(tiny_q8), "--from-tokens", str(toks), "-o", str(tmp_path / "y"),
                  "--quant", "gguf"]) == 2
     assert "sha256 differs from the manifest's" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def other_data(tiny_q8, tmp_path_factory) -> Path:
+    """A second data set of the same target, other prompts (a mix's second folder)."""
+    return make_train_data(tiny_q8, tmp_path_factory.mktemp("train") / "other", repetitive_prompts(24, seed=7),
+                           taps="final,0,1", max_tokens=24, shard_prompts=8)
+
+
+def test_data_source_syntax():
+    assert DataSource.parse("d/chat") == DataSource(Path("d/chat"))
+    assert DataSource.parse("d/orig:200k") == DataSource(Path("d/orig"), 200_000)
+    assert DataSource.parse("orig:1.5M").max_tokens == 1_500_000 and DataSource.parse("x:77").max_tokens == 77
+    with pytest.raises(SpecplugError, match=r"--data x:0: the token count after ':' must be >= 1"):
+        DataSource.parse("x:0")
+
+
+def test_a_folder_named_like_a_share_is_a_folder(tmp_path):
+    odd = tmp_path / "run:5"
+    odd.mkdir()
+    assert DataSource.parse(str(odd)) == DataSource(odd)
+
+
+def test_a_mix_reads_every_folder_and_keeps_each_folders_split(tiny_data, other_data):
+    one, two = TrainData(tiny_data, ["final"], 0.2), TrainData(other_data, ["final"], 0.2)
+    mix = TrainData([tiny_data, other_data], ["final"], 0.2)
+    assert mix.count("train") == one.count("train") + two.count("train")
+    assert mix.count("val") == one.count("val") + two.count("val")
+    assert mix.split["val"][:len(one.split["val"])] == one.split["val"]  # each folder: the same prompts held out
+    assert len(mix.prompts) == len(one.manifest["prompts"]) + len(two.manifest["prompts"])
+    # every sequence of the second folder is its own rows, found through the mix's prompt index
+    assert len(mix.split["train"]) == len(one.split["train"]) + len(two.split["train"])
+    for (a, n, p, i), (a2, n2, p2, i2) in zip(mix.split["train"][len(one.split["train"]):], two.split["train"]):
+        assert (n, p) == (n2, p2) and torch.equal(mix.tokens[a:a + n], two.tokens[a2:a2 + n2])
+        assert mix.prompts[i] == two.manifest["prompts"][i2]
+        assert torch.equal(mix.taps["final"][a:a + n], two.taps["final"][a2:a2 + n2])
+    assert mix.manifest_sha256 not in (one.manifest_sha256, two.manifest_sha256)
+
+
+def test_a_share_of_a_folder_is_its_first_training_sequences_and_reads_no_more_shards(tiny_data, other_data):
+    full = TrainData(other_data, ["final"], 0.2)
+    want = full.count("train") // 3
+    part = TrainData([tiny_data, DataSource(other_data, want)], ["final"], 0.2)
+    one = TrainData(tiny_data, ["final"], 0.2)
+    got = part.count("train") - one.count("train")
+    longest = max(n for _, n, _, _ in full.split["train"])
+    assert want <= got < want + longest
+    assert part.tokens.numel() < one.tokens.numel() + full.tokens.numel()  # the later shards were not read
+    assert TrainData([tiny_data, DataSource(other_data, want)], ["final"], 0.2).manifest_sha256 == part.manifest_sha256
+    assert TrainData([tiny_data, DataSource(other_data, want + 1)], ["final"], 0.2).manifest_sha256 \
+        != part.manifest_sha256
+
+
+def test_a_mix_of_two_targets_is_one_error(tiny_data, tmp_path):
+    other = write_tiny_gguf(tmp_path / "other.gguf", tensor_type="Q8_0", scale=1.5, seed=3)
+    data = make_train_data(other, tmp_path / "d", repetitive_prompts(8), taps="final,0,1", max_tokens=8,
+                           shard_prompts=8)
+    with pytest.raises(SpecplugError, match=r"a mix needs data sets of one target"):
+        TrainData([tiny_data, data], ["final"], 0.2)

@@ -27,7 +27,7 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.outputs import claim, exit_1_on_write_error, replacing, write_atomic
-from specplug.train.dataset import SeqBatch, TrainData, read_manifest
+from specplug.train.dataset import DataSource, SeqBatch, TrainData, manifest_sha256, read_manifest
 
 GROUP = "specplug.trainers"
 
@@ -150,7 +150,9 @@ def add_trainer_parsers(tsub) -> None:
     """One `specplug train <type>` sub-command per installed trainer."""
     for name, ep in sorted(trainer_entry_points().items()):
         p = tsub.add_parser(name, help=f"train a {name} head from a data set (trainer {ep.value})")
-        p.add_argument("--data", required=True, metavar="DIR", help="a data set made by `specplug train data`")
+        p.add_argument("--data", required=True, nargs="+", metavar="DIR[:TOKENS]",
+                       help="a data set made by `specplug train data`, or several read as one mix (one target); "
+                            "DIR:TOKENS takes that many tokens of the folder's training split (e.g. orig:500k)")
         p.add_argument("-o", "--output", required=True, metavar="FILE.gguf", help="the head file to write")
         p.add_argument("--resume", action="store_true", help="continue from the checkpoint next to the output")
         p.add_argument("--restart", action="store_true", help="discard an existing checkpoint and start over")
@@ -199,7 +201,7 @@ def run_trainer(args) -> int:
         raise SpecplugError(f"-o {out}: the head file must end in .gguf")
     if not out.parent.is_dir():
         raise SpecplugError(f"-o {out}: folder {out.parent} does not exist")
-    train(cls, opts, loop, Path(args.data), out, resume=args.resume, restart=args.restart,
+    train(cls, opts, loop, [DataSource.parse(d) for d in args.data], out, resume=args.resume, restart=args.restart,
           command=" ".join(sys.argv), model=args.model, init=init)
     return 0
 
@@ -217,10 +219,13 @@ def work_dir(out: Path) -> Path:
     return out.with_name(out.stem + ".train")
 
 
-def train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, resume: bool = False,
+def train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path | Sequence, out: Path, resume: bool = False,
           restart: bool = False, command: str = "", model: str | None = None, quiet: bool = False,
           init: Any = None) -> dict:
     """Train `cls` on `data_dir` and write the head to `out`; returns the final metrics.
+
+    `data_dir`: a data set folder, or a mix of several (`specplug.train.dataset.DataSource`s or
+    `DIR[:TOKENS]` strings; see `TrainData`).
 
     `init`: a head file (path, or a `specplug.train.finetune.BaseHead`) to fine-tune instead of a
     fresh head; `opts` may then be None (the head's options), or must agree with what the head fixes.
@@ -239,15 +244,18 @@ def train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, re
         return _train(cls, opts, loop, data_dir, out, resume, restart, command, model, quiet, init)
 
 
-def build(cls: type, opts: Any, data_dir: Path, device: torch.device, val_fraction: float,
+def build(cls: type, opts: Any, data_dir: Path | Sequence, device: torch.device, val_fraction: float,
           limit_tokens: int | None = None, max_len: int | None = None, model: str | None = None,
           init: Any = None) -> tuple[TrainData, Any]:
-    """The data set (the taps the method needs) and the trainer on it; with `init` (a
-    `specplug.train.finetune.BaseHead`) checked to fit the data set and started from its weights."""
-    manifest = read_manifest(data_dir)
+    """The data set or mix (the taps the method needs) and the trainer on it; with `init` (a
+    `specplug.train.finetune.BaseHead`) checked to fit every data set and started from its weights."""
+    specs = [DataSource.parse(d) for d in ([data_dir] if isinstance(data_dir, (str, Path)) else data_dir)]
+    manifests = [read_manifest(s.path) for s in specs]
     if init is not None:
-        init.check_fits(manifest, data_dir)
-    taps = cls.taps(opts, manifest["target"])
+        for s, manifest in zip(specs, manifests):
+            init.check_fits(manifest, s.path)
+    taps = cls.taps(opts, manifests[0]["target"])
+    data_dir = specs
     data = TrainData(data_dir, taps, val_fraction, limit_tokens, max_len)
     if model:
         data.target = dict(data.target, path=model)
@@ -289,7 +297,17 @@ def _val_groups(data: TrainData, loop: LoopOptions) -> list:
     return kept
 
 
-def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, resume: bool, restart: bool,
+def _data_record(data: TrainData) -> dict:
+    """What a recipe records of its data: the folder (a mix: every folder, with its share) and identity."""
+    rec = {"path": ", ".join(str(s) for s in data.sources), "manifest_sha256": data.manifest_sha256,
+           "train_tokens": data.count("train"), "val_tokens": data.count("val"), "target_sha256": data.target.get("sha256")}
+    if len(data.sources) > 1 or data.sources[0].max_tokens:
+        rec["mix"] = [{"path": str(s.path), "max_tokens": s.max_tokens, "manifest_sha256": manifest_sha256(m)}
+                      for s, m in zip(data.sources, data.manifests)]
+    return rec
+
+
+def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path | Sequence, out: Path, resume: bool, restart: bool,
            command: str, model: str | None, quiet: bool, init: Any = None) -> dict:
     from tqdm import tqdm
 
@@ -392,9 +410,7 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path, out: Path, r
     save()
     final = {"val_top1_per_depth": last_val, "val_loss": last_loss,
              "val_tokens": sum(sum(s[1] for s in g) for g in val_groups)}
-    recipe = {"command": command, "data": {"path": str(data_dir), "manifest_sha256": data.manifest_sha256,
-              "train_tokens": data.count("train"), "val_tokens": data.count("val"),
-              "target_sha256": data.target.get("sha256")},
+    recipe = {"command": command, "data": _data_record(data),
               "loop": dataclasses.asdict(loop), "options": dataclasses.asdict(opts), "steps": step,
               "train_seconds": round(t_spent, 1), "final": final}
     if init is not None:
