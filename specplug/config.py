@@ -197,8 +197,24 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
     return dataclasses.replace(cfg, sampling=sampling, speculators=specs, ray=ray)
 
 
+def _head_from_folder(entry: Any, i: int, folder: Path) -> Any:
+    """A speculator entry with its relative `head:` path taken from the YAML's folder, as `model:`
+    is (a path relative to the working directory still works where the folder has no such file)."""
+    head = entry.get("head") if isinstance(entry, dict) else None
+    if not isinstance(head, str) or not head or Path(head).is_absolute():
+        return entry
+    cand = folder / head
+    if cand.is_file():
+        return {**entry, "head": str(cand)}
+    if Path(head).is_file():
+        return entry
+    raise ConfigError(f"speculators[{i}].head: head file not found: {head} (looked in the YAML's folder "
+                      f"{folder.resolve()}, and in the working directory {Path.cwd()})")
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read and validate a YAML file; relative model paths are taken from the file's folder."""
+    """Read and validate a YAML file; relative `model:` and speculator `head:` paths are taken from
+    the file's folder (else from the working directory)."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"config path {p} is a directory; give the YAML file in it")
@@ -224,6 +240,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         if cand.is_file():
             data["model"] = str(cand)
     try:
+        if isinstance(data.get("speculators"), list):
+            data["speculators"] = [_head_from_folder(e, i, p.parent) for i, e in enumerate(data["speculators"])]
         return parse_config(data, str(p))
     except ConfigError as exc:
         raise ConfigError(f"{p}: {exc}") from None

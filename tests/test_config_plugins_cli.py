@@ -54,6 +54,21 @@ def test_good_config_round_trip(tmp_path):
     assert (s.type, s.name, s.policy.n_max) == ("noop", "idle", 4)
 
 
+def test_head_paths_are_taken_from_the_yaml_folder_like_the_model(tmp_path, monkeypatch):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "mine.gguf").write_bytes(b"")  # only its path is read here
+    cfg_path = folder / "run.yaml"
+    cfg_path.write_text("speculators:\n  - type: mtp\n    head: mine.gguf\n")
+    monkeypatch.chdir(tmp_path)  # the working directory has no mine.gguf
+    assert load_config(cfg_path).speculators[0].params.head == str(folder / "mine.gguf")
+    cfg_path.write_text("speculators:\n  - type: mtp\n    head: hydra.gguf\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(cfg_path)
+    assert str(exc.value) == (f"{cfg_path}: speculators[0].head: head file not found: hydra.gguf (looked in the "
+                              f"YAML's folder {folder}, and in the working directory {tmp_path})")
+
+
 class GoodSpec:
     from dataclasses import dataclass as _dc
 
