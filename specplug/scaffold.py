@@ -29,8 +29,23 @@ LAYOUT = {
 }
 
 
+def plugin_type(name: str) -> str:
+    """The YAML `type` a plugin name gives: a distribution name (`specplug-foo`) or a module name
+    (`specplug_foo`) is taken as the plugin `foo`, whose package is `specplug-foo/`."""
+    for prefix in ("specplug-", "specplug_"):
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            if not rest:
+                raise SpecplugError(f"plugin name {name!r}: give the speculator's own name (e.g. 'medusa'); "
+                                    f"the package becomes specplug-NAME")
+            return rest.replace("_", "-") if prefix == "specplug_" else rest
+    return name
+
+
 def names(name: str) -> dict[str, str]:
-    """The names a plugin called `name` uses: YAML type, distribution, module, class."""
+    """The names a plugin called `name` uses: YAML type, distribution, module, class. A leading
+    `specplug-` is dropped (see plugin_type): `specplug-foo` is the plugin `foo`."""
+    name = plugin_type(name)
     if not NAME.match(name):
         raise SpecplugError(f"plugin name {name!r}: use lower-case letters, digits and single dashes, starting "
                             f"with a letter (it becomes the YAML `type:`), e.g. 'medusa' or 'ngram-lru'")
@@ -52,6 +67,7 @@ def new_plugin(name: str, kind: str, out: str | Path | None = None, force: bool 
     if kind not in KINDS:
         raise SpecplugError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
     values = names(name)
+    name = values["type"]
     values["trainer_entry_point"] = (f'\n[project.entry-points."specplug.trainers"]\n'
                                      f'{name} = "{values["module"]}.train:{values["cls"]}Trainer"\n'
                                      if kind == "head" else "")
@@ -70,7 +86,10 @@ def new_plugin(name: str, kind: str, out: str | Path | None = None, force: bool 
 
 def cmd_new(args) -> int:
     root = new_plugin(args.name, args.kind, args.output, args.force)
-    print(f"specplug: wrote {root}/ ({args.kind} plugin `{args.name}`). Next:\n"
+    name = plugin_type(args.name)
+    if name != args.name:
+        print(f"specplug: {args.name!r} is the package name; the plugin (its YAML `type:`) is {name!r}")
+    print(f"specplug: wrote {root}/ ({args.kind} plugin `{name}`). Next:\n"
           f"  pip install -e {root}\n  pytest {root}/tests\n  specplug plugins")
     return 0
 
@@ -80,7 +99,8 @@ def register(sub) -> None:
     psub = p.add_subparsers(dest="plugin_command", required=True, metavar="{new}")
     n = psub.add_parser("new", help="write a package for a new speculator: pyproject with entry points, speculator, "
                         "tests on specplug's fixtures, README, example YAML (and for a head: trainer, head file)")
-    n.add_argument("name", help="the speculator's YAML `type` (lower case, digits, dashes), e.g. medusa")
+    n.add_argument("name", help="the speculator's YAML `type` (lower case, digits, dashes), e.g. medusa; "
+                   "a leading specplug- is dropped (the package is specplug-NAME)")
     n.add_argument("--kind", choices=KINDS, default="token",
                    help="token: drafts from tokens only (default); head: parallel heads on the target's final hidden "
                         "state, with a trainer and a head file")

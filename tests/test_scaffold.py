@@ -42,6 +42,18 @@ def test_bad_names_and_a_full_folder_are_refused(tmp_path):
         new_plugin("ok", "token", tmp_path / "b")
 
 
+def test_a_package_name_gives_the_plugin_name_not_a_doubled_prefix(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plugin", "new", "specplug-foo-bar"]) == 0
+    assert "the plugin (its YAML `type:`) is 'foo-bar'" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["specplug-foo-bar"]
+    assert (tmp_path / "specplug-foo-bar" / "src" / "specplug_foo_bar" / "speculator.py").is_file()
+    assert 'foo-bar = "specplug_foo_bar' in (tmp_path / "specplug-foo-bar" / "pyproject.toml").read_text()
+    assert new_plugin("specplug_baz", "token", tmp_path / "b").joinpath("baz.yaml").is_file()
+    with pytest.raises(SpecplugError, match="give the speculator's own name"):
+        new_plugin("specplug-", "token", tmp_path / "c")
+
+
 def test_heads_show_reports_a_head_and_its_fit(tmp_path, capsys, tiny_gguf):
     import json
 
