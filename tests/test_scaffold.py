@@ -76,6 +76,20 @@ def test_heads_show_reports_a_head_and_its_fit(tmp_path, capsys, tiny_gguf):
     assert "NOT compatible" in capsys.readouterr().out
 
 
+def test_heads_show_takes_a_known_model_name_as_target(tmp_path, capsys, smollm2_path):
+    import torch
+
+    from specplug.heads import HeadMeta, write_head
+    from specplug.heads.show import target_of
+
+    meta = HeadMeta.for_target(target_of(smollm2_path), "demo", 1, ["final"], {"heads": 1})
+    head = write_head(tmp_path / "h.gguf", meta, {"w": torch.zeros(4, 32)})
+    assert main(["heads", "show", str(head), "--target", "smollm2-135m"]) == 0
+    assert "target       smollm2-135m: compatible" in capsys.readouterr().out
+    assert main(["heads", "show", str(head), "--target", "smolm2-135m"]) == 2
+    assert "neither a known model name" in capsys.readouterr().err
+
+
 def test_trainer_options_help_comes_from_the_field_comments():
     from specplug.train.loop import LoopOptions, field_help
 

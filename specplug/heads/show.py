@@ -1,4 +1,4 @@
-"""`specplug heads show FILE [--target MODEL.gguf]`: what a head file is, where it came from (its recipe
+"""`specplug heads show FILE [--target MODEL]`: what a head file is, where it came from (its recipe
 and, for a fine-tuned head, its lineage), and whether it fits a target. `specplug heads eval` is in
 `specplug.heads.eval`."""
 from __future__ import annotations
@@ -10,10 +10,13 @@ from types import SimpleNamespace
 from specplug.heads.file import HeadFile, describe
 
 
-def target_of(path: str | Path) -> SimpleNamespace:
-    """The fields `HeadMeta.target_problem` compares, read from a target GGUF's header only."""
+def target_of(model: str | Path) -> SimpleNamespace:
+    """The fields `HeadMeta.target_problem` compares, read from a target GGUF's header only.
+    `model`: a .gguf path or a known model name (`specplug models`)."""
     from specplug.runtime.gguf_file import GGUFFile
+    from specplug.runtime.resolve import resolve_model
 
+    path = resolve_model(model)
     g = GGUFFile(path)
     cfg = g.config
     return SimpleNamespace(model_path=str(path), arch=cfg.arch, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
@@ -100,8 +103,9 @@ def register(sub) -> None:
     hsub = p.add_subparsers(dest="heads_command", required=True, metavar="{show,eval}")
     s = hsub.add_parser("show", help="a head file's method, target fingerprint, tensors, draft vocabulary and recipe")
     s.add_argument("file", metavar="FILE.gguf", help="the head file")
-    s.add_argument("--target", metavar="MODEL.gguf", default=None,
-                   help="also say whether the head can serve this target model (exit 1 when it cannot)")
+    s.add_argument("--target", metavar="MODEL", default=None,
+                   help="also say whether the head can serve this target model, a .gguf or a known name such as "
+                        "smollm2-135m (exit 1 when it cannot)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.set_defaults(func=cmd_show)
     from specplug.heads.eval import add_parser as add_eval
