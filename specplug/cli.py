@@ -1,4 +1,4 @@
-"""`specplug` command line: run, serve, generate, plugins, bench, bench-runtime (+ plugin commands)."""
+"""`specplug` command line: run, serve, generate, plugins, models, bench, bench-runtime (+ plugin commands)."""
 from __future__ import annotations
 
 import argparse
@@ -121,6 +121,36 @@ def cmd_plugins(args) -> int:
     return 0
 
 
+def known_models() -> list[dict]:
+    """Every known model name (specplug.runtime.resolve.KNOWN_MODELS): its file, and whether it is
+    installed; where not, the error says how to install it."""
+    from specplug.errors import ModelError
+    from specplug.runtime.resolve import KNOWN_MODELS, resolve_model
+
+    rows = []
+    for name, source in KNOWN_MODELS.items():
+        row = {"name": name, "source": list(source) if isinstance(source, tuple) else source}
+        try:
+            path = resolve_model(name)
+            row |= {"installed": True, "path": str(path), "bytes": path.stat().st_size}
+        except ModelError as exc:
+            row |= {"installed": False, "problem": str(exc)}
+        rows.append(row)
+    return rows
+
+
+def cmd_models(args) -> int:
+    rows = known_models()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        state = f"{r['path']} ({r['bytes'] / 1e6:.0f} MB)" if r["installed"] else f"NOT INSTALLED: {r['problem']}"
+        print(f"{r['name']:<16} {state}")
+    print("(or give `model:` / --model the path of any .gguf file)")
+    return 0
+
+
 def cmd_bench_runtime(args) -> int:
     from specplug.bench_runtime import main as bench_main
     from specplug.runtime import load_target
@@ -224,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list installed speculator types")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("models", help="list the known model names, their files and whether they are installed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("bench-runtime", help="measure decode / k-token verify / prefill costs of the target runtime")
     _add_runtime_args(p)

