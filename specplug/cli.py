@@ -276,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specplug.train.cli import register as register_train
 
     register_train(sub)
+    from specplug.train.adapt import add_parser as register_adapt
+
+    register_adapt(sub)
     _register_convert(sub)
     from specplug.heads.show import register as register_heads
     from specplug.scaffold import register as register_plugin

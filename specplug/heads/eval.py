@@ -55,7 +55,7 @@ def evaluate_head(head_path: str | Path, data_dir: str | Path, by: str = "source
         raise SpecplugError(f"--depth {depth}: this {head.meta.method} head drafts at most {trainer.depths} tokens "
                             f"(its shape fixes it)")
     depths = depth or trainer.depths
-    prompts = data.manifest.get("prompts", [])
+    prompts = data.prompts
     rows = _score_groups(trainer, data, _groups(data, prompts, by), batch_tokens, dev, depths)
     overall = _sum_rows(rows.values())
     return {"head": {"path": str(base.path), "sha256": base.sha256, "method": head.meta.method,
