@@ -53,6 +53,23 @@ class RayServeConfig:
 
 
 @dataclass(frozen=True)
+class RecordConfig:
+    """`record:` in YAML (a folder, or a mapping of these keys): `specplug serve` and `specplug run`
+    keep every finished request's token ids there as token shards (specplug.record). Off while
+    `dir` is null."""
+
+    dir: str | None = None  # a relative folder is taken from the YAML's folder
+    max_mb: float = 16.0  # a shard holds up to this many MB of token ids, then the next one begins
+    sample: float = 1.0  # the fraction of requests kept, chosen at random
+
+    def __post_init__(self):
+        if not self.max_mb > 0:
+            raise ValueError(f"max_mb must be > 0, got {self.max_mb!r}")
+        if not 0 < self.sample <= 1:
+            raise ValueError(f"sample must be in (0, 1], got {self.sample!r}")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A whole run. YAML keys = these field names."""
 
@@ -79,6 +96,7 @@ class RunConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculators: tuple[SpeculatorConfig, ...] = ()
     ray: RayServeConfig = field(default_factory=RayServeConfig)  # serve --ray: replicas, autoscaling
+    record: RecordConfig = field(default_factory=RecordConfig)  # serve, run: keep the traffic's token ids
 
 
 def target_args(cfg: "RunConfig") -> dict[str, Any]:
@@ -175,6 +193,8 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
     data = dict(data)
     sampling = build_dataclass(SamplingParams, data.pop("sampling", None), "sampling")
     ray = build_dataclass(RayServeConfig, data.pop("ray", None), "ray")
+    record = data.pop("record", None)
+    record = build_dataclass(RecordConfig, {"dir": record} if isinstance(record, str) else record, "record")
     specs_raw = data.pop("speculators", None) or []
     if not isinstance(specs_raw, list):
         raise ConfigError("speculators must be a list of mappings, each with a `type:`")
@@ -194,7 +214,7 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
                           ("step_timeout_s", cfg.step_timeout_s is None or cfg.step_timeout_s > 0, "> 0 (or null: no limit)")]:
         if not ok:
             raise ConfigError(f"{key} must be {rule}, got {getattr(cfg, key)!r}")
-    return dataclasses.replace(cfg, sampling=sampling, speculators=specs, ray=ray)
+    return dataclasses.replace(cfg, sampling=sampling, speculators=specs, ray=ray, record=record)
 
 
 def _head_from_folder(entry: Any, i: int, folder: Path) -> Any:
@@ -210,6 +230,15 @@ def _head_from_folder(entry: Any, i: int, folder: Path) -> Any:
         return entry
     raise ConfigError(f"speculators[{i}].head: head file not found: {head} (looked in the YAML's folder "
                       f"{folder.resolve()}, and in the working directory {Path.cwd()})")
+
+
+def _record_from_folder(record: Any, folder: Path) -> Any:
+    """`record:` with a relative folder taken from the YAML's folder, as `model:` is."""
+    rec = record if isinstance(record, dict) else {"dir": record}
+    where = rec.get("dir")
+    if not isinstance(where, str) or not where or Path(where).is_absolute():
+        return record
+    return {**rec, "dir": str(folder / where)}
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -239,6 +268,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         cand = p.parent / model
         if cand.is_file():
             data["model"] = str(cand)
+    if data.get("record") is not None:
+        data["record"] = _record_from_folder(data["record"], p.parent)
     try:
         if isinstance(data.get("speculators"), list):
             data["speculators"] = [_head_from_folder(e, i, p.parent) for i, e in enumerate(data["speculators"])]

@@ -200,3 +200,46 @@ def rebuild_dataset(target, token_dirs: Sequence[str | Path], out_dir: str | Pat
                               "answer_tokens": sum(s["answer_tokens"] for s in sh)}
         write_json_atomic(mpath, manifest)
     return manifest
+
+
+# --- writing a tokens-only folder from elsewhere (a server's recording: specplug.record) ---------------------
+
+
+def target_identity(target) -> dict:
+    """The target as a tokens manifest names it: file name and sha256, sizes, the token table's hash,
+    quantization; no path (the folder may move to another machine). `rebuild_dataset` refuses tokens
+    whose target differs."""
+    from specplug.heads import token_table_sha256
+
+    model = target.model
+    cfg = model.config
+    return {"file": Path(model.path).name, "sha256": file_sha256(model.path), "arch": cfg.arch, "name": cfg.name,
+            "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
+            "token_table_sha256": token_table_sha256(target.tokenizer.token_texts), "quant": model.quant}
+
+
+def token_shard_npz(seqs: Sequence[tuple[Sequence[int], int, int]], vocab_size: int) -> bytes:
+    """One token shard (compressed .npz, the format `rebuild_dataset` reads) holding `seqs`, each
+    (token ids: prompt then answer, prompt length, index of its prompt in the manifest's `prompts`)."""
+    assert seqs, "a token shard needs at least one sequence"
+    lengths = [len(t) for t, _, _ in seqs]
+    assert all(0 < p <= n for n, (_, p, _) in zip(lengths, seqs)), "each prompt length must be in [1, len(tokens)]"
+    arrays = {"tokens": np.fromiter((t for s, _, _ in seqs for t in s), dtype=np.int64, count=sum(lengths))
+              .astype(np.int32 if vocab_size > 65536 else np.uint16),
+              "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+              "prompt_lens": np.array([p for _, p, _ in seqs], dtype=np.int32),
+              "prompt_index": np.array([i for _, _, i in seqs], dtype=np.int64)}
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    return buf.getvalue()
+
+
+def tokens_manifest(target: dict, prompts: list, shards: list[dict], context: int, settings: dict,
+                    sources: dict) -> dict:
+    """The manifest of a tokens-only folder; `shards` entries are {index, file, sequences, tokens,
+    answer_tokens, sha256}, the totals are summed from them."""
+    return {"kind": TOKENS_KIND, "version": TOKENS_VERSION, "target": target, "settings": settings,
+            "sources": sources, "prompts": prompts, "context": context, "shards": shards,
+            "totals": {"shards": len(shards), "sequences": sum(s["sequences"] for s in shards),
+                       "tokens": sum(s["tokens"] for s in shards),
+                       "answer_tokens": sum(s["answer_tokens"] for s in shards)}}
