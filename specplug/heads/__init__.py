@@ -25,6 +25,9 @@ Drafting toolkit (each part usable on its own):
                          the stop rule (stop_below, and the host's `DraftRequest.break_even`)
     ChainDrafter         a recursive pair head (MTP, Eagle3) built on both
     ParallelHeadsDrafter parallel heads (Medusa-style: every depth from the newest state in one forward)
+    SequentialHeadsDrafter sequential heads (Hydra-style: head k also reads the tokens drafted before it)
+    NewestStateDrafter   the hooks both share (the newest committed state per sequence); subclass it for
+                         another drafting rule from that state
     PairStep             a pair head's whole greedy draft step (embedding, layer, output head, top-1) in one
                          native call on the GGUF kernels
     Calibrator, pick_tokens   confidences from outcomes; one token per row of logits
@@ -37,10 +40,12 @@ from specplug.heads.calibrate import Calibrator
 from specplug.heads.chain import ChainDrafter, ChainHead
 from specplug.heads.loop import DraftLoop
 from specplug.heads.pairstep import PairStep
-from specplug.heads.parallel import ParallelHead, ParallelHeadsDrafter
+from specplug.heads.parallel import NewestStateDrafter, ParallelHead, ParallelHeadsDrafter
 from specplug.heads.pick import pick_tokens
+from specplug.heads.sequential import SequentialHead, SequentialHeadsDrafter
 from specplug.heads.state import StateKeeper, assert_draft_aligned, newest_state_position
 
 __all__ = ["Calibrator", "ChainDrafter", "ChainHead", "DraftLoop", "HEAD_ARCH", "HeadError", "HeadFile", "HeadMeta",
-           "PairStep", "ParallelHead", "ParallelHeadsDrafter", "StateKeeper", "assert_draft_aligned", "layer_from_head",
+           "NewestStateDrafter", "PairStep", "ParallelHead", "ParallelHeadsDrafter", "SequentialHead",
+           "SequentialHeadsDrafter", "StateKeeper", "assert_draft_aligned", "layer_from_head",
            "newest_state_position", "pick_tokens", "token_table_sha256", "write_head"]
