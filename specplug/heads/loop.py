@@ -24,8 +24,10 @@ from specplug.heads.pick import pick_tokens
 from specplug.types import Draft, DraftRequest, TargetInfo
 
 Picks = tuple[list[int], list[float], torch.Tensor | None]  # (target ids, their probabilities, [rows, vocab] or None)
-# advance(depth, rows, tokens, requests): the picks of draft token `depth` for the given rows of the
-# previous depth (row j of its picks), which drafted `tokens`, for requests[i] for i in `requests`
+# advance(depth, rows, tokens, requests) -> Picks: draft token `depth` (>= 1) for the requests that go
+# on. `rows`: which rows of the previous depth's picks go on (indices into them, in order); `tokens`:
+# the target ids those rows drafted (the input of this depth); `requests`: the index in `requests`
+# of each. The picks it returns have one row per entry of `rows`, in that order.
 Advance = Callable[[int, list[int], list[int], list[int]], Picks]
 
 
@@ -50,7 +52,14 @@ class DraftLoop:
             depths: Sequence[int] | None = None) -> list[Draft | None]:
         """Drafts for `requests` (None where not live): `picks` are token 0 of requests[live[j]] in row j;
         `advance` gives the next depth's picks for the rows that go on (None: one depth only);
-        `depths[j]`: at most that many tokens for live[j] (the method's limit, e.g. its heads)."""
+        `depths[j]`: at most that many tokens for live[j] (the method's limit, e.g. its heads).
+
+        The contract of `advance(depth, rows, tokens, requests)` (the `Advance` type): it is called
+        once per depth >= 1 while any request goes on, only for those (the stop rule has dropped the
+        others: no forward for a token the host would trim). `rows[m]` is the row of the previous
+        depth's picks that request `requests[m]` continues from, `tokens[m]` the target id it drafted
+        there; the returned picks have row m for requests[m]. A head keeping per-row state selects
+        it with `rows` (`SequentialHeadsDrafter` and `ChainDrafter` do)."""
         out: list[Draft | None] = [None] * len(requests)
         n = len(live)
         if not n:

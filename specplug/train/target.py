@@ -20,6 +20,12 @@ from specplug.runtime.layers import LayerShape
 
 
 class TargetWeights:
+    """The target's frozen weights a trainer reads, float32 and dequantized, from the GGUF file a data
+    set was made with (`TrainData.manifest["target"]`); a moved or changed file is an error naming it.
+
+    `config` is the target's `ModelConfig` (n_embd, n_layer, vocab_size, rms_eps, ...), `shape` its
+    `LayerShape` (heads, KV heads, head width, FFN width) for building a head's layer like the target's."""
+
     def __init__(self, target: dict):
         """`target`: the data manifest's "target" entry (path, sha256, sizes, token table hash)."""
         from specplug.train.datagen import file_sha256
@@ -50,10 +56,14 @@ class TargetWeights:
         return torch.from_numpy(self.gguf.tensor("token_embd.weight"))
 
     def output_norm(self) -> torch.Tensor:
+        """[n_embd] float32: the weight of the target's final RMSNorm (applied before `output_weight`;
+        a head drafting through the target's own output head normalizes its state with it)."""
         return torch.from_numpy(self.gguf.tensor("output_norm.weight"))
 
     def output_weight(self, rows: Sequence[int] | None = None) -> torch.Tensor:
-        """[len(rows) or vocab, n_embd] float32: the vocabulary projection (tied: the embeddings)."""
+        """[len(rows) or vocab, n_embd] float32: the target's vocabulary projection (for a model with tied
+        embeddings, the embedding table), all rows or only `rows` (target token ids, e.g. a draft
+        vocabulary from `draft_vocab`): logits = rms_norm(state) * output_norm() @ output_weight(rows).T."""
         w = torch.from_numpy(self.gguf.tensor(self._head_name))
         return w if rows is None else w[torch.as_tensor(list(rows), dtype=torch.long)]
 
@@ -77,7 +87,11 @@ class TargetWeights:
 
 def draft_vocab(tokens: torch.Tensor, size: int, vocab_size: int, always: Sequence[int] = ()) -> torch.Tensor:
     """The `size` most frequent token ids of `tokens` (ties: lower id first), plus `always`
-    (e.g. end-of-turn ids), sorted by frequency: a frequency-ranked draft vocabulary (FR-Spec)."""
+    (e.g. end-of-turn ids), sorted by frequency: a frequency-ranked draft vocabulary (FR-Spec).
+
+    tokens: int token ids (e.g. the answer tokens of a data set); vocab_size: the target's.
+    Returns [min(size, vocab_size)] int64 target ids, most frequent first: row r of a head's
+    reduced output projection drafts target token result[r] (the head file's `d2t` map)."""
     counts = torch.bincount(tokens.long(), minlength=vocab_size).double()
     for t in always:
         counts[t] += 1e12  # always in
