@@ -158,8 +158,8 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
             raise SpecplugError(f"{record}: the recording does not say where its target file is; give it with --model")
         target = load_target(model, "cpu", "float32", quant, threads or "auto")
         opts = base.options({})
-        taps = cls.taps(opts, {"arch": target.model.config.arch, "n_layer": target.model.config.n_layer,
-                               "n_embd": target.model.config.n_embd, "vocab_size": target.model.config.vocab_size})
+        taps = list(cls.taps(opts, {"arch": target.model.config.arch, "n_layer": target.model.config.n_layer,
+                               "n_embd": target.model.config.n_embd, "vocab_size": target.model.config.vocab_size}))
         for name in ("train", "eval"):
             rebuild_dataset(target, [work / f"{name}-tokens"], work / f"{name}-data", taps, topk,
                             command="specplug adapt")

@@ -1,0 +1,100 @@
+"""`specplug adapt`: recorded traffic -> split in time -> rebuild -> fine-tune -> judged on the held-back
+part; on a tiny random target (the real measurement is scripts/adapt_stream.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specplug.cli import main
+from specplug.errors import SpecplugError
+from specplug.heads import HeadFile
+from specplug.testing import make_train_data, repetitive_prompts, write_tiny_gguf
+from specplug.train.adapt import REPORT, split_tokens
+from specplug.train.datagen import file_sha256
+from specplug.train.tokens import _read_token_shard, read_tokens_manifest
+
+LOOP = ["--batch-tokens", "1024", "--val-fraction", "0.2", "--val-every", "2", "--warmup", "1", "--save-every", "1000",
+        "--threads", "2"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target; a head trained on one kind of text; 'recorded traffic' of another kind (tokens only)."""
+    work = tmp_path_factory.mktemp("adapt")
+    tiny = write_tiny_gguf(work / "tiny.gguf", n_layer=3, tensor_type="Q8_0", scale=1.5)
+    first = make_train_data(tiny, work / "first", repetitive_prompts(40, seed=1), taps="final", max_tokens=24,
+                            shard_prompts=20)
+    head = work / "mtp.gguf"
+    assert main(["train", "mtp", "--data", str(first), "-o", str(head), "--steps", "2", "--draft-vocab", "40",
+                 *LOOP]) == 0
+    traffic = make_train_data(tiny, work / "traffic", [f"{p} {p}" for p in repetitive_prompts(30, seed=9)],
+                              taps="final", max_tokens=24, shard_prompts=8)
+    record = work / "record"
+    assert main(["train", "tokens", str(traffic), "-o", str(record)]) == 0
+    return work, tiny, first, head, record
+
+
+def _seqs(folder: Path) -> list[tuple[int, list[int], int]]:
+    man = read_tokens_manifest(folder)
+    out = []
+    for sh in man["shards"]:
+        a = _read_token_shard(folder, sh)
+        off = a["offsets"].tolist()
+        out += [(int(a["prompt_index"][s]), a["tokens"][off[s]:off[s + 1]].tolist(), int(a["prompt_lens"][s]))
+                for s in range(len(off) - 1)]
+    return out
+
+
+def test_the_split_holds_back_the_latest_prompts_and_loses_nothing(setup, tmp_path):
+    _, _, _, _, record = setup
+    tr, ev = split_tokens(record, tmp_path / "tr", tmp_path / "ev", 0.25, shard_sequences=7)
+    every, a, b = _seqs(record), _seqs(tmp_path / "tr"), _seqs(tmp_path / "ev")
+    assert a + b == every  # in recorded order, every token kept
+    order = list(dict.fromkeys(p for p, _, _ in every))
+    assert [p for p, _, _ in b] == order[-round(len(order) * 0.25):]
+    assert tr["totals"]["tokens"] + ev["totals"]["tokens"] == read_tokens_manifest(record)["totals"]["tokens"]
+    assert tr["target"] == read_tokens_manifest(record)["target"] and len(tr["shards"]) == -(-len(a) // 7)
+    with pytest.raises(SpecplugError, match=r"--hold-back must be between 0 and 1"):
+        split_tokens(record, tmp_path / "x", tmp_path / "y", 1.0)
+
+
+def test_adapt_fine_tunes_on_the_traffic_and_writes_the_head_only_when_it_is_better(setup, capsys):
+    work, tiny, first, head, record = setup
+    out = work / "adapted.gguf"
+    args = ["adapt", "--record", str(record), "--head", str(head), "-o", str(out), "--model", str(tiny),
+            "--hold-back", "0.25", "--steps", "30", "--lr", "3e-3", "--batch-tokens", "1024", "--threads", "2"]
+    assert main(args) == 0
+    rep = json.loads((work / "adapted.adapt" / REPORT).read_text())
+    acc = rep["first_token_acceptance"]
+    assert acc["adapted"] > acc["head"] and rep["written"] and out.is_file()
+    assert f"{acc['head']} -> {acc['adapted']}; wrote {out}" in capsys.readouterr().err
+    lineage = HeadFile(out).meta.recipe["init"]
+    assert lineage["sha256"] == file_sha256(head)  # fine-tuned from the serving head
+    assert set(rep["seconds"]) == {"split", "rebuild", "fine_tune", "evaluate"} and rep["machine"]["cpu"]
+    assert rep["eval_tokens"]["sequences"] + rep["train_tokens"]["sequences"] == rep["recorded"]["sequences"]
+
+    # the same command again: nothing to split or rebuild; learning rate 0 leaves the head as it was, so the
+    # "adapted" head is no better and is not written (exit status 1)
+    out2 = work / "same.gguf"
+    assert main([*args[:6], str(out2), *args[7:-6], "--steps", "2", "--lr", "0", "--threads", "2",
+                 "--work", str(work / "adapted.adapt")]) == 1
+    rep2 = json.loads((work / "adapted.adapt" / REPORT).read_text())
+    assert rep2["first_token_acceptance"]["adapted"] == rep2["first_token_acceptance"]["head"]
+    assert not rep2["written"] and not out2.exists() and "not written" in capsys.readouterr().err
+
+
+def test_adapt_with_a_mix_and_bad_input(setup, capsys):
+    work, tiny, first, head, record = setup
+    out = work / "mixed.gguf"
+    assert main(["adapt", "--record", str(record), "--head", str(head), "-o", str(out), "--model", str(tiny),
+                 "--mix", f"{first}:200", "--steps", "4", "--threads", "2"]) in (0, 1)
+    rec = HeadFile(work / "mixed.adapt" / "candidate-mixed.gguf").meta.recipe["data"]
+    assert [m["max_tokens"] for m in rec["mix"]] == [None, 200]
+    capsys.readouterr()
+    assert main(["adapt", "--record", str(first), "--head", str(head), "-o", str(out)]) == 2
+    assert "not a tokens-only data set" in capsys.readouterr().err
+    assert main(["adapt", "--record", str(record), "--head", str(head), "-o", str(head)]) == 2
+    assert "is the --head file" in capsys.readouterr().err
