@@ -11,6 +11,7 @@ from pathlib import Path
 
 from specplug.cli_args import add_ray_args, add_step_args, non_negative, positive, step_overrides, threads_arg
 from specplug.errors import SpecplugError
+from specplug.record import add_record_args, with_record_args
 
 COMMANDS_GROUP = "specplug.commands"
 
@@ -52,7 +53,7 @@ def cmd_run(args) -> int:
     overrides = step_overrides(args)
     if args.max_tokens is not None:
         overrides["max_tokens"] = args.max_tokens
-    cfg = load_config(args.config, overrides)
+    cfg = with_record_args(load_config(args.config, overrides), args)
     if args.prompts:
         records = read_jsonl_prompts(Path(args.prompts))
         counts = Counter(json.dumps(r["id"]) for r in records)
@@ -95,9 +96,12 @@ def cmd_serve(args) -> int:
         from specplug.cluster import require_ray
 
         require_ray()  # before the config's plugins load
-    cfg = load_config(args.config, overrides)
+    cfg = with_record_args(load_config(args.config, overrides), args)
     if args.ray is not None:
         from specplug.serve_ray import serve_on_ray
+
+        if cfg.record.dir:
+            raise SpecplugError("recording (--record, record:) is not supported with --ray yet; serve without --ray")
 
         return serve_on_ray(cfg, args.host, args.port, address=args.ray, replicas=args.replicas,
                             max_queue=args.max_queue, api_key=args.api_key, model_name=args.served_model_name)
@@ -208,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite an existing --output / --stats")
     p.add_argument("--max-tokens", type=positive, default=None,
                    help="overrides the config's max_tokens (the override is reported)")
+    add_record_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for the model and speculators of a YAML config")
@@ -236,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads of the engine (each replica's, with --ray); overrides the config's `threads`")
     p.add_argument("--replicas", type=positive, default=None,
                    help="with --ray: this many replicas (overrides the config's `ray:` replicas and autoscaling)")
+    add_record_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="plain generation (no speculators)")
