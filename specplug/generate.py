@@ -11,6 +11,8 @@
 - Records with several turns run every turn, the model's own answer fed into the next one (as
   `specplug bench` does); each turn is a line of its own.
 - With several answers and no `--output`, each answer is printed with its id.
+- With `--record DIR` (or `record:` in the YAML) every answer's token ids, and its prompt's, are
+  also kept in DIR as token shards (specplug.record).
 """
 from __future__ import annotations
 
@@ -107,14 +109,19 @@ def run_records(engine, cfg, records: list[dict], output: str | None, stats_path
                 resume: bool = False, resume_command: str | None = None) -> int:
     """Generate every turn of every record; see the module docstring. `resume_command` is what a
     failed write tells the user to run (default: the same command with --resume)."""
+    from specplug.record import Recorder
+
     with ExitStack() as held:  # a no-op where claimed_outputs holds them already
         for path, flag in ((output, "--output"), (stats_path, "--stats")):
             if path:
                 held.enter_context(claim(path, flag))
-        return _run_records(engine, cfg, records, output, stats_path, resume, resume_command)
+        recorder = Recorder.from_config(cfg.record, engine, "run")  # `record:` / --record: off unless asked
+        if recorder is not None:
+            held.callback(recorder.close)
+        return _run_records(engine, cfg, records, output, stats_path, resume, resume_command, recorder)
 
 
-def _run_records(engine, cfg, records, output, stats_path, resume, resume_command) -> int:
+def _run_records(engine, cfg, records, output, stats_path, resume, resume_command, recorder=None) -> int:
     from specplug.api import prompt_ids
     from specplug.engine import Request
 
@@ -163,6 +170,8 @@ def _run_records(engine, cfg, records, output, stats_path, resume, resume_comman
 
             def on_finish(res, turn=turn):
                 nonlocal saved
+                if recorder is not None:
+                    recorder.offer(res.prompt_ids, res.token_ids)
                 i, msgs = owners[res.id]
                 rid = records[i]["id"]
                 text = tok.decode(res.token_ids, skip_special=True)

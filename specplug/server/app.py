@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specplug.engine import Engine
+from specplug.record import Recorder
 from specplug.server.answers import Answers
 from specplug.server.limits import BodyLimit
 from specplug.server.metrics import Metrics
@@ -32,13 +33,14 @@ def create_app(engine: Engine, model_name: str, *, max_queue: int = 64, api_key:
                chat_template: bool = True, system: str | None = None, start: bool = True,
                max_body_mb: float = DEFAULT_MAX_BODY_MB, step_timeout_s: float | None = None,
                prompt_workers: int = 2, prompt_wait_s: float = 10.0,
-               on_failure: Callable[[str], None] | None = None) -> FastAPI:
+               on_failure: Callable[[str], None] | None = None, recorder: Recorder | None = None) -> FastAPI:
     """The ASGI app serving `engine`. With `start`, the engine loop starts in a thread of its own with
     the app's lifespan; without, run `app.state.worker.run()` yourself (as `serve` does, in the
     main thread), and the lifespan's end stops it. Request bodies over `max_body_mb` get 413; an
     engine step that raises or runs over `step_timeout_s` ends the engine's service (/health 503,
-    `on_failure(why)` called once; see EngineWorker)."""
-    worker = EngineWorker(engine, max_queue, step_timeout_s=step_timeout_s, on_failure=on_failure)
+    `on_failure(why)` called once; see EngineWorker). A `recorder` is offered every finished request
+    (its owner closes it)."""
+    worker = EngineWorker(engine, max_queue, step_timeout_s=step_timeout_s, on_failure=on_failure, recorder=recorder)
     worker.metrics = metrics = Metrics(worker)
     prompts = Prompts(engine, model_name, chat_template, system, prompt_workers, engine.n_parallel + max_queue,
                       prompt_wait_s)
@@ -132,6 +134,7 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8080, *, max_queue: int = 64
 
     engine = build_engine(cfg)
     name = model_name or _model_name(cfg.model)
+    recorder = Recorder.from_config(cfg.record, engine, "serve")
     failed: list[str] = []
 
     def on_failure(why: str) -> None:
@@ -144,11 +147,13 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8080, *, max_queue: int = 64
         http.join(drain_timeout + 5)
         time.sleep(2.0)
         log.error("the engine thread is stuck in a step; exiting with status %d", EXIT_ENGINE_FAILED)
+        if recorder is not None:
+            recorder.close()
         os._exit(EXIT_ENGINE_FAILED)
 
     app = create_app(engine, name, max_queue=max_queue, api_key=api_key, chat_template=cfg.chat, system=cfg.system,
                      start=False, max_body_mb=cfg.max_body_mb, step_timeout_s=cfg.step_timeout_s,
-                     on_failure=on_failure)
+                     on_failure=on_failure, recorder=recorder)
     worker: EngineWorker = app.state.worker
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
     server = uvicorn.Server(config)
@@ -170,8 +175,15 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8080, *, max_queue: int = 64
     http.start()
     log.warning("serving %s on http://%s:%d/v1 (%d slots, %d queued at most, speculators: %s)", name, host, port,
                 engine.n_parallel, max_queue, ", ".join(s.name for s in engine.specs) or "none")
-    worker.run(until=lambda: not http.is_alive())
-    http.join(drain_timeout + 5)
+    if recorder is not None:
+        log.warning("recording the token ids of finished requests into %s (%s of them)", recorder.folder,
+                    "all" if recorder.sample == 1 else f"a random {recorder.sample:.0%}")
+    try:
+        worker.run(until=lambda: not http.is_alive())
+        http.join(drain_timeout + 5)
+    finally:
+        if recorder is not None:
+            recorder.close()
     if failed:
         log.error("exiting with status %d: %s", EXIT_ENGINE_FAILED, failed[0])
         return EXIT_ENGINE_FAILED

@@ -45,6 +45,8 @@ class Metrics:
         if self.prompts is not None:
             yield CounterMetricFamily("specplug_prompt_rejected_requests", "Requests refused because no prompt worker "
                                       "was free (429 / 503)", value=self.prompts.rejected)
+        if w.recorder is not None:
+            yield from self._recording(w.recorder.stats)
         st = eng.stats
         yield CounterMetricFamily("specplug_target_forwards", "Decoding forwards of the target", value=st.target_forwards)
         yield CounterMetricFamily("specplug_emitted_tokens", "Tokens the target produced, stop tokens included",
@@ -82,3 +84,16 @@ class Metrics:
             mal.add_metric([s.name], (ss.accepted_tokens + ss.drafts) / ss.drafts if ss.drafts else 0.0)
             enabled.add_metric([s.name], 1.0 if s.enabled else 0.0)
         yield from (drafted, accepted, drafts, rate, mal, enabled, hook_s, hook_calls, asked, possible)
+
+    @staticmethod
+    def _recording(st):
+        """The recorder's counts (`--record`): what reached the disk, and what a failed write lost."""
+        yield CounterMetricFamily("specplug_recorded_requests", "Finished requests written to the --record folder",
+                                  value=st.requests)
+        yield CounterMetricFamily("specplug_recorded_tokens", "Tokens (prompt and answer) written to the --record "
+                                  "folder", value=st.tokens)
+        yield CounterMetricFamily("specplug_record_failed_writes", "Writes to the --record folder that failed (the "
+                                  "requests they carried are not recorded; answers are unaffected)",
+                                  value=st.failed_writes)
+        yield CounterMetricFamily("specplug_record_lost_tokens", "Tokens of requests not recorded because their "
+                                  "write failed", value=st.lost_tokens)

@@ -6,35 +6,15 @@ import asyncio
 import math
 import os
 import secrets
-import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from specplug.engine import Engine, Request
 from specplug.errors import SpecplugError
+from specplug.record import lower_priority
 from specplug.sampling import SamplingParams
 from specplug.server.limits import BoundedTokenizer, PromptTooLong
 from specplug.server.schemas import (APIError, ChatRequest, CompletionRequest, SamplingBody,
                                      SpeculativeOptions)
-
-
-def _lower_priority() -> None:
-    """A prompt worker yields the CPU to the engine thread and the event loop (Linux: per thread).
-
-    SCHED_IDLE, where the kernel allows it: a waking engine or loop thread then takes the core from
-    the worker at once, where a niced worker may keep it for the rest of its slice. That matters to
-    the engine's threads, which meet at a barrier after every parallel region. Measured by
-    scripts/stall_serve.py (context 8192, a 663 k-character prompt beside small requests, 2 cores,
-    3 alternations, median of 3 rounds each): p99 1.35/1.69/1.70x idle, with nice 10 1.45/1.63/2.17x."""
-    if sys.platform.startswith("linux"):
-        tid = threading.get_native_id()
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        except (OSError, AttributeError):
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, 10)
-            except OSError:
-                pass
 
 
 class Prompts:
@@ -61,7 +41,7 @@ class Prompts:
         # one text per call: tokenizers' rayon threads would only spin beside the worker (0.82 vs
         # 0.42 s of CPU for 850 k characters, measured) and escape its lower priority
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="specplug-prompt", initializer=_lower_priority)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="specplug-prompt", initializer=lower_priority)
         self._free = asyncio.Semaphore(workers)
         self._waiting = 0
         self.rejected = 0  # requests refused for want of a worker (429 or 503)

@@ -16,6 +16,7 @@ from specplug.engine import Engine, Request, SequenceResult
 from specplug.errors import SpecplugError
 
 if TYPE_CHECKING:
+    from specplug.record import Recorder
     from specplug.server.metrics import Metrics
 
 log = logging.getLogger("specplug.server")
@@ -65,8 +66,10 @@ class EngineWorker:
     """
 
     def __init__(self, engine: Engine, max_queue: int, metrics: "Metrics | None" = None,
-                 step_timeout_s: float | None = None, on_failure: Callable[[str], None] | None = None):
+                 step_timeout_s: float | None = None, on_failure: Callable[[str], None] | None = None,
+                 recorder: "Recorder | None" = None):
         self.engine = engine
+        self.recorder = recorder  # offered every request that finishes without an error
         self.capacity = engine.n_parallel + max_queue
         self.metrics = metrics
         self.step_timeout_s = step_timeout_s
@@ -232,8 +235,10 @@ class EngineWorker:
         self._done(job)
         if job.error is not None:
             job.send(("error", *job.error))
-        else:
-            job.send(("done", res))
+            return
+        job.send(("done", res))
+        if self.recorder is not None:
+            self.recorder.offer(res.prompt_ids, res.token_ids)
 
     def _done(self, job: Job) -> None:
         with self._lock:
