@@ -55,6 +55,8 @@ class Calibrator:
         self.last[seq] = probs
 
     def verified(self, results: Sequence[Verified]) -> None:
+        """Count the outcome of each recorded draft (the `verified` hook's results): per draft token
+        up to the first rejected one, tried +1, and accepted +1 for the accepted ones."""
         for v in results:
             keys = self.last.pop(v.seq_id, None)
             if not keys or not v.chosen:

@@ -95,6 +95,8 @@ class ChainDrafter:
     raw_states = False
 
     def row_states(self, batch: Batch, encoded: torch.Tensor | None) -> torch.Tensor:
+        """[len(batch), d] the state h_t each committed row leaves, which pairs with the next token
+        (MTP: the final state; Eagle3: its three taps side by side). A subclass implements it."""
         raise NotImplementedError
 
     # --- keeping in step ----------------------------------------------------------------------------

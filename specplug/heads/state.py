@@ -47,6 +47,7 @@ class StateKeeper:
         self.on_reset = on_reset
 
     def reset(self, seq: int) -> None:
+        """Forget sequence `seq` (as `remove(seq, 0)`): nothing received, no state; calls `on_reset`."""
         self.received[seq], self.last[seq], self.broken[seq] = 0, None, False
         if self.on_reset is not None:
             self.on_reset(seq)

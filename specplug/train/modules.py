@@ -114,6 +114,8 @@ class TrainLayer(nn.Module):
 
     @staticmethod
     def quantized_names(prefix: str) -> set[str]:
+        """The names (under `prefix`) of the layer's matrices, which a head file stores as Q8_0
+        (`write_head(..., quantize=...)`); the norms stay float32."""
         return {prefix + n for n in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")}
 
 
