@@ -16,9 +16,15 @@ import numpy as np
 from specplug.errors import ModelError
 
 # Architectures whose GGUF tensors we know how to run. The llama converter permutes Q/K
-# rows for llama.cpp's interleaved ("normal") RoPE; qwen2/qwen3 keep the NEOX (half-split)
+# rows for llama.cpp's interleaved ("normal") RoPE; qwen2/qwen3/gemma3 keep the NEOX (half-split)
 # layout, which the model turns into the interleaved one at load time.
-ROPE_STYLE = {"llama": "interleaved", "qwen2": "neox", "qwen3": "neox"}
+ROPE_STYLE = {"llama": "interleaved", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
+
+# gemma3 (llama.cpp src/models/gemma3.cpp): without a sliding_window_pattern key, every 6th layer
+# is global and the others slide (llama_hparams::set_swa_pattern: layer i slides when i % 6 < 5);
+# the sliding layers' RoPE base is rope.freq_base_swa, 10000 when the file has none.
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_SWA_ROPE_BASE = 10000.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,24 @@ class ModelConfig:
     qk_norm: bool  # qwen3: RMSNorm on each head of q and k before RoPE
     attn_bias: bool  # qwen2: bias on q, k, v
     tied_embeddings: bool  # no output.weight: the lm head is token_embd
+    # gemma3 and kin; the defaults are llama's
+    window: int = 0  # sliding-window size in tokens (a query at p sees keys p - window < k <= p); 0: none
+    window_layers: tuple[int, ...] = ()  # the layers that slide; the others attend to everything
+    rope_base_window: float = 10000.0  # the sliding layers' RoPE base
+    rope_scale: float = 1.0  # linear RoPE scaling of the other layers (positions times this)
+    post_norms: bool = False  # RMSNorm on the attention and MLP outputs before the residual add
+    gelu: bool = False  # GeGLU (tanh GELU) in place of SwiGLU
+    embed_scale: float = 1.0  # token embeddings times this (gemma: sqrt(n_embd))
+    attn_scale: float = 0.0  # q.k scale; 0: 1/sqrt(head_dim)
+    logit_softcap: float = 0.0  # logits = c tanh(logits / c); 0: none
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of `layer` (0: it attends to every position)."""
+        return self.window if layer in self.window_layers else 0
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim ** -0.5
 
 
 class GGUFFile:
@@ -98,10 +122,12 @@ class GGUFFile:
         if emb is None:
             raise ModelError(f"{self.path}: tensor 'token_embd.weight' is missing")
         vocab = int(self._get(p + "vocab_size", int(emb.shape[-1])))
+        n_layer = int(self._get(p + "block_count"))
+        extra = self._gemma3(p, n_layer, n_embd, n_head) if arch == "gemma3" else {}
         return ModelConfig(
             arch=arch,
             name=str(self._get("general.name", self.path.stem)),
-            n_layer=int(self._get(p + "block_count")),
+            n_layer=n_layer,
             n_embd=n_embd,
             n_ff=int(self._get(p + "feed_forward_length")),
             n_head=n_head,
@@ -112,10 +138,50 @@ class GGUFFile:
             rope_base=float(self._get(p + "rope.freq_base", 10000.0)),
             rms_eps=float(self._get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
             rope_style=ROPE_STYLE[arch],
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             attn_bias=arch == "qwen2",
             tied_embeddings="output.weight" not in self.tensors,
+            rope_scale=self._rope_scale(p),
+            **extra,
         )
+
+    def _rope_scale(self, p: str) -> float:
+        """Linear RoPE scaling from rope.scaling.type/factor (llama.cpp: freq_scale = 1 / factor)."""
+        kind = self._get(p + "rope.scaling.type", "none")
+        factor = float(self._get(p + "rope.scaling.factor", 0.0) or 0.0)
+        if kind == "none" or (kind == "linear" and factor in (0.0, 1.0)):
+            return 1.0
+        if kind != "linear":
+            raise ModelError(f"{self.path}: rope scaling {kind!r} ({p}rope.scaling.type) is not supported "
+                             "(supported: none, linear)")
+        return 1.0 / factor
+
+    def _gemma3(self, p: str, n_layer: int, n_embd: int, n_head: int) -> dict[str, Any]:
+        """gemma3's keys beyond llama's, read as llama.cpp's gemma3 loader reads them."""
+        if self._get(p + "attn_logit_softcapping", 0.0):
+            raise ModelError(f"{self.path}: {p}attn_logit_softcapping is set; attention soft-capping "
+                             "(gemma2) is not supported")
+        window = int(self._get(p + "attention.sliding_window", 0) or 0)
+        layers: tuple[int, ...] = ()
+        if window > 0:
+            pattern = self._get(p + "attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+            if isinstance(pattern, list):  # one flag per layer
+                if len(pattern) != n_layer:
+                    raise ModelError(f"{self.path}: {p}attention.sliding_window_pattern has {len(pattern)} "
+                                     f"entries for {n_layer} layers")
+                layers = tuple(i for i, slides in enumerate(pattern) if slides)
+            else:
+                n = int(pattern)
+                layers = tuple(i for i in range(n_layer) if n == 0 or i % n < n - 1)
+        head_dim = int(self._get(p + "attention.key_length", n_embd // n_head))
+        # llama.cpp: 1/sqrt(head_dim) (query_pre_attn_scalar = head_dim), but 1/sqrt(n_embd / n_head)
+        # for the 27B model (62 layers), as gemma_pytorch's config says
+        scale = (n_embd // n_head) ** -0.5 if n_layer == 62 else head_dim ** -0.5
+        return dict(window=window, window_layers=layers,
+                    rope_base_window=float(self._get(p + "rope.freq_base_swa", GEMMA3_SWA_ROPE_BASE)),
+                    post_norms=True, gelu=True, embed_scale=float(np.sqrt(np.float32(n_embd))),
+                    attn_scale=float(self._get(p + "attention.scale", scale)),
+                    logit_softcap=float(self._get(p + "final_logit_softcapping", 0.0) or 0.0))
 
     def has(self, name: str) -> bool:
         return name in self.tensors

@@ -34,7 +34,8 @@ from specplug.runtime.kv_cache import KVCache
 from specplug.runtime.linear import DenseLinear, Int8Linear, rms_norm
 from specplug.runtime.native import QuantLinear
 
-__all__ = ["Backend", "Linear", "LayerShape", "DecoderLayer", "Rope", "Step", "StaticRows", "rms_norm", "KVCache"]
+__all__ = ["Backend", "Linear", "LayerShape", "LayerKind", "DecoderLayer", "Rope", "Step", "StaticRows", "rms_norm",
+           "KVCache"]
 
 
 class Linear(Protocol):
@@ -92,23 +93,25 @@ class Backend:
         return self.linear(torch.from_numpy(np.array(w, dtype=np.float32)), bias, norm_weight)
 
     def new_cache(self, n_layer: int, n_seq: int, max_ctx: int, n_head_kv: int, head_dim: int,
-                  dtype: torch.dtype | None = None, spare: int = 0) -> KVCache:
+                  dtype: torch.dtype | None = None, spare: int = 0, windows: Sequence[int] | None = None) -> KVCache:
         """A KV cache these layers can use. Default dtype: float16 on the native kernels (they store
         keys and values rounded to float16 and widen them as they read: half the memory and the
         bytes attention reads; every row sees the same rounded values, so batch invariance holds),
-        float32 for torch on CPU, the model dtype elsewhere."""
+        float32 for torch on CPU, the model dtype elsewhere. `windows`: each layer's sliding window
+        (0: none); those layers keep a ring of the window plus some slack (KVCache)."""
         if dtype is None:
             dtype = torch.float16 if self.native else (torch.float32 if self.device.type == "cpu" else self.dtype)
         if self.native and dtype not in (torch.float16, torch.float32):
             raise ValueError(f"the native kernels keep K/V in float16 or float32, not {dtype}")
-        return KVCache(n_layer, n_seq, max_ctx, n_head_kv, head_dim, dtype, self.device, spare)
+        return KVCache(n_layer, n_seq, max_ctx, n_head_kv, head_dim, dtype, self.device, spare, windows)
 
 
 class Rope:
-    """Rotary position tables for interleaved pairs (2i, 2i+1), grown on demand."""
+    """Rotary position tables for interleaved pairs (2i, 2i+1), grown on demand. `scale`: linear
+    scaling (position p turns like p * scale; llama.cpp's freq_scale)."""
 
-    def __init__(self, head_dim: int, base: float, device: torch.device | str = "cpu"):
-        inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    def __init__(self, head_dim: int, base: float, device: torch.device | str = "cpu", scale: float = 1.0):
+        inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim) * scale
         self.inv_freq = inv.float()
         self.device = torch.device(device)
         self._table = torch.empty(0, head_dim // 2, dtype=torch.complex64, device=self.device)
@@ -166,9 +169,11 @@ class Step:
         self.n = n
         self.cache = cache
         self.native = backend.native
+        self._rope = rope
+        self._rotations: dict[int, torch.Tensor] = {}  # id(rope) -> [B*T, 1, D/2] complex (torch backend)
         if self.native:
             _note_batch(positions, seq_ids, cache)
-            if cache.k.dtype not in (torch.float16, torch.float32) or cache.k.device.type != "cpu":
+            if cache.dtype not in (torch.float16, torch.float32) or cache.device.type != "cpu":
                 raise ValueError("the native kernels need a float16 or float32 CPU cache (make it with Backend.new_cache)")
             self.seq = torch.tensor(seq_ids, dtype=torch.int32)
             self.pos = torch.tensor(positions, dtype=torch.int32)
@@ -177,8 +182,21 @@ class Step:
             self.limit = None if limits is None else torch.tensor([int(x) for x in limits], dtype=torch.int32)
             self.plan = None
         else:
-            self.plan = _Plan(positions, seq_ids, cache, cache.k.device, backend.dtype, limits)
-            self.rope = rope.table(cache.max_ctx)[self.plan.q_pos].unsqueeze(1)  # [B*T, 1, D/2] complex
+            self.plan = _Plan(positions, seq_ids, cache, cache.device, backend.dtype, limits)
+            self.rope = self.rotation(rope)
+
+    def tables(self, rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of `rope` (default: the step's) for the native kernels (a layer with its own RoPE base)."""
+        if rope is None or rope is self._rope:
+            return self.cos, self.sin
+        return rope.cos_sin(self.cache.max_ctx)
+
+    def rotation(self, rope: Rope) -> torch.Tensor:
+        """The rows' rotations by `rope` [B*T, 1, D/2] complex (torch backend), made once per step."""
+        r = self._rotations.get(id(rope))
+        if r is None:
+            r = self._rotations[id(rope)] = rope.table(self.cache.max_ctx)[self.plan.q_pos].unsqueeze(1)
+        return r
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """Entry-order rows [n, ...] -> the layout the layers compute in."""
@@ -199,20 +217,28 @@ class Step:
         rows = self.plan.padded_rows(entry_rows)
         return x if rows is None else x[rows]
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """RoPE on per-head rows [rows, heads, head_dim] (interleaved pairs) at the rows' positions (float32)."""
-        return torch.view_as_real(torch.view_as_complex(x.float().unflatten(2, (x.shape[2] // 2, 2))) * self.rope).flatten(2)
+    def rotate(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
+        """RoPE on per-head rows [rows, heads, head_dim] (interleaved pairs) at the rows' positions (float32),
+        by the step's rope or the given one."""
+        rot = self.rope if rope is None else self.rotation(rope)
+        return torch.view_as_real(torch.view_as_complex(x.float().unflatten(2, (x.shape[2] // 2, 2))) * rot).flatten(2)
 
     def store(self, li: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write rotated keys and values [rows, n_head_kv, head_dim] into layer `li` of the cache."""
         self.plan.write(self.cache.k[li], k)
         self.plan.write(self.cache.v[li], v)
 
-    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, H: int, Hkv: int, D: int) -> torch.Tensor:
-        """Store the rows' k/v [rows, Hkv, D] in layer `li`, then attend with q [rows, H, D] -> [rows, H*D]."""
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, H: int, Hkv: int, D: int,
+               window: int = 0, scale: float | None = None) -> torch.Tensor:
+        """Store the rows' k/v [rows, Hkv, D] in layer `li`, then attend with q [rows, H, D] -> [rows, H*D]
+        (window > 0: only the last `window` positions up to each row's own; scale: default 1/sqrt(D))."""
         plan, cache = self.plan, self.cache
-        kc, vc = plan.write(cache.k[li], k), plan.write(cache.v[li], v)
-        return _attention(q, kc.to(q.dtype), vc.to(q.dtype), plan.mask_for(H // Hkv), plan.B, plan.T, H, Hkv, D)
+        if window:
+            kc, vc = plan.write_window(cache.k[li], k, window), plan.write_window(cache.v[li], v, window)
+            mask = plan.window_mask(H // Hkv, window)
+        else:
+            kc, vc, mask = plan.write(cache.k[li], k), plan.write(cache.v[li], v), plan.mask_for(H // Hkv)
+        return _attention(q, kc.to(q.dtype), vc.to(q.dtype), mask, plan.B, plan.T, H, Hkv, D, scale)
 
 
 class StaticRows:
@@ -290,7 +316,9 @@ class StaticRows:
         kc.transpose(1, 2).index_put_((self.wslot, self.wpos), k.to(kc.dtype))
         vc.transpose(1, 2).index_put_((self.wslot, self.wpos), v.to(vc.dtype))
 
-    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, H: int, Hkv: int, D: int) -> torch.Tensor:
+    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, H: int, Hkv: int, D: int,
+               window: int = 0, scale: float | None = None) -> torch.Tensor:
+        assert not window and scale is None, "the static step has no sliding windows or attention scales"
         self.store(li, k, v)
         B, T, L = self.B, self.T, self.L
         G = H // Hkv
@@ -311,27 +339,47 @@ class LayerShape:
     n_ff: int
 
 
+@dataclass(frozen=True)
+class LayerKind:
+    """What a layer does beyond a llama layer (the defaults): Gemma 3's sliding window, its own RoPE
+    (the global layers' base differs from the local ones'), RMSNorms on the attention and MLP outputs
+    before each residual add, GeGLU with the tanh GELU, and the attention scale."""
+
+    window: int = 0  # attend to the last `window` positions only (0: all)
+    rope: Rope | None = None  # None: the step's
+    post_attn_norm: torch.Tensor | None = None  # [n_embd]: x + norm(attn) in place of x + attn
+    post_ffn_norm: torch.Tensor | None = None  # [n_embd]
+    gelu: bool = False  # gelu_tanh(gate) * up in place of silu(gate) * up
+    scale: float | None = None  # q.k scale; None: 1/sqrt(head_dim)
+
+
 class DecoderLayer:
-    """A llama decoder layer: x + attn(norm(x)), then + SwiGLU(norm(x)).
+    """A llama decoder layer: x + attn(norm(x)), then + SwiGLU(norm(x)); a Gemma 3 one with `kind`.
 
     `qkv` maps the attention input to [q | k | v] (rows of q and k in interleaved RoPE order);
     with `norm_weight` folded in (`norm_linear`) it normalizes the residual stream itself. A
     head whose attention input is something else (Eagle3: [norm(embed); norm(h)]) passes
     `attn_in` and builds `qkv` without a norm weight. `gate_up` = [gate | up] with the FFN
-    norm folded in. q_norm/k_norm: per-head RMSNorm (qwen3).
+    norm folded in. q_norm/k_norm: per-head RMSNorm (qwen3, gemma3).
     """
 
     def __init__(self, qkv: Linear, o: Linear, gate_up: Linear, down: Linear, shape: LayerShape, eps: float,
-                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None):
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 kind: LayerKind = LayerKind()):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.shape, self.eps = shape, eps
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.kind = kind
+        self.scale = kind.scale or shape.head_dim ** -0.5
         self._fused = None  # all four linears on the native kernels: the whole layer is one native call
         if isinstance(qkv, QuantLinear):
             self._k = native.kernels()
             if all(isinstance(m, QuantLinear) for m in (o, gate_up, down)) and qkv.norm_weight is not None \
                     and gate_up.norm_weight is not None:
                 self._fused = tuple(v for m in self.linears() for v in m.packed())
+                e = torch.empty(0)
+                self._post = (kind.post_attn_norm.float().contiguous() if kind.post_attn_norm is not None else e,
+                              kind.post_ffn_norm.float().contiguous() if kind.post_ffn_norm is not None else e)
         self.fused = True  # False: one native call per kernel (the profiler times them apart)
 
     def linears(self) -> tuple[Linear, Linear, Linear, Linear]:
@@ -341,31 +389,43 @@ class DecoderLayer:
     def __call__(self, x: torch.Tensor, step: Step, li: int, attn_in: torch.Tensor | None = None) -> torch.Tensor:
         """The layer on residual rows x [rows, n_embd], writing K/V into layer `li` of step.cache."""
         if attn_in is None and step.native and self._fused is not None and self.fused:
-            S, cache = self.shape, step.cache
+            S, cache, kind = self.shape, step.cache, self.kind
+            cos, sin = step.tables(kind.rope)
             return self._k.layer_forward(x.contiguous(), *self._fused, self.q_norm, self.k_norm, self.eps, cache.k[li],
-                                         cache.v[li], step.seq, step.pos, cache.valid, step.cos, step.sin, S.n_head,
-                                         S.n_head_kv, S.head_dim ** -0.5, step.limit)
+                                         cache.v[li], step.seq, step.pos, cache.valid, cos, sin, S.n_head,
+                                         S.n_head_kv, self.scale, step.limit, kind.window, *self._post, kind.gelu)
         return self.ffn(self.attention(x, step, li, attn_in))
+
+    def _residual(self, y: torch.Tensor, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """x + rms_norm(y) * norm (Gemma's post norms); on the native kernels, their row kernel."""
+        if self._fused is not None or isinstance(self.qkv, QuantLinear):
+            return self._k.rms_norm_add(y.contiguous(), norm.float().contiguous(), self.eps, x.contiguous())
+        return x + rms_norm(y, norm, self.eps)
 
     def attention(self, x: torch.Tensor, step: Step, li: int, attn_in: torch.Tensor | None = None) -> torch.Tensor:
         """x + o(attention): qkv of norm(x) (or of `attn_in` as given), K/V stored at the rows' cells."""
-        S = self.shape
+        S, kind = self.shape, self.kind
         H, Hkv, D = S.n_head, S.n_head_kv, S.head_dim
         qkv = self.qkv.norm_linear(x, self.eps) if attn_in is None else self.qkv(attn_in)
         cache = step.cache
+        post = kind.post_attn_norm
         if step.native:
             k = self._k
             kc, vc = cache.k[li], cache.v[li]
-            k.rope_store(qkv, step.seq, step.pos, step.cos, step.sin, H, Hkv, self.q_norm, self.k_norm, self.eps,
-                         kc, vc)
-            return self.o(k.attention(qkv, kc, vc, step.seq, step.pos, cache.valid, H, D ** -0.5, step.limit),
-                          residual=x)
+            cos, sin = step.tables(kind.rope)
+            k.rope_store(qkv, step.seq, step.pos, cos, sin, H, Hkv, self.q_norm, self.k_norm, self.eps, kc, vc)
+            a = k.attention(qkv, kc, vc, step.seq, step.pos, cache.valid, H, self.scale, step.limit, kind.window)
+            return self.o(a, residual=x) if post is None else self._residual(self.o(a), x, post)
         qk = qkv[:, : (H + Hkv) * D].unflatten(1, (H + Hkv, D))
         if self.q_norm is not None:
             qk = torch.cat([rms_norm(qk[:, :H], self.q_norm, self.eps), rms_norm(qk[:, H:], self.k_norm, self.eps)], 1)
-        qk = step.rotate(qk).to(x.dtype)
+        qk = step.rotate(qk, kind.rope).to(x.dtype)
         v = qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D))
-        return self.o(step.attend(li, qk[:, :H], qk[:, H:], v, H, Hkv, D), residual=x)
+        if kind.window or kind.scale is not None:
+            a = step.attend(li, qk[:, :H], qk[:, H:], v, H, Hkv, D, kind.window, self.scale)
+        else:
+            a = step.attend(li, qk[:, :H], qk[:, H:], v, H, Hkv, D)
+        return self.o(a, residual=x) if post is None else self._residual(self.o(a), x, post)
 
     def store_kv(self, x: torch.Tensor, step: Step, li: int) -> None:
         """Write the keys and values of rows x (normalized by the layer's attention norm) into layer
@@ -376,37 +436,45 @@ class DecoderLayer:
         qkv = self.qkv.norm_linear(x, self.eps)
         cache = step.cache
         if step.native:
-            self._k.rope_store(qkv, step.seq, step.pos, step.cos, step.sin, H, Hkv, self.q_norm, self.k_norm,
+            cos, sin = step.tables(self.kind.rope)
+            self._k.rope_store(qkv, step.seq, step.pos, cos, sin, H, Hkv, self.q_norm, self.k_norm,
                                self.eps, cache.k[li], cache.v[li])
             return
         k = qkv[:, H * D:(H + Hkv) * D].unflatten(1, (Hkv, D))
         if self.k_norm is not None:
             k = rms_norm(k, self.k_norm, self.eps)
-        step.store(li, step.rotate(k).to(x.dtype), qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D)))
+        step.store(li, step.rotate(k, self.kind.rope).to(x.dtype), qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D)))
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        """x + down(silu(gate(norm(x))) * up(norm(x)))."""
+        """x + down(silu(gate(norm(x))) * up(norm(x))) (GeGLU and a post norm as `kind` says)."""
         gu = self.gate_up.norm_linear(x, self.eps)
+        kind = self.kind
         if isinstance(self.down, QuantLinear):
-            return self.down.matmul(self._k.silu_mul_quantize(gu), residual=x)
+            act = self._k.gelu_mul_quantize(gu) if kind.gelu else self._k.silu_mul_quantize(gu)
+            if kind.post_ffn_norm is None:
+                return self.down.matmul(act, residual=x)
+            return self._residual(self.down.matmul(act), x, kind.post_ffn_norm)
         n_ff = self.shape.n_ff
-        return self.down(F.silu(gu[:, :n_ff]) * gu[:, n_ff:], residual=x)
+        g = F.gelu(gu[:, :n_ff], approximate="tanh") if kind.gelu else F.silu(gu[:, :n_ff])
+        if kind.post_ffn_norm is None:
+            return self.down(g * gu[:, n_ff:], residual=x)
+        return self._residual(self.down(g * gu[:, n_ff:]), x, kind.post_ffn_norm)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               B: int, T: int, H: int, Hkv: int, D: int) -> torch.Tensor:
-    """q [B*T, H, D], k/v [B, Hkv, L, D] -> [B*T, H*D].
+               B: int, T: int, H: int, Hkv: int, D: int, scale: float | None = None) -> torch.Tensor:
+    """q [B*T, H, D], k/v [B, Hkv, L, D] -> [B*T, H*D] (scale None: SDPA's 1/sqrt(D)).
 
     With several query rows, the G = H/Hkv query heads sharing a kv head become rows of one
     attention per kv head ([B, Hkv, G*T, D]): no K/V repetition and fewer, larger kernels.
     """
     if T == 1:
         o = F.scaled_dot_product_attention(q.unflatten(0, (B, 1)).transpose(1, 2), k, v, attn_mask=mask,
-                                           enable_gqa=Hkv != H)  # [B, H, 1, D]
+                                           enable_gqa=Hkv != H, scale=scale)  # [B, H, 1, D]
         return o.reshape(B, H * D)
     G = H // Hkv
     qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # [B, Hkv, G*T, D]
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G*T, D]
     return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
 
 
@@ -419,7 +487,9 @@ class _Plan:
     def __init__(self, positions: list[int], seq_ids: list[int], cache: KVCache, dev: torch.device,
                  dtype: torch.dtype = torch.float32, limits: Sequence[int] | None = None):
         groups = _note_batch(positions, seq_ids, cache)
+        self.cache, self._limits = cache, limits
         self.slots = list(groups)
+        self._first_pos = [min(positions[i] for i in g) for g in groups.values()]  # per slot: its lowest row
         self.B = B = len(groups)
         self.T = T = max(len(g) for g in groups.values())
         self.n = n = len(positions)
@@ -474,6 +544,62 @@ class _Plan:
             # _attention groups them: [B, 1, G*T, L] for T > 1, [B, 1, 1, L] for T == 1
             self._mask = torch.zeros(keep.shape, dtype=dtype, device=dev).masked_fill_(~keep, float("-inf"))
             self._grouped: dict[int, torch.Tensor] = {}
+        self.dtype, self.dev = dtype, dev
+        self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # window -> (cells [B, Lw], mask [B, T, Lw])
+        self._window_masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For layers with a sliding window: per slot the cells of the positions its rows can see
+        ([B, Lw], position lo_b + j in cell (lo_b + j) % cells, lo_b = the window start of the slot's
+        lowest row) and the additive mask [B, T, Lw] (causal, inside each row's window, valid)."""
+        got = self._windows.get(window)
+        if got is not None:
+            return got
+        cache, dev, B, T = self.cache, self.dev, self.B, self.T
+        lo = torch.tensor([max(0, p - window + 1) for p in self._first_pos], dtype=torch.long, device=dev)
+        hi = torch.tensor([cache.end[s] for s in self.slots], dtype=torch.long, device=dev)  # one past the last
+        Lw = int((hi - lo).max())
+        kp = lo.view(B, 1) + torch.arange(Lw, device=dev).view(1, Lw)  # [B, Lw] positions
+        inside = kp < hi.view(B, 1)
+        kp = torch.where(inside, kp, lo.view(B, 1))  # past the end: any real cell, masked below
+        slots = torch.tensor(self.slots, dtype=torch.long, device=dev)
+        q = self.q_pos.view(B, T, 1)
+        lim = q if self._limits is None else \
+            torch.tensor([int(x) for x in self._limits], dtype=torch.long, device=dev).view(B, T, 1)
+        keep = (kp.view(B, 1, Lw) <= lim) & (kp.view(B, 1, Lw) > q - window) & \
+            (inside & cache.valid[slots.view(B, 1), kp]).view(B, 1, Lw)
+        mask = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))
+        self._windows[window] = got = (kp, mask)
+        return got
+
+    def write_window(self, store: torch.Tensor, new: torch.Tensor, window: int) -> torch.Tensor:
+        """Write new K or V rows [B*T, Hkv, D] into `store` [n_seq, Hkv, cells, D] (a ring when cells <
+        max_ctx), then return the keys the rows' windows can see [B, Hkv, Lw, D]."""
+        ncell = store.shape[2]
+        rows = new if self._real_rows is None else new[self._real_rows]
+        w_seq, w_pos = self._writes()
+        store[w_seq, :, w_pos % ncell] = rows.to(store.dtype)
+        kp, _ = self._window(window)
+        slots = torch.tensor(self.slots, dtype=torch.long, device=self.dev)
+        return store[slots.view(-1, 1), :, kp % ncell].transpose(1, 2)  # [B, Lw, Hkv, D] -> [B, Hkv, Lw, D]
+
+    def window_mask(self, group: int, window: int) -> torch.Tensor:
+        """window's mask laid out as _attention groups rows (see mask_for)."""
+        m = self._window_masks.get((group, window))
+        if m is None:
+            mask = self._window(window)[1]
+            B, T, L = mask.shape
+            m = mask.unsqueeze(1) if T == 1 else mask.unsqueeze(1).repeat(1, 1, group, 1).view(B, 1, group * T, L)
+            self._window_masks[(group, window)] = m
+        return m
+
+    def _writes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, position) of each real row, as long tensors."""
+        if self._span is not None:
+            s, a, b = self._span
+            return (torch.full((b - a,), s, dtype=torch.long, device=self.dev),
+                    torch.arange(a, b, dtype=torch.long, device=self.dev))
+        return self._w_seq, self._w_pos
 
     def mask_for(self, group: int) -> torch.Tensor | None:
         """The additive mask laid out as _attention groups rows: [B, 1, G*T, L] (T > 1), [B, 1, 1, L]

@@ -1,5 +1,5 @@
-"""The target model: a llama-family transformer in plain torch, run over batches of
-(token, position, sequence) entries against a multi-sequence KV cache.
+"""The target model: a llama-family (llama, qwen2, qwen3) or Gemma 3 transformer, run over batches
+of (token, position, sequence) entries against a multi-sequence KV cache.
 
 One forward serves prompt chunks, single-token decoding and k-token verification of many
 sequences at once. The caller chooses which rows get logits and which hidden states are
@@ -19,7 +19,7 @@ from specplug.errors import ModelError
 from specplug.runtime.gguf_file import GGUFFile, ModelConfig
 from specplug.runtime import native
 from specplug.runtime.kv_cache import KVCache
-from specplug.runtime.layers import Backend, DecoderLayer, LayerShape, Linear, Rope, Step
+from specplug.runtime.layers import Backend, DecoderLayer, LayerKind, LayerShape, Linear, Rope, Step
 from specplug.runtime.linear import int8_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -188,7 +188,7 @@ class TokenEmbeddings:
 
 
 class Transformer:
-    """A llama/qwen2/qwen3 decoder loaded from GGUF. Use `Transformer.load(path, ...)`."""
+    """A llama/qwen2/qwen3/gemma3 decoder loaded from GGUF. Use `Transformer.load(path, ...)`."""
 
     def __init__(self, gguf: GGUFFile, device: torch.device, dtype: torch.dtype, quant: str):
         self.config = cfg = gguf.config
@@ -236,6 +236,8 @@ class Transformer:
 
         H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         shape = LayerShape(H, Hkv, D, cfg.n_ff)
+        self.rope = Rope(D, cfg.rope_base, device, scale=cfg.rope_scale)
+        self.rope_window = Rope(D, cfg.rope_base_window, device) if cfg.window_layers else None
         self.layers: list[DecoderLayer] = []
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
@@ -260,7 +262,7 @@ class Transformer:
                 o=lin([p + "attn_output.weight"]),
                 gate_up=lin([p + "ffn_gate.weight", p + "ffn_up.weight"], None, None, t(p + "ffn_norm.weight")),
                 down=lin([p + "ffn_down.weight"]),
-                shape=shape, eps=cfg.rms_eps, q_norm=q_norm, k_norm=k_norm))
+                shape=shape, eps=cfg.rms_eps, q_norm=q_norm, k_norm=k_norm, kind=self._layer_kind(i, t, vec)))
         emb_shape = gguf.shape("token_embd.weight")
         if emb_shape != (cfg.vocab_size, cfg.n_embd):
             raise ModelError(f"{gguf.path}: token_embd.weight has shape {emb_shape}, "
@@ -274,8 +276,20 @@ class Transformer:
         head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         self.head = lin([head_name], None, None, out_norm)
         self.output_head = OutputHead(gguf, head_name, out_norm, cfg.rms_eps, backend, self.head)
-        self.rope = Rope(D, cfg.rope_base, device)
         self.metadata = gguf.metadata
+
+    def _layer_kind(self, i: int, t, vec) -> LayerKind:
+        """What layer i does beyond llama's (gemma3: window, its RoPE, post norms, GeGLU, scale)."""
+        cfg = self.config
+        if cfg.arch != "gemma3":
+            return LayerKind()
+        # The GGUF converter stores Gemma's RMSNorm weights with the +1 already added (llama.cpp's
+        # graph multiplies by them as they are), so they are used as stored.
+        p = f"blk.{i}."
+        window = cfg.layer_window(i)
+        return LayerKind(window=window, rope=self.rope_window if window else None,
+                         post_attn_norm=vec(t(p + "post_attention_norm.weight")),
+                         post_ffn_norm=vec(t(p + "post_ffw_norm.weight")), gelu=cfg.gelu, scale=cfg.scale)
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", dtype: str = "float32", quant: str = "auto") -> "Transformer":
@@ -306,13 +320,18 @@ class Transformer:
         Backend.new_cache; float16 on the gguf kernels); with the static step, one spare slot more."""
         cfg = self.config
         return self.backend.new_cache(cfg.n_layer, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, dtype,
-                                      spare=1 if self.static is not None else 0)
+                                      spare=1 if self.static is not None else 0,
+                                      windows=[cfg.layer_window(i) for i in range(cfg.n_layer)])
 
     def use_static(self, options=None):
         """Run every forward from now on through static-shape steps (compiled, and captured as CUDA
         graphs on CUDA; see specplug.runtime.static). Make caches after this call. Returns the runner."""
         from specplug.runtime.static import StaticOptions, StaticRunner
 
+        cfg = self.config
+        if cfg.window_layers or cfg.post_norms or cfg.logit_softcap or cfg.embed_scale != 1.0:
+            raise ModelError(f"{self.path}: the static-shape step (compile) runs llama-family layers only, not "
+                             f"{cfg.arch}'s (set compile: false)")
         self.static = StaticRunner(self, options or StaticOptions())
         return self.static
 
@@ -339,12 +358,44 @@ class Transformer:
         """
         gov = self.governor
         if gov is None:
-            return self._forward(token_ids, positions, seq_ids, cache, logits_rows, taps)
+            return self._forward_pieces(token_ids, positions, seq_ids, cache, logits_rows, taps)
         gov.begin(len(token_ids))
         try:
-            return self._forward(token_ids, positions, seq_ids, cache, logits_rows, taps)
+            return self._forward_pieces(token_ids, positions, seq_ids, cache, logits_rows, taps)
         finally:
             gov.end()
+
+    def _forward_pieces(self, token_ids, positions, seq_ids, cache, logits_rows, taps) -> ForwardOutput:
+        """One forward, or several in a row when a sequence has more rows than its sliding-window
+        rings can take at once (KVCache.ring_rows: a long prompt chunk); each row's result is the same
+        either way on the native kernels, which are batch-invariant."""
+        most = cache.ring_rows()
+        counts: dict[int, int] = {}
+        for s in seq_ids:
+            counts[s] = counts.get(s, 0) + 1
+        if max(counts.values()) <= most:
+            return self._forward(token_ids, positions, seq_ids, cache, logits_rows, taps)
+        n = len(token_ids)
+        piece_of, seen = [0] * n, {}
+        for i in sorted(range(n), key=lambda i: (seq_ids[i], positions[i])):  # each sequence's rows by position
+            piece_of[i] = seen.get(seq_ids[i], 0) // most
+            seen[seq_ids[i]] = seen.get(seq_ids[i], 0) + 1
+        want = list(range(n)) if logits_rows is None else [int(r) for r in logits_rows]
+        logits = [None] * len(want)
+        hidden: dict[int, list] = {t: [None] * n for t in taps}
+        for piece in range(max(piece_of) + 1):
+            rows = [i for i in range(n) if piece_of[i] == piece]
+            local = {e: j for j, e in enumerate(rows)}
+            mine = [k for k, e in enumerate(want) if e in local]
+            out = self._forward([token_ids[i] for i in rows], [positions[i] for i in rows],
+                                [seq_ids[i] for i in rows], cache, [local[want[k]] for k in mine], taps)
+            for j, k in enumerate(mine):
+                logits[k] = out.logits[j]
+            for t, h in out.hidden.items():
+                for j, e in enumerate(rows):
+                    hidden[t][e] = h[j]
+        return ForwardOutput(logits=torch.stack(logits) if want else None,
+                             hidden={t: torch.stack(h) for t, h in hidden.items()})
 
     def _forward(self, token_ids, positions, seq_ids, cache, logits_rows, taps) -> ForwardOutput:
         n = len(token_ids)
@@ -356,6 +407,8 @@ class Transformer:
         step = Step(positions, seq_ids, cache, self.rope, self.backend)
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         x = step.rows(self.embed[ids if isinstance(self.embed, TokenEmbeddings) else ids.to(self.device)])
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
         hidden: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):
             if li in taps:
@@ -367,4 +420,6 @@ class Transformer:
         logits = None
         if logits_rows is None or len(logits_rows) > 0:
             logits = self.head.norm_linear(step.select(x, logits_rows), cfg.rms_eps).float()
+            if cfg.logit_softcap:
+                logits = torch.tanh(logits / cfg.logit_softcap) * cfg.logit_softcap
         return ForwardOutput(logits=logits, hidden=hidden)

@@ -184,6 +184,59 @@ std::vector<torch::Tensor> silu_mul_quantize(const torch::Tensor& gu) {
   });
 }
 
+// gelu(g) * u for gu = [g | u] rows, quantized: GeGLU with the tanh GELU (Gemma),
+// 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))), tanh(z) = 1 - 2 / (exp(2z) + 1).
+std::vector<torch::Tensor> gelu_mul_quantize(const torch::Tensor& gu) {
+  check_cpu_f32(gu, "gu");
+  const int64_t F = gu.size(1) / 2;
+  const float* gp = gu.data_ptr<float>();
+  const int64_t ld = gu.stride(0);
+  return quantize_each_row(gu.size(0), F, [&](int64_t r, float* buf) -> const float* {
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+    const __m256 c = _mm256_set1_ps(0.79788456080286535588f), a = _mm256_set1_ps(0.044715f);
+    const float* g = gp + r * ld;
+    const float* u = g + F;
+    for (int64_t k = 0; k < F; k += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + k);
+      const __m256 z = _mm256_mul_ps(_mm256_mul_ps(c, gv), _mm256_fmadd_ps(_mm256_mul_ps(a, gv), gv, one));
+      const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp8(_mm256_mul_ps(two, z)), one)));
+      const __m256 ge = _mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, th));
+      _mm256_storeu_ps(buf + k, _mm256_mul_ps(ge, _mm256_loadu_ps(u + k)));
+    }
+    return buf;
+  });
+}
+
+// residual + rms_norm(y) * w, row by row (Gemma's norms after attention and after the MLP); the
+// sum of squares in the same order as quantize_rows' norm.
+torch::Tensor rms_norm_add(const torch::Tensor& y, const torch::Tensor& w, double eps, const torch::Tensor& residual) {
+  check_cpu_f32(y, "y");
+  check_cpu_f32(residual, "residual");
+  const int64_t M = y.size(0), K = y.size(1);
+  TORCH_CHECK(K % 8 == 0 && residual.size(0) == M && residual.size(1) == K, "y and residual must be [M, K], K % 8 == 0");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == K && w.scalar_type() == torch::kFloat32, "w must be float32 [K]");
+  auto out = torch::empty({M, K}, torch::kFloat32);
+  const float *yp = y.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldy = y.stride(0), ldr = residual.stride(0);
+  chunk_pool::parallel_for(M, std::max<int64_t>(16, CHUNK_BYTES / (4 * K)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *yr = yp + r * ldy, *rr = rp + r * ldr;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(yr + k);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      const __m256 sc = _mm256_set1_ps(1.0f / std::sqrt(hsum(acc) / (float)K + (float)eps));
+      for (int64_t k = 0; k < K; k += 8)
+        _mm256_storeu_ps(op + r * K + k, _mm256_add_ps(_mm256_loadu_ps(rr + k),
+                                                       _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(yr + k), sc),
+                                                                     _mm256_loadu_ps(wp + k))));
+    }
+  });
+  return out;
+}
+
 struct Act {
   const int8_t* q;
   const float* d;
@@ -513,7 +566,7 @@ void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor
                 const torch::Tensor& sin, int64_t H, int64_t Hkv, const c10::optional<torch::Tensor>& q_norm,
                 const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc) {
   check_cpu_f32(qkv, "qkv");
-  const int64_t M = qkv.size(0), D = kc.size(3), ctx = kc.size(2);
+  const int64_t M = qkv.size(0), D = kc.size(3), ncell = kc.size(2);
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qkv width does not match the heads");
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == vc.scalar_type() &&
                   (kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kHalf),
@@ -534,7 +587,7 @@ void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor
   for (int64_t r = 0; r < M; ++r) {
     float* row = p + r * ld;
     const int64_t ps = pp[r], s = sp[r];
-    TORCH_CHECK(ps >= 0 && ps < ctx && ps < cos.size(0), "position out of range");
+    TORCH_CHECK(ps >= 0 && ps < cos.size(0), "position out of range");
     const float* c = cp + ps * (D / 2);
     const float* sn = snp + ps * (D / 2);
     for (int64_t h = 0; h < H + Hkv; ++h) {
@@ -547,8 +600,8 @@ void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor
         v[2 * i + 1] = a * sn[i] + b * c[i];
       }
     }
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t cell = ((s * Hkv + h) * ctx + ps) * D * es;
+    for (int64_t h = 0; h < Hkv; ++h) {  // position ps lives in cell ps % ncell (a ring when ncell < ctx)
+      const int64_t cell = ((s * Hkv + h) * ncell + ps % ncell) * D * es;
       store_row(kcp + cell, row + (H + h) * D, D, half);
       store_row(vcp + cell, row + (H + Hkv + h) * D, D, half);
     }
@@ -572,15 +625,15 @@ inline void cell_rows(const T* base, const int32_t* cells, int64_t cnt, int64_t 
   for (int64_t j = 0; j < cnt; ++j) out[j] = base + (int64_t)cells[j] * D;
 }
 
-// Scores of one query head (qv = q * scale, nd registers of 8) against keys kr[0..cnt), which
-// are the cells j0.. of the row's n. Keys go 4 at a time with independent accumulators while a
-// whole group of 4 fits in n, then one at a time; the order depends only on j and n, so a score
-// never depends on the other rows of the batch or on the block size (a multiple of 4).
+// Scores of one query head (qv = q * scale, nd registers of 8) against keys kr[0..cnt), stored
+// at sc[j0..j0 + cnt). Keys go 4 at a time with independent accumulators, then one at a time; a
+// lone key's lanes are summed in the same order as a grouped key's ((0+1)+(2+3)) + ((4+5)+(6+7)),
+// so a score is a function of its query and key alone: never of the other rows of the batch, of
+// where a block starts, or of where a row's sliding window starts in a shared list of cells.
 template <int ND, typename E>
-inline void scores_block(const __m256* qv, int64_t nd, const E* const* kr, int64_t j0, int64_t cnt, int64_t n,
-                         float* sc) {
+inline void scores_block(const __m256* qv, int64_t nd, const E* const* kr, int64_t j0, int64_t cnt, float* sc) {
   int64_t j = 0;
-  for (; j + 4 <= cnt && j0 + j + 4 <= n; j += 4) {
+  for (; j + 4 <= cnt; j += 4) {
     const E *k0 = kr[j], *k1 = kr[j + 1], *k2 = kr[j + 2], *k3 = kr[j + 3];
     __m256 a0 = _mm256_mul_ps(qv[0], load8(k0)), a1 = _mm256_mul_ps(qv[0], load8(k1));
     __m256 a2 = _mm256_mul_ps(qv[0], load8(k2)), a3 = _mm256_mul_ps(qv[0], load8(k3));
@@ -598,9 +651,9 @@ inline void scores_block(const __m256* qv, int64_t nd, const E* const* kr, int64
     const E* k = kr[j];
     __m256 acc = _mm256_mul_ps(qv[0], load8(k));
     for (int64_t i = 1; i < nd; ++i) acc = _mm256_fmadd_ps(qv[i], load8(k + 8 * i), acc);
-    const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 h2 = _mm_hadd_ps(lo, lo);
-    sc[j0 + j] = _mm_cvtss_f32(_mm_hadd_ps(h2, h2));
+    const __m256 h1 = _mm256_hadd_ps(acc, acc);
+    const __m256 h = _mm256_hadd_ps(h1, h1);
+    sc[j0 + j] = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
   }
 }
 
@@ -624,46 +677,49 @@ inline float softmax_unnormalized(float* sc, int64_t n) {
   return 1.0f / hsum(sum8);
 }
 
-// One query head for R rows of one sequence (a verification's drafted rows), each over its own
-// first n[r] of the sequence's cells (a row with a lower limit sees a prefix of the same list):
-// the softmax-weighted sum of V rows. Every row's arithmetic is the one-row arithmetic in the same
-// order (scores in cell order, the V sum in cell order per lane); the rows only share the reads of
-// K and V from L1, so a row's result never depends on what shares its call.
-// q[r], o[r]: the head's D values of row r.
+// One query head for R rows of one sequence (a verification's drafted rows), row r over entries
+// [a[r], n[r]) of the sequence's list of cells (a lower limit ends the range earlier, a sliding
+// window starts it later): the softmax-weighted sum of V rows. Every row's arithmetic is the one-row
+// arithmetic in the same order (scores of its own cells, softmax and the V sum per lane in cell
+// order from its first cell); the rows only share the reads of K and V from L1, so a row's result
+// never depends on what shares its call. q[r], o[r]: the head's D values of row r.
 template <int ND, typename T>
-void attend_rows(const float* const* q, float* const* o, const int64_t* n, int64_t R, const T* K, const T* V,
-                 const int32_t* cells, int64_t nd_rt, float scale, float* sc, int64_t ldsc, float* accbuf) {
+void attend_rows(const float* const* q, float* const* o, const int64_t* a, const int64_t* n, int64_t R, const T* K,
+                 const T* V, const int32_t* cells, int64_t nd_rt, float scale, float* sc, int64_t ldsc,
+                 float* accbuf) {
   const int64_t nd = ND > 0 ? ND : nd_rt;
   const int64_t D = nd * 8;
-  int64_t nmax = 0;
-  for (int64_t r = 0; r < R; ++r) nmax = std::max(nmax, n[r]);
+  int64_t amin = n[0], nmax = 0;
+  for (int64_t r = 0; r < R; ++r) amin = std::min(amin, a[r]), nmax = std::max(nmax, n[r]);
   const T* rows[ATT_BLOCK];
   __m256 qv[ND > 0 ? ND : 32];
-  for (int64_t c0 = 0; c0 < nmax; c0 += ATT_BLOCK) {
+  for (int64_t c0 = amin; c0 < nmax; c0 += ATT_BLOCK) {
     const int64_t cnt = std::min(ATT_BLOCK, nmax - c0);
     cell_rows(K, cells + c0, cnt, D, rows);
     for (int64_t r = 0; r < R; ++r) {
-      if (n[r] <= c0) continue;
+      const int64_t s = std::max(c0, a[r]), e = std::min(c0 + cnt, n[r]);
+      if (s >= e) continue;
       for (int64_t i = 0; i < nd; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q[r] + 8 * i), _mm256_set1_ps(scale));
-      scores_block<ND, T>(qv, nd, rows, c0, std::min(cnt, n[r] - c0), n[r], sc + r * ldsc);
+      scores_block<ND, T>(qv, nd, rows + (s - c0), s - a[r], e - s, sc + r * ldsc);
     }
   }
   float inv[ATT_ROWS];
-  for (int64_t r = 0; r < R; ++r) inv[r] = softmax_unnormalized(sc + r * ldsc, n[r]);
+  for (int64_t r = 0; r < R; ++r) inv[r] = softmax_unnormalized(sc + r * ldsc, n[r] - a[r]);
   for (int64_t i = 0; i < R * D; ++i) accbuf[i] = 0.0f;
   __m256 acc[ND > 0 ? ND : 32];
-  for (int64_t c0 = 0; c0 < nmax; c0 += ATT_BLOCK) {
+  for (int64_t c0 = amin; c0 < nmax; c0 += ATT_BLOCK) {
     const int64_t cnt = std::min(ATT_BLOCK, nmax - c0);
     cell_rows(V, cells + c0, cnt, D, rows);
     for (int64_t r = 0; r < R; ++r) {
-      if (n[r] <= c0) continue;
+      const int64_t s = std::max(c0, a[r]), e = std::min(c0 + cnt, n[r]);
+      if (s >= e) continue;
       float* ar = accbuf + r * D;
-      const float* pr = sc + r * ldsc + c0;
-      const int64_t cr = std::min(cnt, n[r] - c0);
+      const float* pr = sc + r * ldsc + (s - a[r]);
       for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_loadu_ps(ar + 8 * i);
-      for (int64_t j = 0; j < cr; ++j) {
+      for (int64_t j = 0; j < e - s; ++j) {
         const __m256 pj = _mm256_set1_ps(pr[j]);
-        for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(rows[j] + 8 * i), acc[i]);
+        const T* vr = rows[s - c0 + j];
+        for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(vr + 8 * i), acc[i]);
       }
       for (int64_t i = 0; i < nd; ++i) _mm256_storeu_ps(ar + 8 * i, acc[i]);
     }
@@ -676,16 +732,19 @@ void attend_rows(const float* const* q, float* const* o, const int64_t* n, int64
 template <typename T>
 torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp, const torch::Tensor& kc,
                              const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
-                             double scale, const c10::optional<torch::Tensor>& limit);
+                             double scale, const c10::optional<torch::Tensor>& limit, int64_t window);
 
-// Attention of each query row over its own sequence's valid cells [0, limit] (causal: limit = pos;
-// a block drafter attends bidirectionally inside its block: limit = the block's last position).
-// q: rows of [M, >= H*D] (row stride any); caches [n_seq, Hkv, ctx, D] of float32 or float16
-// (float16 halves the bytes attention reads; values are widened to float32 as they load);
-// valid [n_seq, ctx].
+// Attention of each query row over its own sequence's valid positions [0, limit] (causal: limit =
+// pos; a block drafter attends bidirectionally inside its block: limit = the block's last position);
+// with a sliding window (window > 0) only positions p with pos - p < window (llama.cpp's standard
+// SWA mask). q: rows of [M, >= H*D] (row stride any); caches [n_seq, Hkv, cells, D] of float32 or
+// float16 (float16 halves the bytes attention reads; values are widened to float32 as they load):
+// position p lives in cell p % cells, so a sliding-window layer's cache can be a ring of a little
+// more than the window (the caller keeps the positions it reads there, KVCache); valid [n_seq, ctx]
+// says which positions hold a token.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
                         const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
-                        double scale, const c10::optional<torch::Tensor>& limit) {
+                        double scale, const c10::optional<torch::Tensor>& limit, int64_t window) {
   const int64_t D = kc.size(3);
   TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
   TORCH_CHECK(q.stride(1) == 1 && q.scalar_type() == torch::kFloat32);
@@ -694,25 +753,29 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const t
               "the K/V caches must be float32 or float16");
   if (kc.scalar_type() == torch::kHalf)
     return attention_impl<uint16_t>(q, (const uint16_t*)kc.data_ptr(), (const uint16_t*)vc.data_ptr(), kc, seq, pos,
-                                    valid, H, scale, limit);
-  return attention_impl<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), kc, seq, pos, valid, H, scale, limit);
+                                    valid, H, scale, limit, window);
+  return attention_impl<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), kc, seq, pos, valid, H, scale, limit,
+                               window);
 }
 
 template <typename T>
-inline void attend_dispatch(int64_t D, const float* const* q, float* const* o, const int64_t* n, int64_t R, const T* K,
-                            const T* V, const int32_t* cells, float scale, float* sc, int64_t ldsc, float* accbuf) {
+inline void attend_dispatch(int64_t D, const float* const* q, float* const* o, const int64_t* a, const int64_t* n,
+                            int64_t R, const T* K, const T* V, const int32_t* cells, float scale, float* sc,
+                            int64_t ldsc, float* accbuf) {
   switch (D) {
-    case 64: attend_rows<8, T>(q, o, n, R, K, V, cells, 8, scale, sc, ldsc, accbuf); break;
-    case 128: attend_rows<16, T>(q, o, n, R, K, V, cells, 16, scale, sc, ldsc, accbuf); break;
-    default: attend_rows<0, T>(q, o, n, R, K, V, cells, D / 8, scale, sc, ldsc, accbuf); break;
+    case 64: attend_rows<8, T>(q, o, a, n, R, K, V, cells, 8, scale, sc, ldsc, accbuf); break;
+    case 128: attend_rows<16, T>(q, o, a, n, R, K, V, cells, 16, scale, sc, ldsc, accbuf); break;
+    default: attend_rows<0, T>(q, o, a, n, R, K, V, cells, D / 8, scale, sc, ldsc, accbuf); break;
   }
 }
 
 template <typename T>
 torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp, const torch::Tensor& kc,
                              const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
-                             double scale, const c10::optional<torch::Tensor>& limit) {
-  const int64_t M = q.size(0), Hkv = kc.size(1), ctx = kc.size(2), D = kc.size(3), G = H / Hkv;
+                             double scale, const c10::optional<torch::Tensor>& limit, int64_t window) {
+  const int64_t M = q.size(0), Hkv = kc.size(1), ncell = kc.size(2), D = kc.size(3), G = H / Hkv;
+  const int64_t ctx = valid.size(1);
+  TORCH_CHECK(valid.dim() == 2 && valid.is_contiguous() && window >= 0, "valid must be [n_seq, ctx]; window >= 0");
   auto out = torch::empty({M, H * D}, torch::kFloat32);
   const float* qp = q.data_ptr<float>();
   const int64_t ldq = q.stride(0);
@@ -725,8 +788,10 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   const bool* vp = valid.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   const float fscale = (float)scale;
+  // the first position row r may see: 0, or the start of its sliding window
+  auto first = [&](int64_t r) -> int64_t { return window > 0 ? std::max<int64_t>(0, pp[r] - window + 1) : 0; };
   int64_t cells_seen = 0;  // an upper bound of the cells all rows attend to (holes not counted off)
-  for (int64_t r = 0; r < M; ++r) cells_seen += lp[r] + 1;
+  for (int64_t r = 0; r < M; ++r) cells_seen += lp[r] + 1 - first(r);
   const int64_t task_work = std::max<int64_t>(1, cells_seen / M * D * 2 * (int64_t)sizeof(T));
   // Runs of consecutive rows of one sequence (at most ATT_ROWS) share their K/V reads: one task
   // is one query head of one run (head-major: consecutive tasks reuse one head's K/V from L2).
@@ -739,37 +804,40 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   for (int64_t i = 0; i < nrun; ++i) rmax = std::max(rmax, run_start[i + 1] - run_start[i]);
   chunk_pool::parallel_for(nrun * H, CHUNK_BYTES / (task_work * M / nrun), [&](int64_t t0, int64_t t1) {
     // each thread's buffers live across calls (a chunk is often one task: no allocation per task)
-    thread_local std::vector<int32_t> cells;
+    thread_local std::vector<int32_t> cells, cpos;
     thread_local std::vector<float> sc, accbuf;
     grow(cells, ctx);
+    grow(cpos, ctx);
     grow(sc, rmax * (ctx + 8));
     grow(accbuf, rmax * D);
     const float* qr[ATT_ROWS];
     float* orow[ATT_ROWS];
-    int64_t n[ATT_ROWS];
+    int64_t a[ATT_ROWS], n[ATT_ROWS];
     int64_t last_run = -1;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t head = t / nrun, run = t % nrun, h = head / G, r0 = run_start[run], R = run_start[run + 1] - r0;
       const int64_t s = sp[r0];
-      if (run != last_run) {  // the cells the run's rows see: one list, each row a prefix of it
-        int64_t top = 0;
-        for (int64_t r = 0; r < R; ++r) top = std::max<int64_t>(top, lp[r0 + r]);
+      if (run != last_run) {  // the positions the run's rows see: one list, each row a range of it
+        int64_t top = 0, bottom = ctx;
+        for (int64_t r = 0; r < R; ++r) top = std::max<int64_t>(top, lp[r0 + r]), bottom = std::min(bottom, first(r0 + r));
         const bool* vm = vp + s * ctx;
         int64_t m = 0;
-        for (int64_t c = 0; c <= top; ++c)
-          if (vm[c]) cells[m++] = (int32_t)c;
-        for (int64_t r = 0; r < R; ++r)
-          n[r] = std::upper_bound(cells.begin(), cells.begin() + m, lp[r0 + r]) - cells.begin();
+        for (int64_t c = bottom; c <= top; ++c)
+          if (vm[c]) cpos[m] = (int32_t)c, cells[m++] = (int32_t)(c % ncell);
+        for (int64_t r = 0; r < R; ++r) {
+          a[r] = std::lower_bound(cpos.begin(), cpos.begin() + m, first(r0 + r)) - cpos.begin();
+          n[r] = std::upper_bound(cpos.begin(), cpos.begin() + m, lp[r0 + r]) - cpos.begin();
+        }
         last_run = run;
       }
       for (int64_t r = 0; r < R; ++r) {
         qr[r] = qp + (r0 + r) * ldq + head * D;
         orow[r] = op + (r0 + r) * H * D + head * D;
       }
-      const T* K = kcp + (s * Hkv + h) * ctx * D;
-      const T* V = vcp + (s * Hkv + h) * ctx * D;
+      const T* K = kcp + (s * Hkv + h) * ncell * D;
+      const T* V = vcp + (s * Hkv + h) * ncell * D;
       const int64_t ld = ctx + 8;
-      attend_dispatch<T>(D, qr, orow, n, R, K, V, cells.data(), fscale, sc.data(), ld, accbuf.data());
+      attend_dispatch<T>(D, qr, orow, a, n, R, K, V, cells.data(), fscale, sc.data(), ld, accbuf.data());
     }
   });
   return out;
@@ -795,6 +863,21 @@ torch::Tensor apply(const Lin& l, const std::vector<torch::Tensor>& xa, const c1
   return matmul(xa, l.qs, l.d, opt(l.m), opt(l.bias), residual, l.n_out);
 }
 
+// What a decoder layer does beyond llama's: Gemma's sliding window (0: none), its norms after
+// attention and after the MLP (empty: none; then x + norm(f(x)) in place of x + f(x)), GeGLU.
+struct LayerKind {
+  int64_t window = 0;
+  torch::Tensor post_attn, post_ffn;
+  bool gelu = false;
+};
+
+// out = residual + f, or residual + rms_norm(f) * post when the layer has that norm.
+torch::Tensor add_out(const Lin& l, const std::vector<torch::Tensor>& xa, const torch::Tensor& residual,
+                      const torch::Tensor& post, double eps) {
+  if (post.defined() && post.numel() > 0) return rms_norm_add(apply(l, xa, c10::nullopt), post, eps, residual);
+  return apply(l, xa, residual);
+}
+
 // The layer after its attention input is quantized (xq): qkv, RoPE and the cache write, attention,
 // o with the residual x, then the FFN.
 torch::Tensor layer_rest(const torch::Tensor& x, const std::vector<torch::Tensor>& xq, const Lin& qkv, const Lin& o,
@@ -802,18 +885,19 @@ torch::Tensor layer_rest(const torch::Tensor& x, const std::vector<torch::Tensor
                          const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc,
                          const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid,
                          const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t Hkv, double scale,
-                         const c10::optional<torch::Tensor>& limit) {
+                         const c10::optional<torch::Tensor>& limit, const LayerKind& kind = LayerKind()) {
   auto h = apply(qkv, xq, c10::nullopt);
   rope_store(h, seq, pos, cos, sin, H, Hkv, q_norm, k_norm, eps, kc, vc);
-  auto a = attention(h, kc, vc, seq, pos, valid, H, scale, limit);
-  auto x1 = apply(o, quantize_rows(a, c10::nullopt, 0.0), x);
+  auto a = attention(h, kc, vc, seq, pos, valid, H, scale, limit, kind.window);
+  auto x1 = add_out(o, quantize_rows(a, c10::nullopt, 0.0), x, kind.post_attn, eps);
   auto g = apply(gu, quantize_rows(x1, opt(gu.norm), eps), c10::nullopt);
-  return apply(down, silu_mul_quantize(g), x1);
+  return add_out(down, kind.gelu ? gelu_mul_quantize(g) : silu_mul_quantize(g), x1, kind.post_ffn, eps);
 }
 
-// A whole llama decoder layer on the native kernels, the same calls in the same order as the
-// Python DecoderLayer makes them (so results are bit-identical to it), in one call from Python:
-// x + o(attention(rope(qkv(norm(x))))), then + down(silu(gate) * up)(norm(.)).
+// A whole decoder layer on the native kernels, the same calls in the same order as the Python
+// DecoderLayer makes them (so results are bit-identical to it), in one call from Python:
+// x + o(attention(rope(qkv(norm(x))))), then + down(silu(gate) * up)(norm(.)); Gemma's layers
+// with a window, post norms (empty tensors: none) and GeGLU.
 torch::Tensor layer_forward(const torch::Tensor& x, const std::vector<torch::Tensor>& qkv_w, int64_t qkv_n,
                             const std::vector<torch::Tensor>& o_w, int64_t o_n,
                             const std::vector<torch::Tensor>& gu_w, int64_t gu_n,
@@ -822,10 +906,11 @@ torch::Tensor layer_forward(const torch::Tensor& x, const std::vector<torch::Ten
                             double eps, torch::Tensor kc, torch::Tensor vc, const torch::Tensor& seq,
                             const torch::Tensor& pos, const torch::Tensor& valid, const torch::Tensor& cos,
                             const torch::Tensor& sin, int64_t H, int64_t Hkv, double scale,
-                            const c10::optional<torch::Tensor>& limit) {
+                            const c10::optional<torch::Tensor>& limit, int64_t window, const torch::Tensor& post_attn,
+                            const torch::Tensor& post_ffn, bool gelu) {
   const Lin qkv = unpack(qkv_w, qkv_n), o = unpack(o_w, o_n), gu = unpack(gu_w, gu_n), down = unpack(down_w, down_n);
   return layer_rest(x, quantize_rows(x, opt(qkv.norm), eps), qkv, o, gu, down, q_norm, k_norm, eps, kc, vc, seq, pos,
-                    valid, cos, sin, H, Hkv, scale, limit);
+                    valid, cos, sin, H, Hkv, scale, limit, LayerKind{window, post_attn, post_ffn, gelu});
 }
 
 // Token embedding rows gathered from the table as the file stores it ([vocab, bytes per row] of
@@ -983,7 +1068,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_q8_0", &matmul_q8_0, "Q8 activations x Q8_0 weight tiles", nogil);
   m.def("matmul", &matmul, "Q8 activations x weight tiles of any kind (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)", nogil);
   m.def("rope_store", &rope_store, "RoPE (and q/k norm) in place, k/v into the cache", nogil);
-  m.def("attention", &attention, "causal attention over each row's sequence", nogil);
+  m.def("gelu_mul_quantize", &gelu_mul_quantize, "gelu_tanh(g) * u -> Q8 blocks", nogil);
+  m.def("rms_norm_add", &rms_norm_add, "residual + rms_norm(y) * w", nogil);
+  m.def("attention", &attention, "causal attention over each row's sequence (window > 0: sliding)", py::arg("q"),
+        py::arg("kc"), py::arg("vc"), py::arg("seq"), py::arg("pos"), py::arg("valid"), py::arg("H"), py::arg("scale"),
+        py::arg("limit"), py::arg("window") = 0, nogil);
   m.def("layer_forward", &layer_forward, "a whole decoder layer in one call", nogil);
   m.def("embed_rows", &embed_rows, "token embedding rows from the file's blocks", nogil);
   m.def("isa", []() { return std::string(SPECPLUG_VNNI ? "avx512" : "avx2"); }, "the instruction set this build uses");
