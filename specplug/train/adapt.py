@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import shutil
 import sys
@@ -36,7 +35,8 @@ import numpy as np
 from specplug.errors import SpecplugError
 from specplug.outputs import claim, exit_1_on_write_error, replacing
 from specplug.train.datagen import MANIFEST, write_json_atomic
-from specplug.train.tokens import TOKENS_KIND, TOKENS_VERSION, _read_token_shard, read_tokens_manifest
+from specplug.train.tokens import (TOKENS_KIND, TOKENS_VERSION, _read_token_shard, read_tokens_manifest,
+                                   token_shard_npz)
 
 REPORT = "adapt-report.json"
 
@@ -60,7 +60,7 @@ def split_tokens(src: str | Path, train_dir: str | Path, eval_dir: str | Path, h
     if len(order) < 2:
         raise SpecplugError(f"{src}: {len(order)} recorded prompt(s); adapting needs at least 2 (some to train on, "
                             f"some held back to judge the new head)")
-    n_eval = max(1, round(len(order) * hold_back))
+    n_eval = min(len(order) - 1, max(1, round(len(order) * hold_back)))
     held = set(order[len(order) - n_eval:])
     parts = ([s for s in seqs if s[0] not in held], [s for s in seqs if s[0] in held])
     return tuple(write_token_folder(d, man, part, shard_sequences, note=f"split of {src}")  # type: ignore[return-value]
@@ -73,23 +73,16 @@ def write_token_folder(out_dir: Path, like: dict, seqs: list, shard_sequences: i
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("tokens-*.npz"):
         old.unlink()
-    big = int(like["target"].get("vocab_size", 0)) > 65536
     shards = []
     for k in range(0, len(seqs), shard_sequences):
-        chunk = seqs[k:k + shard_sequences]
-        toks = [np.asarray(t, dtype=np.int64) for _, t, _ in chunk]
-        arrays = {"tokens": np.concatenate(toks).astype(np.int32 if big else np.uint16),
-                  "offsets": np.cumsum([0] + [len(t) for t in toks]).astype(np.int64),
-                  "prompt_lens": np.asarray([p for _, _, p in chunk], dtype=np.int32),
-                  "prompt_index": np.asarray([i for i, _, _ in chunk], dtype=np.int64)}
-        buf = io.BytesIO()
-        np.savez_compressed(buf, **arrays)
+        chunk = [(np.asarray(t).tolist(), p, i) for i, t, p in seqs[k:k + shard_sequences]]
+        blob = token_shard_npz(chunk, int(like["target"].get("vocab_size", 0)))
         name = f"tokens-{len(shards):05d}.npz"
         with replacing(out_dir / name, "--work") as tmp:
-            tmp.write_bytes(buf.getvalue())
-        shards.append({"index": len(shards), "file": name, "sequences": len(chunk), "tokens": int(arrays["offsets"][-1]),
-                       "answer_tokens": int(sum(len(t) - p for _, t, p in chunk)),
-                       "sha256": hashlib.sha256(buf.getvalue()).hexdigest()})
+            tmp.write_bytes(blob)
+        shards.append({"index": len(shards), "file": name, "sequences": len(chunk),
+                       "tokens": sum(len(t) for t, _, _ in chunk), "answer_tokens": sum(len(t) - p for t, p, _ in chunk),
+                       "sha256": hashlib.sha256(blob).hexdigest()})
     keep = {k: v for k, v in like.items() if k not in ("shards", "totals")}
     man = {**keep, "kind": TOKENS_KIND, "version": TOKENS_VERSION, "shard_prompts": shard_sequences,
            "settings": {**like.get("settings", {}), "note": note}, "shards": shards,
@@ -102,6 +95,20 @@ def write_token_folder(out_dir: Path, like: dict, seqs: list, shard_sequences: i
 def _folder_sha256(d: Path) -> str:
     """The identity of a tokens folder's content (its manifest's shards), to know when to split again."""
     return hashlib.sha256(json.dumps(read_tokens_manifest(d)["shards"], sort_keys=True).encode()).hexdigest()
+
+
+def _known_model(filename: str | None) -> str | None:
+    """The known model name (`specplug models`) whose file is `filename`, if one is installed."""
+    from specplug.errors import ModelError
+    from specplug.runtime.resolve import KNOWN_MODELS, resolve_model
+
+    for name in KNOWN_MODELS:
+        try:
+            if filename and resolve_model(name).name == filename:
+                return name
+        except ModelError:
+            continue
+    return None
 
 
 def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Path, *, hold_back: float = 0.2,
@@ -153,9 +160,10 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
 
         # 2. the rebuilds, with the taps the head reads
         t0 = time.perf_counter()
-        model = model or rec_man["target"].get("path")
+        model = model or rec_man["target"].get("path") or _known_model(rec_man["target"].get("file"))
         if not model:
-            raise SpecplugError(f"{record}: the recording does not say where its target file is; give it with --model")
+            raise SpecplugError(f"{record}: its target {rec_man['target'].get('file')} is not a known model name's "
+                                f"file; give the .gguf with --model")
         target = load_target(model, "cpu", "float32", quant, threads or "auto")
         opts = base.options({})
         taps = list(cls.taps(opts, {"arch": target.model.config.arch, "n_layer": target.model.config.n_layer,
