@@ -72,6 +72,10 @@ def lower_priority() -> None:
                 pass
 
 
+_ACTIVE: set[str] = set()  # folders a recorder of this process holds
+_ACTIVE_LOCK = threading.Lock()
+
+
 @dataclass
 class RecordStats:
     """What a recorder has done (the server's /metrics reads these)."""
@@ -121,11 +125,20 @@ class Recorder:
         self._thread: threading.Thread | None = None
         if not self.folder.parent.is_dir():
             raise SpecplugError(f"--record {self.folder}: the folder {self.folder.parent} does not exist")
-        self._claim = claim(self.folder, "--record")
+        self._key = str(self.folder.resolve())
+        with _ACTIVE_LOCK:
+            if self._key in _ACTIVE:  # a claim nests within a process: it cannot tell two recorders apart
+                raise SpecplugError(f"--record {self.folder}: another recorder of this process writes there")
+            _ACTIVE.add(self._key)
         try:
-            self._open(target, context)
+            self._claim = claim(self.folder, "--record")  # and no other process
+            try:
+                self._open(target, context)
+            except BaseException:
+                self._claim.release()
+                raise
         except BaseException:
-            self._claim.release()
+            _ACTIVE.discard(self._key)
             raise
         if start:
             self._thread = threading.Thread(target=self._run, name="specplug-record", daemon=True)
@@ -187,6 +200,7 @@ class Recorder:
             self._thread.join(60)
         self.flush()
         self._claim.release()
+        _ACTIVE.discard(self._key)
 
     # --- the folder -----------------------------------------------------------------------------
     def _open(self, target, context: int) -> None:
