@@ -154,3 +154,27 @@ def test_the_yaml_block_is_a_valid_config(tmp_path):
 def test_the_python_blocks_compile():
     for i, code in enumerate(blocks(README.read_text(), "python")):
         compile(code, f"README python block {i}", "exec")
+
+
+def _anchors(md: str) -> set[str]:
+    """GitHub's anchors of a markdown text's headings."""
+    out = set()
+    for title in re.findall(r"^#+ (.+)$", md, flags=re.M):
+        out.add(re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-"))
+    return out
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/results/README.md", "docs/how-it-works.md"])
+def test_the_links_of_the_guide_lead_somewhere(page):
+    path = ROOT / page
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+            broken.append(f"{target} (no such heading)")
+    assert not broken, f"{page}: broken links: {', '.join(broken)}"
