@@ -92,13 +92,19 @@ def random_k_quant(rows: int, cols: int, qtype: str, rng: np.random.Generator, s
 def write_tiny_gguf(path: str | Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
                     n_ff: int = 96, context: int = 512, seed: int = 0, arch: str = "llama",
                     tensor_type: str = "F32", tied: bool = True, scale: float = 4.0,
-                    skip_tensors: Sequence[str] = (), head_dim: int | None = None) -> Path:
+                    skip_tensors: Sequence[str] = (), head_dim: int | None = None, window: int = 0,
+                    window_pattern: int | Sequence[bool] | None = None, rope_base_window: float | None = None,
+                    softcap: float = 0.0) -> Path:
     """Write a random decoder-only model with a real byte-level tokenizer; returns the path.
 
     `tensor_type` (F32, F16, Q8_0, Q4_0, Q4_1, ..., and Q4_K / Q5_K / Q6_K as random blocks, which
     need widths that are multiples of 256) applies to the 2-D weight matrices;
     the weights are scaled so that greedy decoding is varied (not one repeated token).
     `skip_tensors` leaves matrices out (to test missing-tensor errors).
+    arch "gemma3" adds its keys and tensors: `window` (attention.sliding_window), `window_pattern`
+    (attention.sliding_window_pattern: a period or one flag per layer; None: the key is left out, as
+    in the real file), `rope_base_window` (rope.freq_base_swa), `softcap` (final_logit_softcapping),
+    q/k norms and the post-attention / post-MLP norms.
     """
     import gguf
 
@@ -114,7 +120,18 @@ def write_tiny_gguf(path: str | Path, *, n_layer: int = 2, n_embd: int = 64, n_h
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(10000.0 if arch != "gemma3" else 1_000_000.0)
+    if arch == "gemma3":
+        if window:
+            w.add_sliding_window(window)
+        if isinstance(window_pattern, int):
+            w.add_uint32(f"{arch}.attention.sliding_window_pattern", window_pattern)
+        elif window_pattern is not None:
+            w.add_array(f"{arch}.attention.sliding_window_pattern", [bool(x) for x in window_pattern])
+        if rope_base_window is not None:
+            w.add_float32(f"{arch}.rope.freq_base_swa", rope_base_window)
+        if softcap:
+            w.add_final_logit_softcapping(softcap)
     head_dim = head_dim or n_embd // n_head
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -158,9 +175,12 @@ def write_tiny_gguf(path: str | Path, *, n_layer: int = 2, n_embd: int = 64, n_h
         if arch == "qwen2":
             for x, n in (("q", n_head), ("k", n_head_kv), ("v", n_head_kv)):
                 w.add_tensor(p + f"attn_{x}.bias", (0.1 * rng.standard_normal(n * head_dim)).astype(np.float32))
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             vec(p + "attn_q_norm.weight", head_dim)
             vec(p + "attn_k_norm.weight", head_dim)
+        if arch == "gemma3":
+            vec(p + "post_attention_norm.weight", n_embd)
+            vec(p + "post_ffw_norm.weight", n_embd)
         vec(p + "ffn_norm.weight", n_embd)
         mat(p + "ffn_gate.weight", n_ff, n_embd)
         mat(p + "ffn_up.weight", n_ff, n_embd)

@@ -67,6 +67,26 @@ class ModelConfig:
         return self.attn_scale or self.head_dim ** -0.5
 
 
+def _reader(path: Path):
+    """gguf.GGUFReader over a plain ndarray view of its memory map.
+
+    The reader slices its map once per value while it parses the header; slices of an np.memmap go
+    through memmap's Python-level __array_finalize__, which made a 262,144-token vocabulary (Gemma 3)
+    take 15-20 s to parse. A plain view of the same mapping reads the same bytes 3x faster."""
+    from gguf import GGUFReader
+
+    class PlainReader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain = value.view(np.ndarray)  # keeps the map alive through .base
+
+    return PlainReader(str(path), "r")
+
+
 class GGUFFile:
     """A GGUF file opened through `gguf.GGUFReader` (memory-mapped; tensors are read lazily)."""
 
@@ -75,9 +95,7 @@ class GGUFFile:
         if not self.path.is_file():
             raise ModelError(f"model file not found: {self.path}")
         try:
-            from gguf import GGUFReader
-
-            self._reader = GGUFReader(str(self.path), "r")
+            self._reader = _reader(self.path)
         except Exception as exc:  # the reader raises many types on corrupt/truncated files
             raise ModelError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
         self.tensors = {t.name: t for t in self._reader.tensors}

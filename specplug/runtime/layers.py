@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from specplug.runtime import native
-from specplug.runtime.kv_cache import KVCache
+from specplug.runtime.kv_cache import RING_SLACK, KVCache
 from specplug.runtime.linear import DenseLinear, Int8Linear, rms_norm
 from specplug.runtime.native import QuantLinear
 
@@ -93,17 +93,18 @@ class Backend:
         return self.linear(torch.from_numpy(np.array(w, dtype=np.float32)), bias, norm_weight)
 
     def new_cache(self, n_layer: int, n_seq: int, max_ctx: int, n_head_kv: int, head_dim: int,
-                  dtype: torch.dtype | None = None, spare: int = 0, windows: Sequence[int] | None = None) -> KVCache:
+                  dtype: torch.dtype | None = None, spare: int = 0, windows: Sequence[int] | None = None,
+                  slack: int = RING_SLACK) -> KVCache:
         """A KV cache these layers can use. Default dtype: float16 on the native kernels (they store
         keys and values rounded to float16 and widen them as they read: half the memory and the
         bytes attention reads; every row sees the same rounded values, so batch invariance holds),
         float32 for torch on CPU, the model dtype elsewhere. `windows`: each layer's sliding window
-        (0: none); those layers keep a ring of the window plus some slack (KVCache)."""
+        (0: none); those layers keep a ring of the window plus `slack` cells (KVCache)."""
         if dtype is None:
             dtype = torch.float16 if self.native else (torch.float32 if self.device.type == "cpu" else self.dtype)
         if self.native and dtype not in (torch.float16, torch.float32):
             raise ValueError(f"the native kernels keep K/V in float16 or float32, not {dtype}")
-        return KVCache(n_layer, n_seq, max_ctx, n_head_kv, head_dim, dtype, self.device, spare, windows)
+        return KVCache(n_layer, n_seq, max_ctx, n_head_kv, head_dim, dtype, self.device, spare, windows, slack)
 
 
 class Rope:

@@ -18,7 +18,7 @@ import torch
 from specplug.errors import ModelError
 from specplug.runtime.gguf_file import GGUFFile, ModelConfig
 from specplug.runtime import native
-from specplug.runtime.kv_cache import KVCache
+from specplug.runtime.kv_cache import RING_SLACK, KVCache
 from specplug.runtime.layers import Backend, DecoderLayer, LayerKind, LayerShape, Linear, Rope, Step
 from specplug.runtime.linear import int8_available
 
@@ -315,13 +315,15 @@ class Transformer:
             return f"gguf-{self.isa}" if f"gguf-{self.isa}" in VERIFY_COST_CURVES else "gguf"
         return "cuda" if self.device.type == "cuda" else "cpu"
 
-    def new_cache(self, n_seq: int, max_ctx: int, dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(self, n_seq: int, max_ctx: int, dtype: torch.dtype | None = None,
+                  slack: int = RING_SLACK) -> KVCache:
         """A KV cache for `n_seq` sequences of up to `max_ctx` positions each (dtype: see
-        Backend.new_cache; float16 on the gguf kernels); with the static step, one spare slot more."""
+        Backend.new_cache; float16 on the gguf kernels); with the static step, one spare slot more.
+        Sliding-window layers keep rings of their window + `slack` cells (KVCache)."""
         cfg = self.config
         return self.backend.new_cache(cfg.n_layer, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, dtype,
                                       spare=1 if self.static is not None else 0,
-                                      windows=[cfg.layer_window(i) for i in range(cfg.n_layer)])
+                                      windows=[cfg.layer_window(i) for i in range(cfg.n_layer)], slack=slack)
 
     def use_static(self, options=None):
         """Run every forward from now on through static-shape steps (compiled, and captured as CUDA
