@@ -224,7 +224,7 @@ def token_shard_npz(seqs: Sequence[tuple[Sequence[int], int, int]], vocab_size: 
     assert seqs, "a token shard needs at least one sequence"
     lengths = [len(t) for t, _, _ in seqs]
     assert all(0 < p <= n for n, (_, p, _) in zip(lengths, seqs)), "each prompt length must be in [1, len(tokens)]"
-    arrays = {"tokens": np.fromiter((t for s, _, _ in seqs for t in s), dtype=np.int64, count=sum(lengths))
+    arrays = {"tokens": np.concatenate([np.asarray(t, dtype=np.int64) for t, _, _ in seqs])
               .astype(np.int32 if vocab_size > 65536 else np.uint16),
               "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
               "prompt_lens": np.array([p for _, p, _ in seqs], dtype=np.int32),
