@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections import Counter
 from importlib.metadata import entry_points
@@ -102,11 +103,12 @@ def cmd_serve(args) -> int:
 
         if cfg.record.dir:
             raise SpecplugError("recording (--record, record:) is not supported with --ray yet; serve without --ray")
-
         return serve_on_ray(cfg, args.host, args.port, address=args.ray, replicas=args.replicas,
                             max_queue=args.max_queue, api_key=args.api_key, model_name=args.served_model_name)
     return serve(cfg, args.host, args.port, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
-                 api_key=args.api_key, model_name=args.served_model_name, log_level=args.log_level)
+                 api_key=args.api_key, model_name=args.served_model_name, log_level=args.log_level,
+                 admin_key=args.admin_key or os.environ.get("SPECPLUG_ADMIN_KEY") or None,
+                 config_loader=lambda: with_record_args(load_config(args.config, overrides), args))
 
 
 def cmd_plugins(args) -> int:
@@ -233,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an engine step longer than S seconds makes /health 503, answers requests in flight with "
                         "an error and exits with status 3; overrides the config's `step_timeout_s` (default 60)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ endpoints")
+    p.add_argument("--admin-key", default=None,
+                   help="allow POST /admin/reload (a new head file for a speculator) with `Authorization: Bearer KEY` "
+                        "(default: the environment variable SPECPLUG_ADMIN_KEY; without either it answers 403)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the config's model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_ray_args(p, "serve as a Ray Serve deployment, replicas and autoscaling from the config's `ray:` section",

@@ -113,13 +113,7 @@ class Engine:
             raise ValueError(f"shared cache holds {cache.n_seq} x {cache.max_ctx}, need {n_parallel} x {max_ctx}")
         self.cache = cache if cache is not None else self.model.new_cache(n_parallel, max_ctx)
         self.vocab = self.model.config.vocab_size
-        n_layer = self.model.config.n_layer
-        taps: set[int] = set()
-        for s in self.specs:
-            taps.update(s.embeddings.layers)
-            if s.embeddings.final:
-                taps.add(n_layer)
-        self.taps = frozenset(taps)
+        self.taps = self._taps_of(self.specs)
         self.stats = RunStats()
         self._warned_context = False
         self._pending: deque[_Pending] = deque()
@@ -130,8 +124,55 @@ class Engine:
             self.stats.speculators[s.name] = s.stats
         self._backlog: dict[str, list[_Held]] = {}  # speculator -> decoding rows not yet delivered (see _tell_committed)
         self._backlog_rows: dict[str, int] = {}
+        self._unseen: dict[str, set[int]] = {}  # speculator -> slots whose sequence began before it came in
         self.drafting = Drafting(self.specs, self.model.verify_cost, self._call, self._disable, self.vocab, max_ctx,
                                  before_draft=self._deliver)
+
+    def _taps_of(self, specs: Sequence[Speculator]) -> frozenset[int]:
+        """The target layers whose hidden states `specs` need (n_layer: the pre-norm final state)."""
+        taps: set[int] = set()
+        for s in specs:
+            taps.update(s.embeddings.layers)
+            if s.embeddings.final:
+                taps.add(self.model.config.n_layer)
+        return frozenset(taps)
+
+    def replace_speculator(self, new: Speculator) -> Speculator:
+        """Put `new` in the place of the speculator of the same name, between two steps (call it from
+        the thread that steps). Returns the one replaced, whose hooks are not called again.
+
+        The sequences running now go on without `new`: its context holds none of their rows, so it
+        neither drafts for them nor receives their rows (their output is what it would have been:
+        verification decides it). It drafts for every sequence admitted from now on."""
+        i = next((k for k, s in enumerate(self.specs) if s.name == new.name), None)
+        if i is None:
+            raise SpecplugError(f"no speculator named {new.name!r} to replace; this engine has "
+                                f"{', '.join(repr(s.name) for s in self.specs) or 'none'}")
+        old = self.specs[i]
+        self.specs[i] = self.drafting.specs[i] = new
+        self._backlog.pop(new.name, None)
+        self._backlog_rows.pop(new.name, None)
+        self._unseen[new.name] = set(self._active)
+        for q in self._active.values():  # the running requests: every speculator they had, but this one
+            names = [s.name for s in self.specs] if q.req.speculators is None else q.req.speculators
+            q.req = dataclasses.replace(q.req, speculators=tuple(n for n in names if n != new.name))
+        self.taps = self._taps_of(self.specs)
+        self.stats.speculators[new.name] = new.stats
+        self.stats.disabled.pop(new.name, None)
+        return old
+
+    def _seen_by(self, spec: Speculator, entries: list[tuple[int, int, int]],
+                 rows: torch.Tensor | None) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
+        """The entries (and their rows of the hidden states; None: all, in order) of sequences `spec`
+        has seen from their start (see replace_speculator)."""
+        unseen = self._unseen.get(spec.name)
+        if not unseen:
+            return entries, rows
+        keep = [k for k, e in enumerate(entries) if e[2] not in unseen]
+        if len(keep) == len(entries):
+            return entries, rows
+        at = torch.tensor(keep, dtype=torch.long)
+        return [entries[k] for k in keep], at if rows is None else rows[at]
 
     # --- speculator calls, each guarded so a failing plugin cannot change the output -----------
     def _call(self, spec: Speculator, hook: str, **kw) -> Any:
@@ -177,17 +218,20 @@ class Engine:
         if not users:
             return
         for s in users:
+            seen, seen_rows = self._seen_by(s, entries, rows)
+            if not seen:
+                continue
             if not is_prompt and self._dormant(s):
                 # held as references (the step's own tensors, which no plugin received: others got copies
                 # or index selections); the batch is built at delivery, so a paused speculator costs a
                 # list append per step
-                self._backlog.setdefault(s.name, []).append(_Held(entries, rows, hidden))
-                n = self._backlog_rows[s.name] = self._backlog_rows.get(s.name, 0) + len(entries)
+                self._backlog.setdefault(s.name, []).append(_Held(seen, seen_rows, hidden))
+                n = self._backlog_rows[s.name] = self._backlog_rows.get(s.name, 0) + len(seen)
                 if n < BACKLOG_ROWS:
                     continue
                 batch = None
             else:
-                batch = self._batch(s, entries, rows, hidden, is_prompt, len(users))
+                batch = self._batch(s, seen, seen_rows, hidden, is_prompt, len(users))
             self._deliver(s, batch)
 
     def _batch(self, spec: Speculator, entries: list[tuple[int, int, int]], rows: torch.Tensor | None,
@@ -380,6 +424,9 @@ class Engine:
             s.forget(seq.slot)
             if s.name in self._backlog:  # every committed row is delivered before the sequence ends
                 self._deliver(s)
+            if seq.slot in self._unseen.get(s.name, ()):  # it never saw this sequence: nothing to remove
+                self._unseen[s.name].discard(seq.slot)
+                continue
             self._call(s, "remove", seq_id=seq.slot, p0=0)
         self._free.append(seq.slot)
         gen = seq.tokens[len(seq.req.prompt_ids):]

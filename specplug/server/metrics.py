@@ -32,7 +32,15 @@ class Metrics:
                                      "then stops serving)", registry=r)
         self._worker = worker
         self.prompts: Prompts | None = None
+        # (speculator, head) -> (drafted, accepted, drafts) of heads replaced by a reload
+        self._retired: dict[tuple[str, str], tuple[int, int, int]] = {}
         r.register(self)  # the engine-side figures are read at scrape time
+
+    def retire(self, name: str, head: str, stats) -> None:
+        """Keep the acceptance counts of a speculator replaced by a reload under its head's label, so
+        that /metrics shows the old head's figures beside the new one's (a before/after)."""
+        d, a, n = self._retired.get((name, head), (0, 0, 0))
+        self._retired[(name, head)] = (d + stats.drafted_tokens, a + stats.accepted_tokens, n + stats.drafts)
 
     def collect(self):
         w = self._worker
@@ -53,12 +61,36 @@ class Metrics:
                                   value=st.emitted_tokens)
         yield GaugeMetricFamily("specplug_mean_accepted_length", "Tokens per decoding forward over all requests",
                                 value=st.emitted_tokens / st.target_forwards if st.target_forwards else 0.0)
-        drafted = CounterMetricFamily("specplug_spec_drafted_tokens", "Draft tokens verified", labels=["speculator"])
-        accepted = CounterMetricFamily("specplug_spec_accepted_tokens", "Draft tokens accepted", labels=["speculator"])
-        drafts = CounterMetricFamily("specplug_spec_drafts", "Drafts verified", labels=["speculator"])
-        rate = GaugeMetricFamily("specplug_spec_acceptance_rate", "Accepted / drafted tokens", labels=["speculator"])
+        yield from self._acceptance(eng.specs)
+        yield from self._speculators(eng.specs)
+
+    def _acceptance(self, specs):
+        """Acceptance per speculator and head file (`head`: its sha256 prefix, "" without one): a head
+        swapped in by a reload starts its own series, the old one's stays (Metrics.retire)."""
+        labels = ["speculator", "head"]
+        drafted = CounterMetricFamily("specplug_spec_drafted_tokens", "Draft tokens verified", labels=labels)
+        accepted = CounterMetricFamily("specplug_spec_accepted_tokens", "Draft tokens accepted", labels=labels)
+        drafts = CounterMetricFamily("specplug_spec_drafts", "Drafts verified", labels=labels)
+        rate = GaugeMetricFamily("specplug_spec_acceptance_rate", "Accepted / drafted tokens", labels=labels)
         mal = GaugeMetricFamily("specplug_spec_mean_accepted_length",
-                                "Tokens per forward when this speculator's draft was verified", labels=["speculator"])
+                                "Tokens per forward when this speculator's draft was verified", labels=labels)
+        totals = dict(self._retired)
+        for s in specs:
+            key = (s.name, self._worker.heads.get(s.name, ""))
+            d, a, n = totals.get(key, (0, 0, 0))
+            totals[key] = (d + s.stats.drafted_tokens, a + s.stats.accepted_tokens, n + s.stats.drafts)
+        for key, (d, a, n) in totals.items():
+            drafted.add_metric(key, d)
+            accepted.add_metric(key, a)
+            drafts.add_metric(key, n)
+            rate.add_metric(key, a / d if d else 0.0)
+            mal.add_metric(key, (a + n) / n if n else 0.0)
+        yield from (drafted, accepted, drafts, rate, mal)
+
+    @staticmethod
+    def _speculators(specs):
+        """Per speculator: running or disabled, time and calls per hook, steps asked and possible
+        (these restart at a reload, with the speculator)."""
         enabled = GaugeMetricFamily("specplug_spec_enabled", "1 while the speculator runs, 0 once disabled",
                                     labels=["speculator"])
         hook_s = CounterMetricFamily("specplug_spec_hook_seconds", "Time in each hook of the speculator (every "
@@ -70,20 +102,15 @@ class Metrics:
                                     labels=["speculator"])
         possible = CounterMetricFamily("specplug_spec_possible_steps", "Sequence-steps the speculator could have "
                                        "drafted for", labels=["speculator"])
-        for s in eng.specs:
+        for s in specs:
             ss = s.stats
             for hook, sec in list(ss.hook_s.items()):
                 hook_s.add_metric([s.name, hook], sec)
                 hook_calls.add_metric([s.name, hook], ss.hook_calls.get(hook, 0))
             asked.add_metric([s.name], ss.asked)
             possible.add_metric([s.name], ss.seq_steps)
-            drafted.add_metric([s.name], ss.drafted_tokens)
-            accepted.add_metric([s.name], ss.accepted_tokens)
-            drafts.add_metric([s.name], ss.drafts)
-            rate.add_metric([s.name], ss.acceptance_rate)
-            mal.add_metric([s.name], (ss.accepted_tokens + ss.drafts) / ss.drafts if ss.drafts else 0.0)
             enabled.add_metric([s.name], 1.0 if s.enabled else 0.0)
-        yield from (drafted, accepted, drafts, rate, mal, enabled, hook_s, hook_calls, asked, possible)
+        yield from (enabled, hook_s, hook_calls, asked, possible)
 
     @staticmethod
     def _recording(st):

@@ -144,6 +144,13 @@ class CompletionRequest(SamplingBody):
         return v
 
 
+class ReloadRequest(_Strict):
+    """POST /admin/reload: swap the head file of one speculator (a path on the server)."""
+
+    speculator: str
+    head: str = Field(min_length=1)
+
+
 def engine_unavailable(why: str) -> APIError:
     """503 for every request once the engine died or stalled (see EngineWorker.fail)."""
     return APIError(503, f"The engine is not serving: {why}; the server must be restarted", code="engine_unavailable",

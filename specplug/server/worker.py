@@ -9,8 +9,9 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from specplug.engine import Engine, Request, SequenceResult
 from specplug.errors import SpecplugError
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from specplug.server.metrics import Metrics
 
 log = logging.getLogger("specplug.server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -70,6 +72,7 @@ class EngineWorker:
                  recorder: "Recorder | None" = None):
         self.engine = engine
         self.recorder = recorder  # offered every request that finishes without an error
+        self.heads: dict[str, str] = {}  # speculator -> its head file's identity (metrics labels; see reload.py)
         self.capacity = engine.n_parallel + max_queue
         self.metrics = metrics
         self.step_timeout_s = step_timeout_s
@@ -106,6 +109,17 @@ class EngineWorker:
             self.outstanding += 1
         self.inbox.put(("add", job))
         return True
+
+    def between_steps(self, fn: Callable[[Engine], T], timeout: float) -> T:
+        """fn(engine), run in the engine thread between two steps; its result (or its exception)
+        returned here. Raises EngineDown when the engine stops serving first, TimeoutError after
+        `timeout` seconds."""
+        done: Future = Future()
+        with self._lock:
+            if self.failure is not None:
+                raise EngineDown(self.failure)
+        self.inbox.put(("call", (fn, done)))
+        return done.result(timeout)
 
     def cancel(self, job: Job) -> None:
         job.cancelled = True
@@ -174,6 +188,8 @@ class EngineWorker:
             if kind == "add":
                 self._done(job)
                 job.fail(status, why, code)
+            elif kind == "call":
+                job[1].set_exception(EngineDown(why))
 
     # engine thread only below
     def _loop(self, until) -> None:
@@ -209,7 +225,14 @@ class EngineWorker:
                 self.metrics.step_seconds.observe(time.perf_counter() - t0)
         self._drain(503, self.failure, "engine_unavailable")
 
-    def _command(self, kind: str, job: Job) -> None:
+    def _command(self, kind: str, job) -> None:
+        if kind == "call":  # job: (fn, future), from between_steps
+            fn, done = job
+            try:
+                done.set_result(fn(self.engine))
+            except Exception as exc:
+                done.set_exception(exc)
+            return
         if kind == "cancel":
             if job.handle is not None:
                 self.engine.abort(job.handle)
