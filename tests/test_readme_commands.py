@@ -178,3 +178,24 @@ def test_the_links_of_the_guide_lead_somewhere(page):
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
             broken.append(f"{target} (no such heading)")
     assert not broken, f"{page}: broken links: {', '.join(broken)}"
+
+
+def _recorded_machine(obj):
+    """The `machine` dict a results JSON carries (at its top or a few levels down), or None."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get("machine"), dict):
+            return obj["machine"]
+        return next((m for m in map(_recorded_machine, obj.values()) if m), None)
+    return None
+
+
+def test_results_rows_name_the_machine_their_json_records():
+    rows = [line for line in README.read_text().splitlines()
+            if line.startswith("|") and re.search(r"\(docs/results/[^)]+\.json\)", line)]
+    assert rows, "the README's results tables link no results JSON"
+    for row in rows:
+        for path in re.findall(r"\((docs/results/[^)]+\.json)\)", row):
+            m = _recorded_machine(json.loads((ROOT / path).read_text()))
+            assert m, f"{path} records no machine; link a JSON that does, or label the row by hand without it"
+            label = f"{m['cpu']}, {m['kernel_isa']}, {m['threads']} threads"
+            assert label in row, f"README row for {path} should name its machine as the JSON records it: {label!r}"
