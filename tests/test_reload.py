@@ -56,7 +56,9 @@ class Spy(RandomDrafts):
 
 
 def _plain(target, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    return [make_engine(target, [], n_parallel=1).run([Request(p, max_tokens)])[0].token_ids for p in prompts]
+    """Plain greedy answers, each prompt alone, past end-of-turn tokens (as every request here asks)."""
+    return [make_engine(target, [], n_parallel=1).run([Request(p, max_tokens, ignore_eos=True)])[0].token_ids
+            for p in prompts]
 
 
 def test_replace_speculator_between_steps_keeps_running_sequences_and_their_output(tiny_target):
@@ -211,6 +213,44 @@ def test_a_reload_keeps_the_requests_in_flight(served, heads, tiny_target, monke
     text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
     assert text == tiny_target.tokenizer.decode(want, skip_special=True)
     assert events[-1]["usage"]["completion_tokens"] == 300
+
+
+def test_a_reload_under_load_drops_or_changes_no_answer(tiny_gguf, tiny_target, heads, monkeypatch):
+    """16 clients streaming into 4 slots (12 queued) while the head is swapped: every answer arrives whole and
+    equals plain greedy decoding."""
+    cfg = parse_config({"model": str(tiny_gguf), "quant": "none", "parallel": 4, "context": 512,
+                        "speculators": [{"type": "mtp", "head": str(heads["a"]), "cost_trim": False}]})
+    eng = build_engine(cfg, target=tiny_target)
+    real = eng.step
+    monkeypatch.setattr(eng, "step", lambda: time.sleep(0.005) or real())
+    app = create_app(eng, MODEL, speculators=cfg.speculators, admin_key=ADMIN, max_queue=16)
+    prompts = _texts(tiny_target, repetitive_prompts(16, seed=23))
+    want = [tiny_target.tokenizer.decode(w, skip_special=True) for w in _plain(tiny_target, prompts, 60)]
+    got: dict[int, str] = {}
+    errors: list[str] = []
+
+    def client(i: int) -> None:
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 60, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+                got[i] = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in resp.iter_lines()
+                                 if ln.startswith("data: {"))
+        except Exception as exc:  # reported below, with the others
+            errors.append(f"client {i}: {type(exc).__name__}: {exc}")
+
+    with running(app) as url:
+        clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(16)]
+        for t in clients:
+            t.start()
+        wait_for(lambda: eng.n_running == 4, "the clients did not fill the slots")
+        r = _reload(url, heads["b"])
+        assert r.status_code == 200 and r.json()["kept_in_flight"] >= 1, r.text
+        for t in clients:
+            t.join(120)
+    assert not errors and sorted(got) == list(range(16))
+    assert [got[i] for i in range(16)] == want
+    assert app.state.worker.heads == {"mtp": _identity(heads["b"])}
 
 
 @pytest.mark.parametrize("bad, status, says", [
