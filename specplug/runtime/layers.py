@@ -39,13 +39,21 @@ __all__ = ["Backend", "Linear", "LayerShape", "LayerKind", "DecoderLayer", "Rope
 
 
 class Linear(Protocol):
-    """y = x @ W.T (+ bias) (+ residual); `norm_linear(x, eps)` = linear(rms_norm(x) * norm_weight)."""
+    """y = x @ W.T (+ bias) (+ residual); `norm_linear(x, eps)` = linear(rms_norm(x) * norm_weight).
+
+    What `Backend.linear_from_blocks` and `HeadFile.linear` return: on the gguf kernels the weight
+    stays in its quantized blocks, on torch it is a float matrix."""
 
     out_features: int
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out_features]. `residual` [rows, out_features]: added to
+        the product in the same call (a decoder layer's skip connection; the native kernels add it
+        as they write the output); None adds nothing."""
 
-    def norm_linear(self, x: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def norm_linear(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """linear(rms_norm(x, eps) * norm_weight), for a linear built with `norm_weight` (the RMSNorm
+        before it folded into one call)."""
 
 
 @dataclass(frozen=True)
