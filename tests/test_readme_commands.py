@@ -164,7 +164,7 @@ def _anchors(md: str) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/results/README.md", "docs/how-it-works.md"])
+@pytest.mark.parametrize("page", ["README.md", "docs/results/README.md", "docs/how-it-works.md", "docs/server-api.md"])
 def test_the_links_of_the_guide_lead_somewhere(page):
     path = ROOT / page
     broken = []
