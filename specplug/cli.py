@@ -129,15 +129,26 @@ def cmd_plugins(args) -> int:
 
 def known_models() -> list[dict]:
     """Every known model name (specplug.runtime.resolve.KNOWN_MODELS): its file, and whether it is
-    installed; where not, the error says how to install it."""
+    installed; where not, the error says how to install it. Listing assembles nothing: a package
+    that assembles its file on first use (resolve.ASSEMBLED) is reported as such."""
+    import importlib
+    import importlib.util
+
     from specplug.errors import ModelError
-    from specplug.runtime.resolve import KNOWN_MODELS, resolve_model
+    from specplug.runtime.resolve import ASSEMBLED, KNOWN_MODELS, resolve_model
 
     rows = []
     for name, source in KNOWN_MODELS.items():
-        row = {"name": name, "source": list(source) if isinstance(source, tuple) else source}
+        package = source[0]
+        row = {"name": name, "source": list(source)}
         try:
-            path = resolve_model(name)
+            if package in ASSEMBLED and importlib.util.find_spec(package) is not None:
+                path = Path(importlib.import_module(package).default_output_path())
+                if not path.is_file():
+                    raise ModelError(f"its package {package!r} is installed; the file is assembled into {path} "
+                                     f"on first use (e.g. `specplug generate --model {name} --prompt hi`)")
+            else:
+                path = resolve_model(name)
             row |= {"installed": True, "path": str(path), "bytes": path.stat().st_size}
         except ModelError as exc:
             row |= {"installed": False, "problem": str(exc)}

@@ -216,3 +216,24 @@ def test_models_command_lists_known_names_their_files_and_how_to_install(monkeyp
         assert Path(smol["path"]).name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smol["bytes"] > 50e6
     assert main(["models"]) == 0
     assert "nowhere-1m       NOT INSTALLED: model 'nowhere-1m' comes from" in capsys.readouterr().out
+
+
+def test_models_lists_an_assembling_package_without_assembling_it(tmp_path, monkeypatch, capsys):
+    from specplug.runtime import resolve
+
+    pkg = tmp_path / "site" / "specplug_fake_chunks"
+    pkg.mkdir(parents=True)
+    target = tmp_path / "cache" / "fake.gguf"
+    (pkg / "__init__.py").write_text(f"def default_output_path():\n    return {str(target)!r}\n"
+                                     "def assemble():\n    raise AssertionError('listing must not assemble')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setitem(resolve.KNOWN_MODELS, "fake-1m", ("specplug_fake_chunks", "fake.gguf"))
+    monkeypatch.setattr(resolve, "ASSEMBLED", resolve.ASSEMBLED | {"specplug_fake_chunks"})
+    assert main(["models", "--json"]) == 0
+    row = next(r for r in json.loads(capsys.readouterr().out) if r["name"] == "fake-1m")
+    assert not row["installed"] and f"assembled into {target} on first use" in row["problem"]
+    target.parent.mkdir()
+    target.write_bytes(b"GGUF")
+    assert main(["models", "--json"]) == 0
+    row = next(r for r in json.loads(capsys.readouterr().out) if r["name"] == "fake-1m")
+    assert row["installed"] and row["path"] == str(target) and row["bytes"] == 4
