@@ -98,3 +98,12 @@ def test_adapt_with_a_mix_and_bad_input(setup, capsys):
     assert "not a tokens-only data set" in capsys.readouterr().err
     assert main(["adapt", "--record", str(record), "--head", str(head), "-o", str(head)]) == 2
     assert "is the --head file" in capsys.readouterr().err
+
+
+def test_learning_from_prompt_rows_marks_only_the_training_side(setup, tmp_path):
+    _, _, _, _, record = setup
+    split_tokens(record, tmp_path / "tr", tmp_path / "ev", 0.25, learn_prompts=True)
+    every = {(p, tuple(t)): n for p, t, n in _seqs(record)}
+    tr, ev = _seqs(tmp_path / "tr"), _seqs(tmp_path / "ev")
+    assert all(n == 1 for _, _, n in tr) and any(every[(p, tuple(t))] > 1 for p, t, _ in tr)
+    assert all(n == every[(p, tuple(t))] for p, t, n in ev)  # judged on the answers, as served

@@ -6,7 +6,8 @@ REC is a folder of recorded traffic (`specplug serve --record REC` or `specplug 
 token shards in the `specplug train tokens` format). The loop:
 
 1. split REC in time order: the last `--hold-back` share of its prompts is kept back for the
-   evaluation, the rest is training data (both written as token folders under `--work`);
+   evaluation, the rest is training data (both written as token folders under `--work`); the
+   training side learns from the prompts' rows too, unless `--answers-only`;
 2. rebuild both by prefill (`specplug train data --from-tokens`) with the hidden states the
    head reads;
 3. fine-tune HEAD on the training part (`specplug train <method> --init HEAD`), optionally mixed
@@ -42,10 +43,15 @@ REPORT = "adapt-report.json"
 
 
 def split_tokens(src: str | Path, train_dir: str | Path, eval_dir: str | Path, hold_back: float,
-                 shard_sequences: int = 200) -> tuple[dict, dict]:
+                 shard_sequences: int = 200, learn_prompts: bool = False) -> tuple[dict, dict]:
     """Split a tokens-only folder in the order it was recorded: the prompts seen last (a share
     `hold_back` of them, at least one) go to `eval_dir`, the others to `train_dir`. A prompt's
-    sequences (the turns of one conversation) stay on one side. Returns both manifests."""
+    sequences (the turns of one conversation) stay on one side. Returns both manifests.
+
+    learn_prompts: the training side's sequences are written as if only their first token were
+    the prompt, so a rebuild records the target's next-token distribution on the prompt's rows
+    too and a head learns from them (recorded traffic is mostly prompt: a summarizer's requests
+    are ten times its answers). The held-back side keeps its prompts: the judgement is on answers."""
     if not 0 < hold_back < 1:
         raise SpecplugError(f"--hold-back must be between 0 and 1 (a share of the recorded prompts), got {hold_back}")
     src = Path(src)
@@ -62,7 +68,8 @@ def split_tokens(src: str | Path, train_dir: str | Path, eval_dir: str | Path, h
                             f"some held back to judge the new head)")
     n_eval = min(len(order) - 1, max(1, round(len(order) * hold_back)))
     held = set(order[len(order) - n_eval:])
-    parts = ([s for s in seqs if s[0] not in held], [s for s in seqs if s[0] in held])
+    parts = ([(p, t, 1 if learn_prompts else n) for p, t, n in seqs if p not in held],
+             [s for s in seqs if s[0] in held])
     return tuple(write_token_folder(d, man, part, shard_sequences, note=f"split of {src}")  # type: ignore[return-value]
                  for d, part in zip((Path(train_dir), Path(eval_dir)), parts))
 
@@ -112,7 +119,8 @@ def _known_model(filename: str | None) -> str | None:
 
 
 def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Path, *, hold_back: float = 0.2,
-          mix: list[str] | None = None, steps: int = 200, lr: float = 5e-4, batch_tokens: int = 4096,
+          mix: list[str] | None = None, learn_prompts: bool = True, steps: int = 200, lr: float = 5e-4,
+          batch_tokens: int = 4096,
           threads: int | None = None, quant: str = "auto", model: str | None = None, quiet: bool = False) -> dict:
     """Run the loop (see the module's doc); returns the report (also written to `work`/adapt-report.json)."""
     from specplug.heads import HeadFile
@@ -139,18 +147,20 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
         topk = int(read_manifest(m.path).get("topk", topk))
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {"record": str(record), "head": str(head), "output": str(out), "hold_back": hold_back,
-                    "mix": [str(m) for m in mixes], "steps": steps, "lr": lr, "seconds": {}}
+                    "mix": [str(m) for m in mixes], "learn_prompts": learn_prompts, "steps": steps, "lr": lr,
+                    "seconds": {}}
     clock = report["seconds"]
     with claim(work, "--work"):
         # 1. the split, again only when the recording changed
         t0 = time.perf_counter()
-        ident = {"record": _folder_sha256(record), "hold_back": hold_back}
+        ident = {"record": _folder_sha256(record), "hold_back": hold_back, "learn_prompts": learn_prompts}
         stamp = work / "split.json"
         cand = work / f"candidate-{out.name}"
         if not stamp.is_file() or json.loads(stamp.read_text()) != ident:
             for d in ("train-data", "eval-data", cand.stem + ".train"):  # made from an older split
                 shutil.rmtree(work / d, ignore_errors=True)
-            tr, ev = split_tokens(record, work / "train-tokens", work / "eval-tokens", hold_back)
+            tr, ev = split_tokens(record, work / "train-tokens", work / "eval-tokens", hold_back,
+                                  learn_prompts=learn_prompts)
             write_json_atomic(stamp, ident)
         else:
             tr, ev = (read_tokens_manifest(work / d) for d in ("train-tokens", "eval-tokens"))
@@ -212,6 +222,9 @@ def add_parser(sub) -> None:
     p.add_argument("--hold-back", type=float, default=0.2, help="share of the recorded prompts, the latest, kept to judge")
     p.add_argument("--mix", nargs="*", default=[], metavar="DIR[:TOKENS]",
                    help="data sets the head was trained on, mixed in so it does not forget (e.g. orig:300k)")
+    p.add_argument("--answers-only", action="store_true",
+                   help="learn from the recorded answers only (default: from the prompts' rows too, where the "
+                        "target's next-token distribution is as much a lesson as on its answers)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--batch-tokens", type=int, default=4096)
@@ -225,7 +238,8 @@ def add_parser(sub) -> None:
 def cmd_adapt(args) -> int:
     out = Path(args.output)
     work = Path(args.work) if args.work else out.with_name(out.stem + ".adapt")
-    rep = adapt(args.record, args.head, out, work, hold_back=args.hold_back, mix=args.mix, steps=args.steps,
+    rep = adapt(args.record, args.head, out, work, hold_back=args.hold_back, mix=args.mix,
+                learn_prompts=not args.answers_only, steps=args.steps,
                 lr=args.lr, batch_tokens=args.batch_tokens, threads=args.threads, quant=args.quant, model=args.model)
     acc, s = rep["first_token_acceptance"], rep["seconds"]
     verdict = f"wrote {out}" if rep["written"] else f"kept {args.head} ({out} not written)"

@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Issue 39's measurement: a head adapts to a stream of traffic it was not trained on.
+
+The stream: Spec-Bench's summarization and RAG first turns, interleaved in the file's order
+(160 requests). Its first half is served with the shipped head and recorded (`specplug run
+--record`); `specplug adapt` fine-tunes the head on the recording; the second half is then
+benched with the shipped head and the adapted one side by side (`specplug bench`, alternated
+with plain, greedy, 0 mismatches required):
+
+- every-step first-token acceptance (`cost_trim: false`, `stop_below: 0`),
+- the priced decode speedup (the heads as they ship: priced drafting).
+
+    python scripts/adapt_stream.py --work /work/data/adapt --method eagle3 --threads 2
+
+Each phase is skipped when its output exists (delete it to redo). The bench phase wants a quiet
+machine (`--phase bench` runs it alone, later). The summary goes to --work/summary.json and
+docs/results/ (with the machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CATEGORIES = ("summarization", "rag")
+
+
+def sh(*args: str) -> int:
+    print("+", " ".join(map(str, args)), flush=True)
+    return subprocess.run([str(a) for a in args]).returncode
+
+
+def stream(out: Path, max_prompt_chars: int) -> tuple[Path, Path]:
+    """The two halves of the stream as prompt files (first turns only, in arrival order)."""
+    rows = [json.loads(x) for x in (ROOT / "specplug/data/spec_bench/question.jsonl").read_text().splitlines() if x]
+    by = {c: [r for r in rows if r["category"] == c and len(r["turns"][0]) <= max_prompt_chars] for c in CATEGORIES}
+    n = min(len(v) for v in by.values())
+    order = [by[c][i] for i in range(n) for c in CATEGORIES]  # interleaved: a deployment sees both kinds
+    half = len(order) // 2
+    first, second = out / "first.jsonl", out / "second.jsonl"
+    for path, part in ((first, order[:half]), (second, order[half:])):
+        path.write_text("".join(json.dumps({"id": r["question_id"], "category": r["category"],
+                                            "turns": r["turns"][:1]}) + "\n" for r in part))
+    return first, second
+
+
+def config(path: Path, method: str, heads: dict[str, Path | None], threads: int, max_tokens: int,
+           every_step: bool) -> Path:
+    lines = ["model: smollm2-135m", "device: cpu", f"threads: {threads}", f"max_tokens: {max_tokens}",
+             "context: 4096", "speculators:"]
+    for name, head in heads.items():
+        lines += [f"  - type: {method}", f"    name: {name}", "    n_max: 6"]
+        if head is not None:
+            lines.append(f"    head: {head}")
+        lines += ["    cost_trim: false", "    stop_below: 0"] if every_step else ["    stop_below: 0.15"]
+    if not every_step:
+        lines.append("  - type: noop")  # the spread of the bench itself
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", required=True, type=Path)
+    ap.add_argument("--method", default="eagle3", choices=("eagle3", "mtp", "dflash"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-chars", type=int, default=6000, help="longer requests are left out of the stream")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--mix", nargs="*", default=[], help="--mix for specplug adapt (the head's original data)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--phase", choices=("all", "record", "adapt", "bench"), default="all")
+    args = ap.parse_args()
+    w = args.work
+    w.mkdir(parents=True, exist_ok=True)
+    spec = [str(ROOT / ".venv/bin/specplug")] if (ROOT / ".venv/bin/specplug").exists() else ["specplug"]
+    first, second = stream(w, args.max_prompt_chars)
+    shipped = None  # the plugin's shipped head
+    rec, adapted = w / "record", w / f"{args.method}-adapted.gguf"
+    summary_path = w / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary.update({"stream": {"categories": CATEGORIES, "first": sum(1 for _ in first.open()),
+                               "second": sum(1 for _ in second.open())}, "method": args.method})
+
+    if args.phase in ("all", "record") and not (rec / "manifest.json").is_file():
+        cfg = config(w / "serve.yaml", args.method, {f"{args.method}-shipped": shipped}, args.threads,
+                     args.max_tokens, every_step=False)
+        t0 = time.perf_counter()
+        rc = sh(*spec, "run", cfg, "--prompts", first, "--output", w / "first-answers.jsonl", "--force",
+                "--stats", w / "first-stats.json", "--record", rec)
+        if rc:
+            return rc
+        summary["record_seconds"] = round(time.perf_counter() - t0, 1)
+    if args.phase in ("all", "adapt") and not (w / "adapt-report.json").is_file():
+        from specplug.heads import HeadFile  # noqa: F401  (import check before the long step)
+
+        head = _shipped_head(args.method)
+        rc = sh(*spec, "adapt", "--record", rec, "--head", head, "-o", adapted, "--work", w / "adapt",
+                "--steps", str(args.steps), "--lr", str(args.lr), "--threads", str(args.threads),
+                *(["--mix", *args.mix] if args.mix else []))
+        if rc not in (0, 1):
+            return rc
+        rep = json.loads((w / "adapt" / "adapt-report.json").read_text())
+        (w / "adapt-report.json").write_text(json.dumps(rep, indent=1))
+        summary["adapt"] = rep
+    if args.phase in ("all", "bench"):
+        if not adapted.is_file():
+            adapted = w / "adapt" / f"candidate-{adapted.name}"  # not better on the held-back slice: bench it anyway
+        heads = {f"{args.method}-shipped": None, f"{args.method}-adapted": adapted}
+        for kind, every in (("every-step", True), ("priced", False)):
+            out = w / f"bench-{kind}"
+            if (out / "results.json").is_file():
+                continue
+            cfg = config(w / f"bench-{kind}.yaml", args.method, heads, args.threads, args.max_tokens, every)
+            rc = sh(*spec, "bench", cfg, "--data", second, "--repeats", str(1 if every else args.repeats),
+                    "--out", out)
+            if rc:
+                return rc
+        for kind in ("every-step", "priced"):
+            res = json.loads((w / f"bench-{kind}" / "results.json").read_text())
+            summary[f"bench_{kind}"] = {name: {k: v.get(k) for k in ("first_token_match", "decode_speedup",
+                                                                      "decode_speedup_median", "speedup",
+                                                                      "mean_accepted_length", "mismatches",
+                                                                      "n_prompts", "tokens")}
+                                        for name, v in res["overall"].items()}
+            summary["machine"] = res["settings"].get("machine")
+    summary_path.write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k.startswith("bench") or k == "stream"}, indent=1))
+    return 0
+
+
+def _shipped_head(method: str) -> Path:
+    import importlib
+
+    pkg = importlib.import_module(f"specplug_{method}")
+    heads = sorted((Path(pkg.__file__).parent / "heads").glob("smollm2-135m-*.gguf"))
+    if not heads:
+        sys.exit(f"no shipped {method} head in {Path(pkg.__file__).parent / 'heads'}")
+    return heads[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
