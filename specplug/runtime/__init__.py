@@ -60,7 +60,7 @@ def load_target(model: str, device: str = "auto", dtype: str = "auto", quant: st
     if compile is True and not torch_weights:
         raise ModelError(f"compile: true runs the torch backend, but this target uses quant: {m.quant} "
                          "(set quant: none, or compile: auto)")
-    if compile is True or (compile == "auto" and torch_weights and m.device.type == "cuda"):
+    if compile is True or (compile == "auto" and torch_weights and m.device.type == "cuda" and not m.static_problem()):
         from specplug.runtime.static import StaticOptions, row_bucket
 
         m.use_static(StaticOptions(cuda_graphs=cuda_graphs,

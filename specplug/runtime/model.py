@@ -325,15 +325,21 @@ class Transformer:
                                       spare=1 if self.static is not None else 0,
                                       windows=[cfg.layer_window(i) for i in range(cfg.n_layer)], slack=slack)
 
+    def static_problem(self) -> str | None:
+        """Why the static-shape step cannot run this model, or None."""
+        cfg = self.config
+        if cfg.window_layers or cfg.post_norms or cfg.logit_softcap or cfg.embed_scale != 1.0:
+            return f"the static-shape step (compile) runs llama-family layers only, not {cfg.arch}'s"
+        return None
+
     def use_static(self, options=None):
         """Run every forward from now on through static-shape steps (compiled, and captured as CUDA
         graphs on CUDA; see specplug.runtime.static). Make caches after this call. Returns the runner."""
         from specplug.runtime.static import StaticOptions, StaticRunner
 
-        cfg = self.config
-        if cfg.window_layers or cfg.post_norms or cfg.logit_softcap or cfg.embed_scale != 1.0:
-            raise ModelError(f"{self.path}: the static-shape step (compile) runs llama-family layers only, not "
-                             f"{cfg.arch}'s (set compile: false)")
+        problem = self.static_problem()
+        if problem:
+            raise ModelError(f"{self.path}: {problem} (set compile: false)")
         self.static = StaticRunner(self, options or StaticOptions())
         return self.static
 
