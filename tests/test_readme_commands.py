@@ -206,3 +206,20 @@ def test_results_rows_name_the_machine_their_json_records():
             assert m, f"{path} records no machine; link a JSON that does, or label the row by hand without it"
             label = f"{m['cpu']}, {m['kernel_isa']}, {m['threads']} threads"
             assert label in row, f"README row for {path} should name its machine as the JSON records it: {label!r}"
+
+
+def _machine_cell(m: dict | None) -> str:
+    if not m:
+        return "not recorded in the file (see the page)"
+    return (f"{m['cpu']}, kernels {m.get('kernel_isa')}, {m.get('threads')} threads, torch {m.get('torch')}, "
+            f"commit {m.get('commit')}")
+
+
+def test_every_results_json_is_indexed_with_the_machine_it_records():
+    index = (ROOT / "docs" / "results" / "README.md").read_text()
+    rows = {m.group(1): line for line in index.splitlines() if (m := re.match(r"\| \[([^]]+\.json)\]", line))}
+    for path in sorted((ROOT / "docs" / "results").glob("*.json")):
+        machine = _machine_cell(_recorded_machine(json.loads(path.read_text())))
+        assert path.name in rows, (f"docs/results/{path.name} is not in docs/results/README.md's table; add the row "
+                                   f"| [{path.name}]({path.name}) | [PAGE.md](PAGE.md) | {machine} |")
+        assert machine in rows[path.name], f"docs/results/README.md: the row of {path.name} should say: {machine}"
