@@ -153,9 +153,12 @@ class HeadFile:
                 raise HeadError(f"{exc} (the head file is truncated or corrupt)") from None
 
     def has(self, name: str) -> bool:
+        """Whether the file holds a tensor of this name (for optional parts of a head)."""
         return name in self.gguf.tensors
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape as torch orders it (rows first), without reading its data; a missing
+        tensor is a HeadError naming it."""
         return self.gguf.shape(self._need(name))
 
     def tensor(self, name: str, shape: Sequence[int] | None = None) -> torch.Tensor:
@@ -184,7 +187,10 @@ class HeadFile:
 
     def linear(self, name: str, backend, shape: Sequence[int] | None = None, norm_weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None):
-        """The named 2-D weight as a runtime linear on `backend` (Q8_0 blocks used as stored)."""
+        """The named 2-D weight as a runtime `Linear` on `backend` (see `specplug.runtime.layers.Linear`):
+        Q8_0 blocks are used as stored on the gguf kernels, other types dequantized; `shape` is
+        checked if given; `norm_weight` folds an RMSNorm in front (call it as `norm_linear(x, eps)`);
+        `bias` is added to every row; a call takes `residual=` (added to the product in the same call)."""
         raw, qtype, sh = self.raw(name, shape)
         if len(sh) != 2:
             raise HeadError(f"{self.path}: tensor {name!r} has shape {sh}, expected a matrix")

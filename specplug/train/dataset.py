@@ -32,6 +32,7 @@ class SeqBatch:
 
     @property
     def n_tokens(self) -> int:
+        """Real (not padding) rows in the batch."""
         return int(self.valid.sum())
 
 
@@ -70,6 +71,8 @@ class DataSource:
 
     @classmethod
     def parse(cls, text: str | Path | "DataSource") -> "DataSource":
+        """`DIR` or `DIR:TOKENS` (a count, or with a k/M suffix) as given to `--data`; a folder whose
+        own name ends in `:N` is taken whole when it exists."""
         if isinstance(text, DataSource):
             return text
         text = str(text)
@@ -220,6 +223,7 @@ class TrainData:
         return torch.cat([self.tokens[a + p:a + n] for a, n, p, _ in self.split[split]])
 
     def count(self, split: str) -> int:
+        """Rows (tokens, prompt and answer) in a split: "train", "val" (or "eval" while scoring)."""
         return sum(n for _, n, _, _ in self.split[split])
 
     def batches(self, split: str, batch_tokens: int, seed: int = 0, epoch: int = 0,
@@ -239,6 +243,7 @@ class TrainData:
         return groups
 
     def collate(self, group: Sequence[tuple[int, int, int, int]], device: torch.device | str = "cpu") -> SeqBatch:
+        """One batch of a group of `batches()`: its sequences padded at the end to the longest, on `device`."""
         B, T = len(group), max(n for _, n, _, _ in group)
         k = self.topk_ids.shape[1]
         tokens = torch.zeros(B, T, dtype=torch.long)

@@ -89,6 +89,8 @@ def trainer_entry_points() -> dict:
 
 
 def load_trainer(name: str) -> type:
+    """The trainer class of a method, from its `specplug.trainers` entry point (a clear error when none
+    is installed, it fails to load, or it has no `Options` dataclass)."""
     eps = trainer_entry_points()
     if name not in eps:
         raise SpecplugError(f"no trainer for {name!r}; installed: {', '.join(sorted(eps)) or '(none)'}")
