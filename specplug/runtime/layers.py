@@ -313,8 +313,9 @@ class StaticRows:
     def select(self, x: torch.Tensor, entry_rows=None) -> torch.Tensor:
         return x  # every row: the caller picks rows outside the graph
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """RoPE with real arithmetic (complex tensors do not compile everywhere)."""
+    def rotate(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
+        """RoPE with real arithmetic (complex tensors do not compile everywhere); the step's own only."""
+        assert rope is None, "the static step has one RoPE"
         x = x.float().unflatten(2, (x.shape[2] // 2, 2))
         a, b = x[..., 0], x[..., 1]
         return torch.stack((a * self.cos - b * self.sin, a * self.sin + b * self.cos), -1).flatten(2)
