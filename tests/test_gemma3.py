@@ -290,6 +290,33 @@ def real_target():
     return load_target("gemma3-270m", device="cpu", quant="gguf")
 
 
+# llama_tokenize(vocab, text, add_special=True, parse_special=True) of llama.cpp (the 0.3.36 sdist's
+# vendored source) on the real file
+LLAMA_CPP_IDS = {
+    "Hello world": [2, 9259, 1902],
+    "  two leading spaces\n\nand\ttabs  ": [2, 138, 13498, 5830, 9952, 108, 624, 255968, 39218, 138],
+    "na\u00efve caf\u00e9 \u2014 \u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \U0001f642":
+        [2, 1789, 238527, 560, 33443, 2192, 33375, 238582, 236945, 95830, 57235],
+    "x = 12345678 + 0.5e-3;": [2, 236781, 578, 236743, 236770, 236778, 236800, 236812, 236810, 236825, 236832, 236828,
+                                900, 236743, 236771, 236761, 236810, 236744, 236772, 236800, 236793],
+    "<start_of_turn>user\nhi<end_of_turn>": [2, 105, 2364, 107, 2202, 106],
+    "def f(a, b):\n    return a**b  # power": [2, 2063, 517, 236769, 236746, 236764, 518, 1473, 107, 140, 2060, 496,
+                                               1018, 236763, 138, 236865, 2066],
+    "\u00c4\u00d6\u00dc \u00df \ufb01 \u2211 \u00a0nbsp": [2, 239122, 238255, 238194, 114881, 97940, 76689, 236743, 432,
+                                                          398, 11539],
+}
+
+
+@needs_real
+def test_the_real_tokenizer_encodes_like_llama_cpp():
+    from specplug.runtime import Tokenizer
+
+    tok = Tokenizer.from_metadata(GGUFFile(REAL).metadata)
+    for text, ids in LLAMA_CPP_IDS.items():
+        assert tok.encode(text) == ids, text
+        assert tok.decode(ids[1:]) == text, text  # and back (without the BOS)
+
+
 @needs_real
 def test_the_real_model_tokenizes_and_predicts_like_llama_cpp(real_target):
     # llama.cpp (llama_tokenize with add_special, then llama_decode) on this file:
