@@ -74,6 +74,9 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--mix", nargs="*", default=[], help="--mix for specplug adapt (the head's original data)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--limit", type=int, default=None, help="bench only this many second-half prompts a category")
+    ap.add_argument("--adapted", type=Path, default=None, help="bench this head as the adapted one (default: "
+                                                                "the one the adapt phase wrote)")
     ap.add_argument("--phase", choices=("all", "record", "adapt", "bench"), default="all")
     args = ap.parse_args()
     w = args.work
@@ -109,7 +112,9 @@ def main() -> int:
         (w / "adapt-report.json").write_text(json.dumps(rep, indent=1))
         summary["adapt"] = rep
     if args.phase in ("all", "bench"):
-        if not adapted.is_file():
+        if args.adapted is not None:
+            adapted = args.adapted
+        elif not adapted.is_file():
             adapted = w / "adapt" / f"candidate-{adapted.name}"  # not better on the held-back slice: bench it anyway
         heads = {f"{args.method}-shipped": None, f"{args.method}-adapted": adapted}
         for kind, every in (("every-step", True), ("priced", False)):
@@ -118,7 +123,7 @@ def main() -> int:
                 continue
             cfg = config(w / f"bench-{kind}.yaml", args.method, heads, args.threads, args.max_tokens, every)
             rc = sh(*spec, "bench", cfg, "--data", second, "--repeats", str(1 if every else args.repeats),
-                    "--out", out)
+                    "--out", out, *(["--limit", str(args.limit)] if args.limit else []))
             if rc:
                 return rc
         for kind in ("every-step", "priced"):
