@@ -128,6 +128,53 @@ def write_f32_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+class LlamaActivations:
+    """An experiment, not the runtime: a float linear whose input is first rounded the way llama.cpp's
+    CPU backend quantizes activations for the weight's type (ggml-cpu quants.c): Q8_0 blocks of 32
+    (d = amax / 127 kept in float16, q = round(x * 127 / amax)) for Q5_0/Q8_0 weights, Q8_K blocks of
+    256 (q = min(127, round(-127 / max * x)), max the value of largest magnitude, d = 1 / that scale
+    in float32) for K-quant weights."""
+
+    def __init__(self, inner, qtype: str):
+        self.inner, self.k_quant = inner, qtype.endswith("_K")
+        self.out_features, self.norm_weight = inner.out_features, inner.norm_weight
+
+    def quantize(self, x):
+        import torch
+
+        if self.k_quant:
+            b = x.float().reshape(*x.shape[:-1], -1, 256)
+            mx = b.gather(-1, b.abs().argmax(-1, keepdim=True))
+            iscale = torch.where(mx != 0, -127.0 / mx, torch.zeros_like(mx))
+            q = torch.round(iscale * b).clamp(max=127)
+            d = torch.where(mx != 0, 1.0 / iscale, torch.zeros_like(mx))
+        else:
+            b = x.float().reshape(*x.shape[:-1], -1, 32)
+            amax = b.abs().amax(-1, keepdim=True)
+            q = torch.round(b * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+            d = (amax / 127.0).half().float()
+        return (q * d).reshape(x.shape).to(x.dtype)
+
+    def __call__(self, x, residual=None):
+        return self.inner(self.quantize(x), residual)
+
+    def norm_linear(self, x, eps: float):
+        from specplug.runtime.linear import rms_norm
+
+        return self(rms_norm(x, self.norm_weight, eps))
+
+
+def emulate_llama_activations(model, gguf) -> None:
+    """Wrap every linear of a quant: none model in LlamaActivations for its weight type."""
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        layer.qkv = LlamaActivations(layer.qkv, gguf.tensor_type(p + "attn_q.weight"))
+        layer.o = LlamaActivations(layer.o, gguf.tensor_type(p + "attn_output.weight"))
+        layer.gate_up = LlamaActivations(layer.gate_up, gguf.tensor_type(p + "ffn_gate.weight"))
+        layer.down = LlamaActivations(layer.down, gguf.tensor_type(p + "ffn_down.weight"))
+    model.head = LlamaActivations(model.head, gguf.tensor_type("token_embd.weight"))
+
+
 def ours_logits(model, tokens: list[int], rows: list[int]) -> np.ndarray:
     cache = model.new_cache(1, len(tokens) + 8)
     return model.forward(tokens, list(range(len(tokens))), [0] * len(tokens), cache, logits_rows=rows).logits.numpy()
@@ -169,6 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="continuation tokens per prompt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--emulate", action="store_true",
+                    help="also compare a quant: none model whose linears round their inputs as llama.cpp's "
+                         "activation quantization does (LlamaActivations; an experiment, not the runtime)")
     ap.add_argument("--f32-copy", type=Path, default=Path("/tmp/gemma3-f32-control.gguf"),
                     help="where the F32 control copy is written (reused when it exists; ~1.1 GB); 'none': no control")
     args = ap.parse_args(argv)
@@ -191,7 +241,13 @@ def main(argv=None) -> int:
     t0 = time.time()
     none = load_target(str(path), device="cpu", quant="none")
     gguf = load_target(str(path), device="cpu", quant="gguf")
-    print(f"loaded both runtimes in {time.time() - t0:.0f} s; {machine.line(machine.describe())}", flush=True)
+    emulated = None
+    if args.emulate:
+        from specplug.runtime import GGUFFile
+
+        emulated = load_target(str(path), device="cpu", quant="none")
+        emulate_llama_activations(emulated.model, GGUFFile(path))
+    print(f"loaded the runtimes in {time.time() - t0:.0f} s; {machine.line(machine.describe())}", flush=True)
     N = args.tokens
     prompts = []
     for q, text in texts.items():
@@ -204,6 +260,8 @@ def main(argv=None) -> int:
         assert (ref.argmax(-1) == np.array(cont)).mean() > 0.9, "llama.cpp's batch and one-by-one argmax disagree"
         ours_none = ours_logits(none.model, seq, pred_rows)
         tf = {"none": compare(ref, ours_none), "gguf": compare(ref, ours_logits(gguf.model, seq, pred_rows))}
+        if emulated is not None:
+            tf["none_llama_activations"] = compare(ref, ours_logits(emulated.model, seq, pred_rows))
         if control is not None:
             in_float = control.logits(seq, pred_rows)
             tf["f32_control"] = compare(in_float, ours_none)  # llama.cpp in float (the F32 copy) vs ours in float
@@ -228,7 +286,8 @@ def main(argv=None) -> int:
               f"top-1 none {tf['none']['agree']}/{N} gguf {tf['gguf']['agree']}/{N} "
               f"(mean |dlogit| {tf['none']['mean_abs_diff']}"
               f"{'; F32 control ' + str(tf['f32_control']['mean_abs_diff']) if control else ''}"
-              f"{'; llama.cpp vs its F32 copy ' + str(tf['llama_quant_vs_float']['agree']) if control else ''})  "
+              f"{'; llama.cpp vs its F32 copy ' + str(tf['llama_quant_vs_float']['agree']) if control else ''}"
+              f"{'; with llama.cpp activations ' + str(tf['none_llama_activations']['agree']) + ' ' + str(tf['none_llama_activations']['mean_abs_diff']) if emulated else ''})  "
               f"greedy equal: gguf {greedy['gguf']['equal']} (first diff {greedy['gguf']['first_divergence']}) "
               f"none {greedy['none']['equal']}", flush=True)
     total = len(prompts) * N
@@ -243,6 +302,11 @@ def main(argv=None) -> int:
         "mean_abs_logit_diff_none": round(float(np.mean([p["teacher_forced"]["none"]["mean_abs_diff"]
                                                           for p in prompts])), 5),
     }
+    if emulated is not None:
+        summary["top1_agreement_none_llama_activations"] = round(
+            sum(p["teacher_forced"]["none_llama_activations"]["agree"] for p in prompts) / total, 4)
+        summary["mean_abs_logit_diff_none_llama_activations"] = round(float(np.mean(
+            [p["teacher_forced"]["none_llama_activations"]["mean_abs_diff"] for p in prompts])), 5)
     if control is not None:
         summary["f32_control_top1_agreement"] = round(
             sum(p["teacher_forced"]["f32_control"]["agree"] for p in prompts) / total, 4)
