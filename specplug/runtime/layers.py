@@ -408,7 +408,7 @@ class DecoderLayer:
 
     def _residual(self, y: torch.Tensor, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """x + rms_norm(y) * norm (Gemma's post norms); on the native kernels, their row kernel."""
-        if self._fused is not None or isinstance(self.qkv, QuantLinear):
+        if isinstance(self.qkv, QuantLinear):  # the native kernels' layer
             return self._k.rms_norm_add(y.contiguous(), norm.float().contiguous(), self.eps, x.contiguous())
         return x + rms_norm(y, norm, self.eps)
 
