@@ -229,6 +229,15 @@ def test_rows_are_batch_invariant(tmp_path, quant):
             assert torch.equal(mixed[idx], one)
         else:
             torch.testing.assert_close(mixed[idx], one, atol=1e-5, rtol=1e-5)
+    if quant == "gguf":  # nor on the thread count
+        before = torch.get_num_threads()
+        for s in range(3):
+            together.seq_rm(s, lens[s])
+        try:
+            torch.set_num_threads(1 if before > 1 else 2)
+            assert torch.equal(model.forward(toks, pos, sid, together).logits, mixed)
+        finally:
+            torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("quant", ["none", pytest.param("gguf", marks=needs_native)])
