@@ -75,6 +75,8 @@ def main() -> int:
     ap.add_argument("--mix", nargs="*", default=[], help="--mix for specplug adapt (the head's original data)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--limit", type=int, default=None, help="bench only this many second-half prompts a category")
+    ap.add_argument("--base", type=Path, default=None, help="the head the stream was served and adapted from "
+                                                             "(default: the plugin's shipped head)")
     ap.add_argument("--adapted", type=Path, default=None, help="bench this head as the adapted one (default: "
                                                                 "the one the adapt phase wrote)")
     ap.add_argument("--phase", choices=("all", "record", "adapt", "bench"), default="all")
@@ -83,7 +85,6 @@ def main() -> int:
     w.mkdir(parents=True, exist_ok=True)
     spec = [str(ROOT / ".venv/bin/specplug")] if (ROOT / ".venv/bin/specplug").exists() else ["specplug"]
     first, second = stream(w, args.max_prompt_chars)
-    shipped = None  # the plugin's shipped head
     rec, adapted = w / "record", w / f"{args.method}-adapted.gguf"
     summary_path = w / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
@@ -91,7 +92,7 @@ def main() -> int:
                                "second": sum(1 for _ in second.open())}, "method": args.method})
 
     if args.phase in ("all", "record") and not (rec / "manifest.json").is_file():
-        cfg = config(w / "serve.yaml", args.method, {f"{args.method}-shipped": shipped}, args.threads,
+        cfg = config(w / "serve.yaml", args.method, {f"{args.method}-base": args.base}, args.threads,
                      args.max_tokens, every_step=False)
         t0 = time.perf_counter()
         rc = sh(*spec, "run", cfg, "--prompts", first, "--output", w / "first-answers.jsonl", "--force",
@@ -102,7 +103,7 @@ def main() -> int:
     if args.phase in ("all", "adapt") and not (w / "adapt-report.json").is_file():
         from specplug.heads import HeadFile  # noqa: F401  (import check before the long step)
 
-        head = _shipped_head(args.method)
+        head = args.base or _shipped_head(args.method)
         rc = sh(*spec, "adapt", "--record", rec, "--head", head, "-o", adapted, "--work", w / "adapt",
                 "--steps", str(args.steps), "--lr", str(args.lr), "--threads", str(args.threads),
                 *(["--mix", *args.mix] if args.mix else []))
@@ -116,7 +117,7 @@ def main() -> int:
             adapted = args.adapted
         elif not adapted.is_file():
             adapted = w / "adapt" / f"candidate-{adapted.name}"  # not better on the held-back slice: bench it anyway
-        heads = {f"{args.method}-shipped": None, f"{args.method}-adapted": adapted}
+        heads = {f"{args.method}-base": args.base, f"{args.method}-adapted": adapted}
         for kind, every in (("every-step", True), ("priced", False)):
             out = w / f"bench-{kind}"
             if (out / "results.json").is_file():
