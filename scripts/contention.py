@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from specplug.machine import describe
 
 SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
 
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     result = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens,
               "train_prompts": args.train_prompts, "train_tokens": args.train_tokens, "repeats": args.repeats,
-              "neighbour_core": core, "cores": cores(), "results": table, "table": lines}
+              "neighbour_core": core, "cores": cores(), "results": table, "table": lines,
+              "machine": describe()}
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}", file=sys.stderr)
     return 0

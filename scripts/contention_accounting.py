@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+from specplug.machine import describe
 
 SPIN = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end:\n    pass\n"
 
@@ -69,7 +70,8 @@ def main() -> int:
         print(f"{k:<18} {v['tok_s']:>7} {v['cpu_per_wall']:>9} {v['cpu_ms_per_token']:>11} {v['wall_ms_per_token']:>12}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["python"] + sys.argv), "medians": table, "runs": runs}, f, indent=2)
+            json.dump({"command": " ".join(["python"] + sys.argv), "medians": table, "runs": runs,
+                       "machine": describe()}, f, indent=2)
     return 0
 
 

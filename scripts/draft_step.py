@@ -24,6 +24,7 @@ import torch
 
 from specplug.engine import target_info
 from specplug.runtime import load_target
+from specplug.machine import describe
 
 
 def timed(f, iters: int) -> float:
@@ -100,7 +101,7 @@ def main() -> int:
         print(f"{k:<32} {v:.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump({**report, "machine": describe()}, f, indent=1)
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from specplug.machine import describe
 
 # (label, where in the bench-runtime JSON, target, "<=" or ">=")
 TARGETS = [
@@ -87,7 +88,7 @@ def main(folder: str) -> int:
         lines.append(f"| CUDA tests | all pass | {tests.read_text().strip().splitlines()[-1]} | |")
     print("\n".join(lines))
     (out / "gpu-check.json").write_text(json.dumps({"runtime": runs, "targets": verdicts, "ngram": ngram_res,
-                                                     "llama_bench": llama}, indent=2))
+                                                     "llama_bench": llama, "machine": describe("cuda")}, indent=2))
     return 0
 
 

@@ -24,6 +24,7 @@ import argparse
 import json
 
 from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
+from specplug.machine import describe
 
 
 def speedup(acc: list[float], c: float, curve, g_max: int = 8) -> tuple[int, float]:
@@ -90,7 +91,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"results": args.results, "category": args.category, "curve": curve, "runtime": args.runtime,
-                       "target": args.target, "rows": rows}, fh, indent=1)
+                       "target": args.target, "rows": rows, "machine": describe()}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from specplug.bench.data import dataset_path, read_jsonl_prompts  # noqa: E402
 from specplug.config import parse_config  # noqa: E402
 from specplug.engine import Request  # noqa: E402
 from specplug.runtime import load_target, resolve_model  # noqa: E402
+from specplug.machine import describe
 
 
 def geomean(xs):
@@ -169,7 +170,7 @@ def main() -> int:
     print(f"specplug eagle3 / llama.cpp's best draft-eagle3 ({llama_best[1]}): "
           f"{report['specplug_eagle3_over_best_llama_eagle3']:.2f}x decode tok/s")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        Path(args.json).write_text(json.dumps({**report, "machine": describe()}, indent=1))
     return 0
 
 

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from specplug.machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +102,7 @@ def main() -> int:
     print(json.dumps({"medians": report["medians"], "ratios": report["ratios"],
                       "identical_data_sets": report["identical_data_sets"]}, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        Path(args.json).write_text(json.dumps({**report, "machine": describe()}, indent=1))
     return 0 if len(ids) == 1 else 1
 
 

@@ -33,6 +33,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from load_serve import Server, free_port  # noqa: E402
+from specplug.machine import describe
 
 
 def p99(xs: list[float]) -> float:
@@ -126,7 +127,8 @@ def main() -> int:
     print(f"median p99 busy/idle over {len(rounds)} rounds: {med:.2f}x (target <= 2x)")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "context": cfg.get("context"),
-                                               "limit_chars": limit, "bound": bound, "rounds": rounds, "median_p99_ratio": med},
+                                               "limit_chars": limit, "bound": bound, "rounds": rounds, "median_p99_ratio": med,
+                                               "machine": describe()},
                                               indent=1) + "\n")
     return 0
 

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from specplug.machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Explain why the sky is blue in two sentences.",
@@ -68,7 +69,7 @@ def main() -> int:
                "step_tokens": args.step_tokens, "parallel": args.parallel, "max_tokens": args.max_tokens,
                "prompts": len(ids), "configs": results, "all_equal": bad == 0}
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+        Path(args.json).write_text(json.dumps({**summary, "machine": describe()}, indent=2))
     print(f"{len(results) - bad} of {len(results)} configs: speculative == plain")
     return 1 if bad else 0
 
