@@ -101,8 +101,6 @@ def main() -> int:
             return rc
         summary["record_seconds"] = round(time.perf_counter() - t0, 1)
     if args.phase in ("all", "adapt") and not (w / "adapt-report.json").is_file():
-        from specplug.heads import HeadFile  # noqa: F401  (import check before the long step)
-
         head = args.base or _shipped_head(args.method)
         rc = sh(*spec, "adapt", "--record", rec, "--head", head, "-o", adapted, "--work", w / "adapt",
                 "--steps", str(args.steps), "--lr", str(args.lr), "--threads", str(args.threads),
@@ -141,14 +139,14 @@ def main() -> int:
 
 
 def _shipped_head(method: str) -> Path:
+    """The plugin's shipped SmolLM2 head (its `shipped_heads()`)."""
     import importlib
 
-    pkg = importlib.import_module(f"specplug_{method}")
-    heads = sorted((Path(pkg.__file__).parent / "heads").glob("smollm2-135m-*.gguf"))
+    heads = [p for p in importlib.import_module(f"specplug_{method}.speculator").shipped_heads()
+             if p.name.startswith("smollm2-135m-")]
     if not heads:
-        sys.exit(f"no shipped {method} head in {Path(pkg.__file__).parent / 'heads'}")
+        sys.exit(f"no shipped SmolLM2 {method} head in the specplug-{method} package")
     return heads[0]
-
 
 if __name__ == "__main__":
     sys.exit(main())
