@@ -84,6 +84,11 @@ class DataSource:
             return cls(Path(m.group(1)), int(n))
         return cls(Path(text))
 
+    @classmethod
+    def list_of(cls, data: "str | Path | DataSource | Sequence") -> list["DataSource"]:
+        """One folder (a path, a `DIR[:TOKENS]` string or a DataSource) or several, as DataSources."""
+        return [cls.parse(x) for x in ([data] if isinstance(data, (str, Path, DataSource)) else data)]
+
     def __str__(self) -> str:
         return f"{self.path}:{self.max_tokens}" if self.max_tokens else str(self.path)
 
@@ -106,7 +111,7 @@ class TrainData:
 
     def __init__(self, path: str | Path | Sequence, taps: Sequence[str], val_fraction: float = 0.03,
                  limit_tokens: int | None = None, max_len: int | None = None):
-        specs = [DataSource.parse(x) for x in ([path] if isinstance(path, (str, Path, DataSource)) else path)]
+        specs = DataSource.list_of(path)
         if not specs:
             raise SpecplugError("no data set folder given")
         self.sources = specs

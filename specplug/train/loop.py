@@ -251,7 +251,7 @@ def build(cls: type, opts: Any, data_dir: Path | Sequence, device: torch.device,
           init: Any = None) -> tuple[TrainData, Any]:
     """The data set or mix (the taps the method needs) and the trainer on it; with `init` (a
     `specplug.train.finetune.BaseHead`) checked to fit every data set and started from its weights."""
-    specs = [DataSource.parse(d) for d in ([data_dir] if isinstance(data_dir, (str, Path)) else data_dir)]
+    specs = DataSource.list_of(data_dir)
     manifests = [read_manifest(s.path) for s in specs]
     if init is not None:
         for s, manifest in zip(specs, manifests):
