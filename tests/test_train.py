@@ -359,3 +359,78 @@ def test_a_mix_of_two_targets_is_one_error(tiny_data, tmp_path):
                            shard_prompts=8)
     with pytest.raises(SpecplugError, match=r"a mix needs data sets of one target"):
         TrainData([tiny_data, data], ["final"], 0.2)
+
+
+def _loud_states(monkeypatch, factor: float = 1e5) -> None:
+    """Every hidden state the runtime returns, times `factor`: a model whose residual stream is past
+    float16's range (as Gemma 3's is: its first token's outlier dimensions reach 1e5)."""
+    import dataclasses
+
+    from specplug.runtime.model import Transformer
+
+    plain = Transformer.forward
+
+    def loud(self, *a, **kw):
+        out = plain(self, *a, **kw)
+        return dataclasses.replace(out, hidden={t: h * factor for t, h in out.hidden.items()})
+
+    monkeypatch.setattr(Transformer, "forward", loud)
+
+
+def test_states_past_float16_are_stored_as_bfloat16_not_as_inf(tiny_q8, tmp_path, monkeypatch, capsys):
+    from specplug.train.generator import choose_tap_dtype
+
+    target = load_target(str(tiny_q8), "cpu", "float32", "gguf")
+    assert choose_tap_dtype(target, ["final", "0"]) == "float16"  # this tiny model's states are small
+    _loud_states(monkeypatch)
+    assert choose_tap_dtype(target, ["final", "0"]) == "bfloat16"
+    assert choose_tap_dtype(target, ["final"], "float16") == "float16"  # asked for: kept (and checked as it goes)
+
+    data = make_train_data(tiny_q8, tmp_path / "loud", repetitive_prompts(6), taps="final,0", max_tokens=8)
+    man = json.loads((data / "manifest.json").read_text())
+    assert man["tap_dtype"] == "bfloat16"
+    sh = load_file(str(data / man["shards"][0]["file"]))
+    assert sh["tap.final"].dtype == torch.bfloat16 and torch.isfinite(sh["tap.final"].float()).all()
+    assert sh["tap.final"].float().abs().max() > 65504  # past float16: it would have been inf
+    td = TrainData(data, ["final", "0"])
+    b = td.collate(td.batches("train", 256)[0])
+    assert all(torch.isfinite(v).all() for v in b.taps.values())
+
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "hello there"}) + "\n")
+    rc = main(["train", "data", "--model", str(tiny_q8), "--prompts", str(src), "-o", str(tmp_path / "f16"),
+               "--taps", "final", "--tap-dtype", "float16", "--keep-overlap", "--max-tokens", "4"])
+    assert rc == 2
+    assert "overflow float16; make this data set with --tap-dtype bfloat16" in capsys.readouterr().err
+    assert not list((tmp_path / "f16").glob("shard-*"))  # nothing written with inf in it
+
+
+def test_a_data_set_of_small_states_keeps_float16_and_its_identity(tiny_data):
+    man = json.loads((tiny_data / "manifest.json").read_text())
+    assert "tap_dtype" not in man  # float16: the key is absent, as in data sets made before it existed
+    sh = load_file(str(tiny_data / man["shards"][0]["file"]))
+    assert sh["tap.final"].dtype == torch.float16
+
+
+def test_no_chat_feeds_prompts_as_plain_text_to_continue(tiny_q8, tmp_path, capsys):
+    target = load_target(str(tiny_q8), "cpu", "float32", "gguf")
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
+    out = tmp_path / "plain"
+    assert main(["train", "data", "--model", str(tiny_q8), "--prompts", str(src), "-o", str(out), "--no-chat",
+                 "--keep-overlap", "--max-tokens", "4"]) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    sh = load_file(str(out / man["shards"][0]["file"]))
+    assert man["chat"] is False
+    assert sh["tokens"][:int(sh["prompt_lens"][0])].tolist() == target.tokenizer.encode("Once upon a time")
+    assert main(["train", "data", "--model", str(tiny_q8), "--prompts", str(src), "-o", str(tmp_path / "two"),
+                 "--no-chat", "--turns", "2"]) == 2
+    assert "--turns 2 needs the chat template" in capsys.readouterr().err
+
+
+def test_by_default_a_model_without_a_chat_template_continues_plain_text(tiny_q8):
+    from specplug.train.cli import use_chat
+
+    tok = load_target(str(tiny_q8), "cpu", "float32", "gguf").tokenizer
+    assert use_chat(None, tok) is (tok.chat_template is not None)
+    assert use_chat(True, tok) is True and use_chat(False, tok) is False

@@ -1,6 +1,7 @@
 """`specplug train data ...` and `specplug train <type> ...` (a method's trainer, from an entry point)."""
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from pathlib import Path
@@ -25,6 +26,9 @@ def cmd_data(args) -> int:
                             "--prompts, --code or --turns")
     if not args.prompts and not args.code and not args.from_tokens:
         raise SpecplugError("give prompt files (--prompts FILE ...) and/or --code N, or --from-tokens DIR ...")
+    if args.chat is False and args.turns != 1:
+        raise SpecplugError("--turns 2 needs the chat template (a second user turn follows the first answer); "
+                            "drop --no-chat")
     if args.ray is not None:
         if args.turns != 1:
             raise SpecplugError("--turns 2 runs on one machine (a second turn needs the first answer); drop --ray")
@@ -62,14 +66,15 @@ def _data(args, files) -> int:
         from specplug.train.tokens import rebuild_dataset
 
         man = rebuild_dataset(target, args.from_tokens, Path(args.output), taps, args.topk, args.parallel,
-                              command=" ".join(sys.argv))
+                              command=" ".join(sys.argv), tap_dtype=args.tap_dtype)
         t, g = man["totals"], man["generation"]
         print(f"specplug: {args.output}: {t['sequences']} sequences, {t['tokens']} tokens in {t['shards']} shards, "
               f"rebuilt by prefill in {g['rebuild_seconds'] / 60:.1f} min; rows whose next token is not the "
               f"target's greedy choice: {g['disagree']}", file=sys.stderr)
         return 0
     tok = target.tokenizer
-    ids_of = lambda text: prompt_ids(tok, text, True, args.system)  # noqa: E731
+    chat = use_chat(args.chat, tok)
+    ids_of = lambda text: prompt_ids(tok, text, chat, args.system)  # noqa: E731
     flt = OverlapFilter(tok.encode, eval_texts()) if not args.keep_overlap else None
     rng = random.Random(args.seed)
     chosen, sources = [], {}
@@ -83,7 +88,7 @@ def _data(args, files) -> int:
     print(f"specplug: {len(chosen)} prompts; dropped {dropped} sharing a 13-token n-gram with an evaluation prompt "
           f"(Spec-Bench, MT-bench, HumanEval): " + ", ".join(f"{k}: {v['dropped_overlap']}" for k, v in sources.items()),
           file=sys.stderr)
-    settings = {"command": " ".join(sys.argv), "seed": args.seed, "chat": True, "system": args.system,
+    settings = {"command": " ".join(sys.argv), "seed": args.seed, "chat": chat, "system": args.system,
                 "max_prompt_tokens": args.max_prompt_tokens, "parallel": args.parallel, "limit": args.limit,
                 "code": args.code, "threads": torch.get_num_threads(), "turns": args.turns}
     pool = None
@@ -94,13 +99,25 @@ def _data(args, files) -> int:
         settings["threads"] = pool["threads"]
         settings["ray"] = {"address": args.ray, "workers": args.ray_workers}
     man = generate_dataset(target, chosen, Path(args.output), taps, args.max_tokens, args.parallel, args.topk,
-                           args.context, args.shard_prompts, settings, sources, ids_of, ray_pool=pool, turns=args.turns)
+                           args.context, args.shard_prompts, settings, sources, ids_of, ray_pool=pool, turns=args.turns,
+                           tap_dtype=args.tap_dtype)
     t = man["totals"]
     g = man.get("generation", {})
     where = "Ray workers" if pool else f"{torch.get_num_threads()} CPU threads"
     print(f"specplug: {args.output}: {t['sequences']} sequences, {t['tokens']} tokens ({t['answer_tokens']} generated) "
           f"in {t['shards']} shards; generation took {g.get('seconds', 0) / 60:.1f} min on {where}", file=sys.stderr)
     return 0
+
+
+def use_chat(flag: bool | None, tokenizer) -> bool:
+    """--chat / --no-chat, or by default: through the chat template when the GGUF has one (an instruct
+    model); a base model without one (Gemma 3 270M) continues the prompt as plain text."""
+    if flag is None:
+        flag = tokenizer.chat_template is not None
+        if not flag:
+            print("specplug: the target's GGUF has no chat template; prompts are fed as plain text to continue "
+                  "(--chat forces the ChatML fallback)", file=sys.stderr)
+    return flag
 
 
 def _select(prompts, source: str, args, flt, ids_of, rng: random.Random, sources: dict, limit: int | None = None):
@@ -233,10 +250,16 @@ def register(sub) -> None:
     d.add_argument("--code", type=int, default=0, help="add N code prompts made from standard-library docstrings")
     d.add_argument("--parallel", type=int, default=8, help="sequences generated at once")
     d.add_argument("--topk", type=int, default=32, help="next-token log-probabilities kept per row")
+    d.add_argument("--tap-dtype", choices=("auto", "float16", "bfloat16"), default="auto",
+                   help="how hidden states are stored (auto: float16 unless the target's states come near its "
+                        "range, as Gemma 3's do; then bfloat16)")
     d.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are skipped")
     d.add_argument("--context", type=int, default=2048)
     d.add_argument("--shard-prompts", type=int, default=200, help="prompts per shard")
     d.add_argument("--system", default=None, help="system message for the chat template")
+    d.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap prompts in the chat template (default: when the target's GGUF has one; a base "
+                        "model without one continues each prompt as plain text)")
     d.add_argument("--turns", type=int, choices=(1, 2), default=1,
                    help="2: a prompt with a second turn also gives the second answer, generated after the first "
                         "as `bench` and `run` feed it (default 1: the first turn only)")

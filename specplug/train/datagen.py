@@ -24,7 +24,9 @@ Tensors of a shard (N rows = the shard's sequences concatenated):
   prompt_lens    [S] int32          the first prompt_lens[s] tokens of s are the prompt
   answer_mask    [N] uint8          1 for tokens the target generated (the loss mask)
   tap.<t>        [N, n_embd] f16    hidden state t at each row ("final" = pre-norm final state,
-                                    "<i>" = input of layer i), as the host delivers it to heads
+                                    "<i>" = input of layer i), as the host delivers it to heads;
+                                    bf16 where the manifest says "tap_dtype": "bfloat16" (a model
+                                    whose states overflow float16, e.g. Gemma 3: --tap-dtype, auto)
   topk_ids       [N, k] int32       the target's k likeliest next tokens after each row
   topk_logprobs  [N, k] f16         their log-probabilities (rows before the last prompt token: 0)
   prompt_index   [S] int64          index of the sequence's prompt in manifest["prompts"] (a two-turn
@@ -44,8 +46,8 @@ import torch
 from specplug.errors import SpecplugError
 from specplug.heads import token_table_sha256
 from specplug.outputs import claim, write_atomic
-from specplug.train.generator import (FORMAT_VERSION, DataGenerator, _concat, file_sha256, shard_record,
-                                       write_shard)
+from specplug.train.generator import (FORMAT_VERSION, DataGenerator, _concat, choose_tap_dtype, file_sha256,
+                                     shard_record, tap_dtype_entry, write_shard)
 from specplug.train.prompts import TrainPrompt
 
 MANIFEST = "manifest.json"
@@ -100,7 +102,8 @@ def second_turn_messages(turns: Sequence[str], first_answer: str) -> list[dict]:
 
 def generate_dataset(target, prompts: list[TrainPrompt], out_dir: Path, taps: list[str], max_tokens: int,
                      parallel: int, topk: int, context: int, shard_prompts: int, settings: dict,
-                     sources: dict, prompt_ids, ray_pool: dict | None = None, turns: int = 1) -> dict:
+                     sources: dict, prompt_ids, ray_pool: dict | None = None, turns: int = 1,
+                     tap_dtype: str = "auto") -> dict:
     """Generate (or resume) a data set in out_dir; returns the manifest. The folder is claimed
     meanwhile (specplug.outputs; `specplug train data` claims it before the model loads).
     `prompt_ids` turns a text or a list of chat messages into the prompt's token ids.
@@ -110,11 +113,11 @@ def generate_dataset(target, prompts: list[TrainPrompt], out_dir: Path, taps: li
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with claim(out_dir, "-o"):
         return _generate_dataset(target, prompts, out_dir, taps, max_tokens, parallel, topk, context, shard_prompts,
-                                 settings, sources, prompt_ids, ray_pool, turns)
+                                 settings, sources, prompt_ids, ray_pool, turns, tap_dtype)
 
 
 def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel, topk, context, shard_prompts,
-                      settings, sources, prompt_ids, ray_pool=None, turns=1) -> dict:
+                      settings, sources, prompt_ids, ray_pool=None, turns=1, tap_dtype="auto") -> dict:
     from tqdm import tqdm
 
     model, tok = target.model, target.tokenizer
@@ -125,6 +128,7 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
                    "arch": cfg.arch, "name": cfg.name, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
                    "vocab_size": cfg.vocab_size, "token_table_sha256": token_table_sha256(tok.token_texts),
                    "quant": model.quant}
+    tap_dtype = choose_tap_dtype(target, taps, tap_dtype)
     two = [turns > 1 and len(p.user_turns()) > 1 for p in prompts]  # prompts whose second turn is generated too
     if any(two) and ray_pool is not None:
         raise SpecplugError("--turns 2 runs on one machine (a second turn needs the first answer); drop --ray")
@@ -132,6 +136,7 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
     plan = {"format": FORMAT_VERSION, "taps": taps, "topk": topk, "max_tokens": max_tokens, "context": context,
             "shard_prompts": shard_prompts, "chat": settings.get("chat", True), "system": settings.get("system"),
             **({"turns": 2} if any(two) else {}),  # absent for one turn: one-turn data sets keep their identity
+            **tap_dtype_entry(tap_dtype),
             "prompts_sha256": hashlib.sha256(json.dumps(prompt_list).encode()).hexdigest()}
     manifest = {**plan, "target": target_desc, "settings": settings, "sources": sources, "prompts": prompt_list,
                 "shards": [], "totals": {}}
@@ -167,7 +172,8 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
         from specplug.train.ray_data import generate_on_ray
 
         jobs = [(k, names[k], [(i, prompt_ids(prompts[i].text)) for i in shard_range(k)]) for k in todo_shards]
-        recipe = {"taps": taps, "max_tokens": max_tokens, "parallel": parallel, "topk": topk, "context": context}
+        recipe = {"taps": taps, "max_tokens": max_tokens, "parallel": parallel, "topk": topk, "context": context,
+                  "tap_dtype": tap_dtype}
         t0 = time.perf_counter()
         generated = 0
         for record, n_gen in generate_on_ray(ray_pool, target, recipe, out_dir, jobs):
@@ -180,7 +186,7 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
         _add_generation(manifest, time.perf_counter() - t0, generated)
         return _finish(manifest, mpath)
     todo = [((i, 1), prompt_ids(prompts[i].text)) for k in todo_shards for i in shard_range(k)]
-    gen = DataGenerator(target, taps, max_tokens, parallel, topk, context)
+    gen = DataGenerator(target, taps, max_tokens, parallel, topk, context, tap_dtype=tap_dtype)
     results: dict[tuple[int, int], dict | None] = {}  # (prompt index, turn) -> arrays; None: a turn left out
     skipped = {"second_turn_no_room": 0}
     bar = tqdm(total=len(todo) + sum(two[i] for (i, _), _ in todo), unit="answer", file=sys.stderr,

@@ -29,6 +29,42 @@ def tap_layer(tap: str, n_layer: int) -> int:
     return n_layer if tap == "final" else int(tap)
 
 
+TAP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+FLOAT16_MAX = 65504.0
+# auto keeps float16 (8 times bfloat16's precision) while the probe's hidden states stay under half of
+# float16's largest value. Measured peaks (the first token's outlier dimensions): SmolLM2-135M 2.3e4,
+# Gemma 3 270M 1.0e5 (float16 would store inf).
+_AUTO_FLOAT16_LIMIT = FLOAT16_MAX / 2
+_PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers; "
+               "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n")
+
+
+def choose_tap_dtype(target, taps: Sequence[str], wanted: str = "auto") -> str:
+    """How hidden states are stored: "float16" or "bfloat16". auto: float16 unless one forward over
+    a probe text shows states anywhere near float16's range at the tapped layers (models with a large
+    residual stream, such as Gemma 3, whose states overflow float16 to inf); then bfloat16, which
+    has float32's range. The generator still checks every row it stores (DataGenerator)."""
+    if wanted != "auto":
+        if wanted not in TAP_DTYPES:
+            from specplug.errors import SpecplugError
+
+            raise SpecplugError(f"--tap-dtype must be auto, float16 or bfloat16, got {wanted!r}")
+        return wanted
+    model = target.model
+    ids = target.tokenizer.encode(_PROBE_TEXT)[:64]
+    layers = frozenset(tap_layer(t, model.config.n_layer) for t in taps)
+    cache = model.new_cache(1, max(128, len(ids) + 1))
+    out = model.forward(ids, list(range(len(ids))), [0] * len(ids), cache, logits_rows=None, taps=layers)
+    peak = max(float(out.hidden[li].abs().max()) for li in layers)
+    return "float16" if peak < _AUTO_FLOAT16_LIMIT else "bfloat16"
+
+
+def tap_dtype_entry(tap_dtype: str) -> dict:
+    """The manifest key for the taps' type: absent for float16, so the data sets made before it keep
+    their identity."""
+    return {} if tap_dtype == "float16" else {"tap_dtype": tap_dtype}
+
+
 def write_shard(out_dir: Path, name: str, index: int, tensors: dict[str, torch.Tensor]) -> dict:
     """Write a shard atomically (unless a shard of that name, hence that content, exists) and
     return its manifest record."""
@@ -69,8 +105,9 @@ class DataGenerator:
     """Greedy generation for many prompts with continuous batching, recording taps and top-k."""
 
     def __init__(self, target, taps: Sequence[str], max_tokens: int, parallel: int, topk: int, context: int,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256, tap_dtype: str = "float16"):
         self.target, self.model = target, target.model
+        self.tap_dtype = TAP_DTYPES[tap_dtype]
         cfg = self.model.config
         self.taps = list(taps)
         self.tap_ids = {t: tap_layer(t, cfg.n_layer) for t in self.taps}
@@ -129,7 +166,7 @@ class DataGenerator:
         j = 0  # index into the logit rows
         for slot, q, a, n, d0 in spans:
             for t, li in self.tap_ids.items():
-                q.taps[t].append(out.hidden[li][a:a + n].to(torch.float16))
+                q.taps[t].append(self._stored(out.hidden[li][a:a + n], t))
             k = max(0, n - d0)  # rows of this sequence with a distribution
             if d0 > 0:  # prompt rows before the last one: no distribution recorded
                 q.topk_ids.append(torch.zeros(min(d0, n), self.topk, dtype=torch.int32))
@@ -149,6 +186,16 @@ class DataGenerator:
                         or len(q.tokens) >= self.context):
                     q.final = True
             j += k
+
+    def _stored(self, h: torch.Tensor, tap: str) -> torch.Tensor:
+        """Hidden states as the data set stores them; a float16 set refuses states it cannot hold
+        (they would become inf, and the head's loss NaN) instead of writing them."""
+        if self.tap_dtype == torch.float16 and h.numel() and float(h.abs().max()) > FLOAT16_MAX:
+            from specplug.errors import SpecplugError
+
+            raise SpecplugError(f"tap {tap}: hidden states up to {float(h.abs().max()):.4g} overflow float16; make "
+                                f"this data set with --tap-dtype bfloat16 (into a new -o folder)")
+        return h.to(self.tap_dtype)
 
     def _arrays(self, q: _Seq) -> dict[str, torch.Tensor]:
         n = len(q.tokens)

@@ -110,18 +110,20 @@ def _read_token_shard(folder: Path, sh: dict) -> dict[str, np.ndarray]:
 
 
 def rebuild_dataset(target, token_dirs: Sequence[str | Path], out_dir: str | Path, taps: list[str], topk: int,
-                    parallel: int = 8, chunk: int = 512, command: str = "") -> dict:
+                    parallel: int = 8, chunk: int = 512, command: str = "", tap_dtype: str = "auto") -> dict:
     """Make a full data set (taps, top-k) in `out_dir` from tokens-only folders, by prefill; resumable
-    shard by shard. Returns the manifest."""
+    shard by shard. Returns the manifest. tap_dtype: float16, bfloat16 or auto (generator.choose_tap_dtype)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     from specplug.heads import token_table_sha256
+    from specplug.train.generator import choose_tap_dtype, tap_dtype_entry
 
     out_dir = Path(out_dir)
     model, tok = target.model, target.tokenizer
     cfg = model.config
     mans = [(Path(d), read_tokens_manifest(d)) for d in token_dirs]
+    tap_dtype = choose_tap_dtype(target, taps, tap_dtype)
     sha = file_sha256(model.path)
     table = token_table_sha256(tok.token_texts)
     for d, m in mans:
@@ -150,6 +152,7 @@ def rebuild_dataset(target, token_dirs: Sequence[str | Path], out_dir: str | Pat
             "context": max(int(m.get("context", 2048)) for _, m in mans), "shard_prompts": first.get("shard_prompts"),
             "chat": first.get("chat", True), "system": first.get("system"),
             **({"turns": first["turns"]} if first.get("turns", 1) > 1 else {}),
+            **tap_dtype_entry(tap_dtype),
             "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()}
     manifest = {**plan, "target": target_desc,
                 "settings": {"command": command, "from_tokens": [str(d) for d, _ in mans]},
@@ -168,7 +171,7 @@ def rebuild_dataset(target, token_dirs: Sequence[str | Path], out_dir: str | Pat
         done = {s["index"] for s in manifest["shards"]}
         write_json_atomic(mpath, manifest)
         todo = [(k, d, sh, base) for k, d, sh, base in plan_shards if k not in done]
-        gen = DataGenerator(target, taps, 1, parallel, topk, plan["context"], prefill_chunk=chunk)
+        gen = DataGenerator(target, taps, 1, parallel, topk, plan["context"], prefill_chunk=chunk, tap_dtype=tap_dtype)
         bar = tqdm(total=sum(sh["tokens"] for _, _, sh, _ in todo), unit="tok", unit_scale=True, file=sys.stderr,
                    desc=f"rebuild -> {out_dir.name}")
         t0 = time.perf_counter()
