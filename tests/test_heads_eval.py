@@ -97,4 +97,5 @@ def test_cli_prints_the_table_and_writes_the_json(report, trained, data, work, c
     assert {line.split()[0] for line in table[2:-1]} == set(SOURCES)  # no category recorded: the source stands in
     written = json.loads(out.read_text())
     assert written["by"] == "category" and written["overall"] == report["overall"]
+    assert written["machine"]["cpu"] and written["machine"]["threads"] >= 1  # where it ran, as every results JSON
     assert main(["heads", "eval", str(trained), "--data", str(data), "--depth", "0"]) == 2

@@ -143,7 +143,9 @@ def cmd_eval(args) -> int:
                       device=args.device, model=args.model)
     print(text_report(r))
     if args.json:
-        write_atomic(Path(args.json), json.dumps(r, indent=1))
+        from specplug.machine import describe
+
+        write_atomic(Path(args.json), json.dumps({**r, "machine": describe(args.device)}, indent=1))
         print(f"specplug: wrote {args.json}", file=sys.stderr)
     return 0
 

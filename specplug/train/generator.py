@@ -32,7 +32,7 @@ def tap_layer(tap: str, n_layer: int) -> int:
 TAP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 FLOAT16_MAX = 65504.0
 # auto keeps float16 (8 times bfloat16's precision) while the probe's hidden states stay under half of
-# float16's largest value. Measured peaks (the first token's outlier dimensions): SmolLM2-135M 2.3e4,
+# float16's largest value. Measured peaks (a few outlier dimensions): SmolLM2-135M 2.3e4,
 # Gemma 3 270M 1.0e5 (float16 would store inf).
 _AUTO_FLOAT16_LIMIT = FLOAT16_MAX / 2
 _PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published four papers; "
