@@ -26,9 +26,6 @@ def cmd_data(args) -> int:
                             "--prompts, --code or --turns")
     if not args.prompts and not args.code and not args.from_tokens:
         raise SpecplugError("give prompt files (--prompts FILE ...) and/or --code N, or --from-tokens DIR ...")
-    if args.chat is False and args.turns != 1:
-        raise SpecplugError("--turns 2 needs the chat template (a second user turn follows the first answer); "
-                            "drop --no-chat")
     if args.ray is not None:
         if args.turns != 1:
             raise SpecplugError("--turns 2 runs on one machine (a second turn needs the first answer); drop --ray")
@@ -74,6 +71,9 @@ def _data(args, files) -> int:
         return 0
     tok = target.tokenizer
     chat = use_chat(args.chat, tok)
+    if not chat and args.turns != 1:  # --no-chat, or a target without a template
+        raise SpecplugError("--turns 2 needs the chat template (a second user turn follows the first answer); "
+                            "drop --no-chat, or give --chat")
     ids_of = lambda text: prompt_ids(tok, text, chat, args.system)  # noqa: E731
     flt = OverlapFilter(tok.encode, eval_texts()) if not args.keep_overlap else None
     rng = random.Random(args.seed)

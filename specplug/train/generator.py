@@ -163,10 +163,12 @@ class DataGenerator:
             lp = torch.log_softmax(out.logits.float(), -1)
             top_lp, top_ids = lp.topk(self.topk, -1)
             best = top_ids[:, 0].tolist()
+        for t, li in self.tap_ids.items():  # the step's rows, checked once
+            self._check_storable(out.hidden[li], t)
         j = 0  # index into the logit rows
         for slot, q, a, n, d0 in spans:
             for t, li in self.tap_ids.items():
-                q.taps[t].append(self._stored(out.hidden[li][a:a + n], t))
+                q.taps[t].append(out.hidden[li][a:a + n].to(self.tap_dtype))
             k = max(0, n - d0)  # rows of this sequence with a distribution
             if d0 > 0:  # prompt rows before the last one: no distribution recorded
                 q.topk_ids.append(torch.zeros(min(d0, n), self.topk, dtype=torch.int32))
@@ -187,15 +189,15 @@ class DataGenerator:
                     q.final = True
             j += k
 
-    def _stored(self, h: torch.Tensor, tap: str) -> torch.Tensor:
-        """Hidden states as the data set stores them; a float16 set refuses states it cannot hold
-        (they would become inf, and the head's loss NaN) instead of writing them."""
-        if self.tap_dtype == torch.float16 and h.numel() and float(h.abs().max()) > FLOAT16_MAX:
+    def _check_storable(self, h: torch.Tensor, tap: str) -> None:
+        """A float16 set refuses states it cannot hold (they would become inf, and the head's loss
+        NaN) instead of writing them."""
+        peak = float(h.abs().max()) if self.tap_dtype == torch.float16 and h.numel() else 0.0
+        if peak > FLOAT16_MAX:
             from specplug.errors import SpecplugError
 
-            raise SpecplugError(f"tap {tap}: hidden states up to {float(h.abs().max()):.4g} overflow float16; make "
+            raise SpecplugError(f"tap {tap}: hidden states up to {peak:.4g} overflow float16; make "
                                 f"this data set with --tap-dtype bfloat16 (into a new -o folder)")
-        return h.to(self.tap_dtype)
 
     def _arrays(self, q: _Seq) -> dict[str, torch.Tensor]:
         n = len(q.tokens)
