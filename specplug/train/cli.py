@@ -14,7 +14,8 @@ from specplug.outputs import claim, exit_1_on_write_error
 def cmd_data(args) -> int:
     from specplug.train.prompts import read_prompt_file
 
-    for key in ("max_tokens", "parallel", "topk", "shard_prompts", "max_prompt_tokens", "context"):
+    for key in ("max_tokens", "parallel", "topk", "shard_prompts", "max_prompt_tokens", "context",
+                "prefill_chunk"):
         if getattr(args, key) < 1:
             raise SpecplugError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
     if args.limit is not None and args.limit < 1:
@@ -90,7 +91,8 @@ def _data(args, files) -> int:
           file=sys.stderr)
     settings = {"command": " ".join(sys.argv), "seed": args.seed, "chat": chat, "system": args.system,
                 "max_prompt_tokens": args.max_prompt_tokens, "parallel": args.parallel, "limit": args.limit,
-                "code": args.code, "threads": torch.get_num_threads(), "turns": args.turns}
+                "code": args.code, "threads": torch.get_num_threads(), "turns": args.turns,
+                "prefill_chunk": args.prefill_chunk}
     pool = None
     if args.ray is not None:
         from specplug.cluster import worker_threads
@@ -255,6 +257,9 @@ def register(sub) -> None:
                         "range, as Gemma 3's do; then bfloat16)")
     d.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are skipped")
     d.add_argument("--context", type=int, default=2048)
+    d.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt rows read per forward besides one row per answering sequence (smaller keeps "
+                        "the padded attention of a large --parallel small, on a GPU)")
     d.add_argument("--shard-prompts", type=int, default=200, help="prompts per shard")
     d.add_argument("--system", default=None, help="system message for the chat template")
     d.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

@@ -173,7 +173,7 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
 
         jobs = [(k, names[k], [(i, prompt_ids(prompts[i].text)) for i in shard_range(k)]) for k in todo_shards]
         recipe = {"taps": taps, "max_tokens": max_tokens, "parallel": parallel, "topk": topk, "context": context,
-                  "tap_dtype": tap_dtype}
+                  "tap_dtype": tap_dtype, "prefill_chunk": settings.get("prefill_chunk", 256)}
         t0 = time.perf_counter()
         generated = 0
         for record, n_gen in generate_on_ray(ray_pool, target, recipe, out_dir, jobs):
@@ -186,7 +186,8 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
         _add_generation(manifest, time.perf_counter() - t0, generated)
         return _finish(manifest, mpath)
     todo = [((i, 1), prompt_ids(prompts[i].text)) for k in todo_shards for i in shard_range(k)]
-    gen = DataGenerator(target, taps, max_tokens, parallel, topk, context, tap_dtype=tap_dtype)
+    gen = DataGenerator(target, taps, max_tokens, parallel, topk, context, tap_dtype=tap_dtype,
+                        prefill_chunk=settings.get("prefill_chunk", 256))
     results: dict[tuple[int, int], dict | None] = {}  # (prompt index, turn) -> arrays; None: a turn left out
     skipped = {"second_turn_no_room": 0}
     bar = tqdm(total=len(todo) + sum(two[i] for (i, _), _ in todo), unit="answer", file=sys.stderr,

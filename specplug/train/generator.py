@@ -161,14 +161,15 @@ class DataGenerator:
                                  taps=frozenset(self.tap_ids.values()))
         if out.logits is not None:
             lp = torch.log_softmax(out.logits.float(), -1)
-            top_lp, top_ids = lp.topk(self.topk, -1)
+            top_lp, top_ids = (x.cpu() for x in lp.topk(self.topk, -1))  # shards are written from host memory
             best = top_ids[:, 0].tolist()
         for t, li in self.tap_ids.items():  # the step's rows, checked once
             self._check_storable(out.hidden[li], t)
+        hidden = {t: out.hidden[li].to(self.tap_dtype).cpu() for t, li in self.tap_ids.items()}  # one copy a step
         j = 0  # index into the logit rows
         for slot, q, a, n, d0 in spans:
-            for t, li in self.tap_ids.items():
-                q.taps[t].append(out.hidden[li][a:a + n].to(self.tap_dtype))
+            for t in self.taps:
+                q.taps[t].append(hidden[t][a:a + n].clone())  # not a view holding the whole step
             k = max(0, n - d0)  # rows of this sequence with a distribution
             if d0 > 0:  # prompt rows before the last one: no distribution recorded
                 q.topk_ids.append(torch.zeros(min(d0, n), self.topk, dtype=torch.int32))

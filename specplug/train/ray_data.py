@@ -30,7 +30,8 @@ class DataWorker:
 
         self.target = load_target(model_path, "cpu", "float32", quant, threads)
         self.gen = DataGenerator(self.target, recipe["taps"], recipe["max_tokens"], recipe["parallel"],
-                                 recipe["topk"], recipe["context"], tap_dtype=recipe.get("tap_dtype", "float16"))
+                                 recipe["topk"], recipe["context"], tap_dtype=recipe.get("tap_dtype", "float16"),
+                                 prefill_chunk=recipe.get("prefill_chunk", 256))
         self.out_dir = Path(out_dir)
 
     def pid(self) -> int:

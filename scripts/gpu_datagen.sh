@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Training data made on a lent GPU, in the call that ran scripts/gpu_check.sh (which assembled the
+# model and installed specplug under $GPU_CHECK_WORK/site). The target answers the conversation
+# prompts (GPTeacher role-play and code, the target's own requests; two turns) until --until (a
+# Unix time); what finished comes back as token shards (`specplug train tokens`, ~1.5 MB per
+# million tokens), to be rebuilt into taps and top-k here by prefill on the CPU target:
+#
+#   bash scripts/gpu_datagen.sh --until $(( $(date +%s) + 200 )) --out "$OUT"
+#   # here: tar xzf chat-gpu-tokens.tgz; specplug train data --from-tokens chat-gpu-tokens -o DIR --taps ...
+#
+# The answers are the float32 GPU forward's greedy choices (weights dequantized, activations not
+# quantized), so a few differ from the CPU kernels' after some tokens; the rebuild records the CPU
+# target's own distributions on them, and counts the rows where its greedy choice differs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+UNTIL="" OUT="${OUT:-gpu-datagen-out}" PARALLEL=${GPU_DATAGEN_PARALLEL:-128}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --until) UNTIL="$2"; shift 2;;
+    --out) OUT="$2"; shift 2;;
+    *) echo "gpu_datagen: unknown argument $1" >&2; exit 2;;
+  esac
+done
+PY=${PYTHON:-python3}
+WORK=${GPU_CHECK_WORK:-/tmp/specplug-gpu}
+export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+DATA=$WORK/chat-gpu TOKENS=$WORK/chat-gpu-tokens
+mkdir -p "$OUT"
+secs=$(( ${UNTIL:-$(( $(date +%s) + 300 ))} - $(date +%s) - 30 ))  # 30 s left for the export
+[ "$secs" -gt 20 ] || { echo "gpu_datagen: no time left (--until)"; exit 0; }
+echo "== gpu_datagen: $secs s of generation, parallel $PARALLEL"
+timeout -s INT "$secs" $PY -m specplug.cli train data --device cuda --turns 2 --seed 11 \
+  --prompts data/train/gpteacher/roleplay-simple-deduped-roleplay-instruct.json.gz \
+            data/train/gpteacher/codegen-instruct.json.gz data/train/self-smollm2.jsonl.gz \
+  -o "$DATA" --taps final --topk 1 --max-tokens 384 --parallel "$PARALLEL" --prefill-chunk 32 \
+  --shard-prompts 50 > "$OUT/datagen.log" 2>&1
+echo "== gpu_datagen: generation exit $?"
+tr '\r' '\n' < "$OUT/datagen.log" | grep -v '^\s*$' | tail -4
+$PY -m specplug.cli train tokens "$DATA" -o "$TOKENS" 2>&1 | tail -3
+tar czf "$OUT/chat-gpu-tokens.tgz" -C "$WORK" "$(basename "$TOKENS")" && ls -la "$OUT"
