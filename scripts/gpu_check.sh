@@ -80,8 +80,10 @@ run_step() {  # run_step SECONDS LABEL CMD...: at most SECONDS, and only if that
   step "$label"
   timeout "$lim" "$@" || echo "== $label: stopped or failed (exit $?)"
 }
-run_step 150 "CUDA tests" bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_static_step.py \
-  -k 'not every_example_config' 2>&1 | tail -15 | tee $OUT/tests.txt"
+# each test's verdict and the slowest ones go to the file as they come, so a step stopped at its
+# limit still says how far it got (the first GPU run lost that to a `| tail`)
+run_step 150 "CUDA tests" bash -c "$PY -m pytest -v -p no:cacheprovider --durations=12 tests/test_cuda.py \
+  tests/test_static_step.py -k 'not every_example_config' > $OUT/tests.txt 2>&1; tail -25 $OUT/tests.txt"
 run_step 120 "greedy speculative == plain, every example config, bfloat16" bash -c \
   "$PY scripts/static_equal.py --device cuda --dtype bfloat16 --json $OUT/equal-bfloat16.json 2>&1 | tail -17 | tee $OUT/equal-bfloat16.txt"
 run_step 120 "bench-runtime bfloat16, bucketed (not batch-invariant)" bash -c \

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import logging
 import os
 from dataclasses import dataclass, field
@@ -133,8 +134,29 @@ def _check_class(cls: Any, name: str, value: str = "?") -> None:
         raise PluginError(f"{where}: {exc}") from None
 
 
+class _PluginManager(pluggy.PluginManager):
+    """pluggy's manager, finding hook implementations without running the plugin's properties.
+
+    pluggy before 1.7 reads every attribute of a plugin with getattr() when it is registered, so a
+    property runs, on the check's uninitialised instance too (where it raises AttributeError: a
+    plugin "failed to load" under an older pluggy, as DFlash's `received` did on the first GPU
+    machine). Hooks are methods: read statically, as pluggy 1.7 does itself."""
+
+    def parse_hookimpl_opts(self, plugin, name: str):
+        try:
+            found = inspect.getattr_static(plugin, name)
+        except AttributeError:
+            return None
+        if isinstance(found, (staticmethod, classmethod)):
+            found = found.__func__
+        if not inspect.isroutine(found):
+            return None
+        opts = getattr(found, self.project_name + "_impl", None)
+        return opts if isinstance(opts, dict) else None
+
+
 def new_plugin_manager() -> pluggy.PluginManager:
-    pm = pluggy.PluginManager("specplug")
+    pm = _PluginManager("specplug")
     pm.add_hookspecs(hooks)
     return pm
 

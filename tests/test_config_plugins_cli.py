@@ -237,3 +237,51 @@ def test_models_lists_an_assembling_package_without_assembling_it(tmp_path, monk
     assert main(["models", "--json"]) == 0
     row = next(r for r in json.loads(capsys.readouterr().out) if r["name"] == "fake-1m")
     assert row["installed"] and row["path"] == str(target) and row["bytes"] == 4
+
+
+def test_registering_a_plugin_never_runs_its_properties(monkeypatch):
+    """pluggy before 1.7 read every attribute with getattr() at registration, so a property ran on
+    the check's uninitialised instance (DFlash's `received` raised AttributeError and the type
+    "failed to load" on the first GPU machine). pluggy's own lookup is put back to that older one
+    here: the host's manager must find the hooks without it."""
+    import dataclasses
+    import inspect
+
+    import pluggy
+
+    def getattr_lookup(self, plugin, name):  # pluggy 1.5's PluginManager.parse_hookimpl_opts
+        method = getattr(plugin, name)
+        if not inspect.isroutine(method):
+            return None
+        opts = getattr(method, self.project_name + "_impl", None)
+        return opts if isinstance(opts, dict) else None
+
+    monkeypatch.setattr(pluggy.PluginManager, "parse_hookimpl_opts", getattr_lookup)
+
+    from specplug.hooks import hookimpl
+
+    class Lazy(GoodSpec):
+        @dataclasses.dataclass
+        class Params:
+            pass
+
+        @property
+        def received(self):
+            return self.state  # set by __init__, absent on the check's instance
+
+        @hookimpl
+        def draft(self, requests):
+            return None
+
+        @staticmethod
+        @hookimpl
+        def encode(batch):
+            return None
+
+    plugins._check_class(Lazy, "lazy")  # registers an uninitialised instance
+    pm = plugins.new_plugin_manager()
+    probe = Lazy.__new__(Lazy)
+    found = {n for n in dir(probe) if pm.parse_hookimpl_opts(probe, n) is not None}
+    assert {"draft", "encode"} <= found and "received" not in found
+    pm.register(probe, name="lazy")
+    assert [impl.plugin_name for impl in pm.hook.draft.get_hookimpls()] == ["lazy"]

@@ -61,6 +61,23 @@ def test_cuda_graph_step_matches_eager(gguf_path, dtype):
         assert (a.logits - b.logits).abs().max().item() <= tol * max(1.0, scale)
 
 
+def test_a_new_cache_captures_after_the_last_one_is_freed(gguf_path):
+    """The first GPU run: bench-runtime dropped its cache (and the graphs on it) and made another;
+    capturing into the freed cache's memory pool failed the allocator's `use_count > 0` assert.
+    Each cache holds its own pool now: the second cache's graphs capture and replay as eager."""
+    eager, graphs = _model(gguf_path, "float32"), _model(gguf_path, "float32", cuda_graphs=True)
+    prompts = {0: list(range(3, 40)), 1: list(range(50, 70))}
+    for round_ in range(2):
+        got = []
+        for m in (eager, graphs):
+            cache = m.new_cache(2, 256)
+            _prefill(m, cache, prompts)
+            got.append(m.forward([5, 6], [37, 20], [0, 1], cache, logits_rows=None).logits)
+            del cache
+        assert (got[0] - got[1]).abs().max().item() <= 2e-3 * max(1.0, got[0].abs().max().item()), round_
+    assert graphs.static.capture_s > 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 4, 16, 64])
 def test_rows_do_not_depend_on_their_batch(gguf_path, dtype, rows):

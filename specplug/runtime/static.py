@@ -154,7 +154,6 @@ class StaticSteps:
         self.options, self.rope, self.dtype, self.device = options, rope, dtype, torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.graphs = 0  # shapes built (their graphs live on their caches: see _graph)
-        self._pool = None
         self.compile_s = self.capture_s = 0.0
 
         def call(slots, idx, inputs, kv, cache, L, key):
@@ -260,14 +259,18 @@ class StaticSteps:
             torch.cuda.synchronize()
         self.compile_s += time.perf_counter() - t0
         if self.cuda and self.options.cuda_graphs:
-            self._capture(g)
+            self._capture(g, cache)
         graphs[gkey] = g
         self.graphs += 1
         return g
 
-    def _capture(self, g: _Graph) -> None:
+    def _capture(self, g: _Graph, cache: KVCache) -> None:
         """Capture g's step in a CUDA graph (after warm-up runs on a side stream, as
-        torch.cuda.graph asks); its outputs become static tensors rewritten by each replay."""
+        torch.cuda.graph asks); its outputs become static tensors rewritten by each replay.
+        The graphs of one cache share one memory pool, kept on the cache with them: a pool outlived
+        by its handle (all its graphs freed with their cache) cannot take a new capture (the
+        allocator's `use_count > 0` assert, seen on the first GPU run when bench-runtime made a
+        second cache)."""
         t0 = time.perf_counter()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -275,10 +278,11 @@ class StaticSteps:
             for _ in range(2):
                 g.call(g.slots, g.idx, g.inputs)
         torch.cuda.current_stream().wait_stream(s)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        pool = cache.__dict__.get("_static_graph_pool")
+        if pool is None:
+            pool = cache.__dict__["_static_graph_pool"] = torch.cuda.graph_pool_handle()
         cg = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cg, pool=self._pool):
+        with torch.cuda.graph(cg, pool=pool):
             g.out = g.call(g.slots, g.idx, g.inputs)
         g.cuda_graph = cg
         torch.cuda.synchronize()
