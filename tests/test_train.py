@@ -90,6 +90,26 @@ def test_data_generation_resumes_after_an_interrupt_to_the_same_data(tiny_q8, tm
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_a_small_prefill_chunk_reads_prompts_in_more_steps_to_the_same_data(tiny_q8, tmp_path, capsys):
+    """--prefill-chunk (a GPU keeps the padded attention of a large --parallel small with it) changes
+    how prompt rows are batched, not what is recorded: the kernels are batch-invariant."""
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in repetitive_prompts(6, seed=5)))
+    outs = []
+    for chunk in ("256", "3"):
+        out = tmp_path / f"chunk{chunk}"
+        assert main(["train", "data", "--model", str(tiny_q8), "--prompts", str(src), "-o", str(out), "--taps",
+                     "final,1", "--max-tokens", "10", "--parallel", "4", "--prefill-chunk", chunk,
+                     "--keep-overlap"]) == 0
+        man = json.loads((out / "manifest.json").read_text())
+        assert man["settings"]["prefill_chunk"] == int(chunk)
+        outs.append(load_file(str(out / man["shards"][0]["file"])))
+    assert outs[0].keys() == outs[1].keys() and all(torch.equal(outs[0][n], outs[1][n]) for n in outs[0])
+    assert main(["train", "data", "--model", str(tiny_q8), "--prompts", str(src), "-o", str(tmp_path / "x"),
+                 "--prefill-chunk", "0"]) == 2
+    assert "--prefill-chunk must be >= 1" in capsys.readouterr().err
+
+
 def test_a_shard_written_but_not_yet_in_the_manifest_is_found_not_made_again(tiny_q8, tmp_path):
     prompts = repetitive_prompts(16, seed=4)
     out = make_train_data(tiny_q8, tmp_path / "d", prompts, max_tokens=12, shard_prompts=8)
