@@ -206,6 +206,8 @@ def test_results_rows_name_the_machine_their_json_records():
             assert m, f"{path} records no machine; link a JSON that does, or label the row by hand without it"
             label = f"{m['cpu']}, {m['kernel_isa']}, {m['threads']} threads"
             assert label in row, f"README row for {path} should name its machine as the JSON records it: {label!r}"
+            if m.get("gpu"):  # a GPU run names the GPU too
+                assert m["gpu"] in row, f"README row for {path} should name the GPU it ran on: {m['gpu']!r}"
 
 
 def _machine_cell(m: dict | None) -> str:
