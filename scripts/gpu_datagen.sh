@@ -5,19 +5,25 @@
 # Unix time); what finished comes back as token shards (`specplug train tokens`, ~1.5 MB per
 # million tokens), to be rebuilt into taps and top-k here by prefill on the CPU target:
 #
-#   bash scripts/gpu_datagen.sh --until $(( $(date +%s) + 200 )) --out "$OUT"
+#   bash scripts/gpu_datagen.sh --until $(( $(date +%s) + 200 )) --out "$OUT" [--self-s SECONDS]
 #   # here: tar xzf chat-gpu-tokens.tgz; specplug train data --from-tokens chat-gpu-tokens -o DIR --taps ...
 #
 # The answers are the float32 GPU forward's greedy choices (weights dequantized, activations not
 # quantized), so a few differ from the CPU kernels' after some tokens; the rebuild records the CPU
 # target's own distributions on them, and counts the rows where its greedy choice differs.
+# --self-s S first spends up to S seconds having the target write requests of its own
+# (`specplug train prompts --self`, pieces of 400 candidates, each filtered against the pieces
+# before it and the shipped data/train/self-smollm2.jsonl.gz); they join the prompts, and the
+# kept requests come back too (self-gpu.jsonl.gz, to add to data/train).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-UNTIL="" OUT="${OUT:-gpu-datagen-out}" PARALLEL=${GPU_DATAGEN_PARALLEL:-128}
+UNTIL="" OUT="${OUT:-gpu-datagen-out}" PARALLEL=${GPU_DATAGEN_PARALLEL:-128} SELF_S=0 DEVICE=${GPU_DATAGEN_DEVICE:-cuda}
+PIECE=${GPU_DATAGEN_SELF_PIECE:-400}  # candidates a piece
 while [ $# -gt 0 ]; do
   case "$1" in
     --until) UNTIL="$2"; shift 2;;
     --out) OUT="$2"; shift 2;;
+    --self-s) SELF_S="$2"; shift 2;;
     *) echo "gpu_datagen: unknown argument $1" >&2; exit 2;;
   esac
 done
@@ -26,12 +32,32 @@ WORK=${GPU_CHECK_WORK:-/tmp/specplug-gpu}
 export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 DATA=$WORK/chat-gpu TOKENS=$WORK/chat-gpu-tokens
 mkdir -p "$OUT"
-secs=$(( ${UNTIL:-$(( $(date +%s) + 300 ))} - $(date +%s) - 30 ))  # 30 s left for the export
+UNTIL=${UNTIL:-$(( $(date +%s) + 300 ))}
+PROMPTS=(data/train/gpteacher/roleplay-simple-deduped-roleplay-instruct.json.gz
+         data/train/gpteacher/codegen-instruct.json.gz data/train/self-smollm2.jsonl.gz)
+if [ "$SELF_S" -gt 0 ]; then
+  end=$(( $(date +%s) + SELF_S )); k=0
+  [ "$end" -le $(( UNTIL - 120 )) ] || end=$(( UNTIL - 120 ))  # leave the answers two minutes at least
+  while [ $(( end - $(date +%s) )) -gt 45 ]; do
+    shopt -s nullglob; before=("$WORK"/self-*.jsonl); shopt -u nullglob
+    echo "== gpu_datagen: self-written requests, piece $k"
+    # candidates 900.. of seed 0 (0-899 made data/train/self-smollm2.jsonl.gz)
+    timeout -s INT $(( end - $(date +%s) )) $PY -m specplug.cli train prompts --self "$PIECE" --offset $(( 900 + PIECE * k )) \
+      --turns 2 --seed 0 --parallel "$PARALLEL" --device "$DEVICE" -o "$WORK/self-$k.jsonl" \
+      --against data/train/self-smollm2.jsonl.gz "${before[@]}" >> "$OUT/self.log" 2>&1 || { rm -f "$WORK/self-$k.jsonl"; break; }
+    k=$(( k + 1 ))
+  done
+  shopt -s nullglob; pieces=("$WORK"/self-*.jsonl); shopt -u nullglob
+  if [ ${#pieces[@]} -gt 0 ]; then
+    cat "${pieces[@]}" | gzip > "$OUT/self-gpu.jsonl.gz"
+    PROMPTS+=("$OUT/self-gpu.jsonl.gz")
+    echo "== gpu_datagen: $(zcat "$OUT/self-gpu.jsonl.gz" | wc -l) self-written requests kept"
+  fi
+fi
+secs=$(( UNTIL - $(date +%s) - 30 ))  # 30 s left for the export
 [ "$secs" -gt 20 ] || { echo "gpu_datagen: no time left (--until)"; exit 0; }
 echo "== gpu_datagen: $secs s of generation, parallel $PARALLEL"
-timeout -s INT "$secs" $PY -m specplug.cli train data --device cuda --turns 2 --seed 11 \
-  --prompts data/train/gpteacher/roleplay-simple-deduped-roleplay-instruct.json.gz \
-            data/train/gpteacher/codegen-instruct.json.gz data/train/self-smollm2.jsonl.gz \
+timeout -s INT "$secs" $PY -m specplug.cli train data --device "$DEVICE" --turns 2 --seed 11 --prompts "${PROMPTS[@]}" \
   -o "$DATA" --taps final --topk 1 --max-tokens 384 --parallel "$PARALLEL" --prefill-chunk 32 \
   --shard-prompts 50 > "$OUT/datagen.log" 2>&1
 echo "== gpu_datagen: generation exit $?"
