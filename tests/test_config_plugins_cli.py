@@ -285,3 +285,19 @@ def test_registering_a_plugin_never_runs_its_properties(monkeypatch):
     assert {"draft", "encode"} <= found and "received" not in found
     pm.register(probe, name="lazy")
     assert [impl.plugin_name for impl in pm.hook.draft.get_hookimpls()] == ["lazy"]
+
+
+@pytest.mark.parametrize("env,want", [({}, "30000"), ({"OMP_WAIT_POLICY": "ACTIVE"}, None),
+                                      ({"GOMP_SPINCOUNT": "5"}, "5")])
+def test_importing_specplug_shortens_openmp_spinning_unless_the_user_chose(env, want):
+    """torch's OpenMP threads spinning after each torch operation took the cores from the kernels'
+    threads (a forward after a head's draft 1.6-1.9x slower); the package sets a short spin before
+    torch loads, and leaves a user's own setting alone."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", "import os, specplug; print(os.environ.get('GOMP_SPINCOUNT'))"],
+                         env={**clean, **env}, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(want)
