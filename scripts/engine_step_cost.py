@@ -1,5 +1,6 @@
-"""Where a drafting step's time goes in the engine: every decode-phase target forward (rows,
-seconds) and every decode step's wall time, by the rows verified, beside the cost curve the price
+"""Where a drafting step's time goes in the engine: every target forward of at most 16 rows (the
+decode phase: these prompts are longer; rows, seconds) and every decode step's wall time, by the
+rows verified, beside the cost curve the price
 check uses. One sequence at a time, the first turns of MT-bench's first N questions, greedy, the
 config's max_tokens. This found the OpenMP spinning that specplug/__init__.py now shortens.
 

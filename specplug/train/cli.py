@@ -102,7 +102,7 @@ def _data(args, files) -> int:
         settings["ray"] = {"address": args.ray, "workers": args.ray_workers}
     man = generate_dataset(target, chosen, Path(args.output), taps, args.max_tokens, args.parallel, args.topk,
                            args.context, args.shard_prompts, settings, sources, ids_of, ray_pool=pool, turns=args.turns,
-                           tap_dtype=args.tap_dtype)
+                           tap_dtype=args.tap_dtype, prefill_chunk=args.prefill_chunk)
     t = man["totals"]
     g = man.get("generation", {})
     where = "Ray workers" if pool else f"{torch.get_num_threads()} CPU threads"

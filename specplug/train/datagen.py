@@ -103,7 +103,7 @@ def second_turn_messages(turns: Sequence[str], first_answer: str) -> list[dict]:
 def generate_dataset(target, prompts: list[TrainPrompt], out_dir: Path, taps: list[str], max_tokens: int,
                      parallel: int, topk: int, context: int, shard_prompts: int, settings: dict,
                      sources: dict, prompt_ids, ray_pool: dict | None = None, turns: int = 1,
-                     tap_dtype: str = "auto") -> dict:
+                     tap_dtype: str = "auto", prefill_chunk: int = 256) -> dict:
     """Generate (or resume) a data set in out_dir; returns the manifest. The folder is claimed
     meanwhile (specplug.outputs; `specplug train data` claims it before the model loads).
     `prompt_ids` turns a text or a list of chat messages into the prompt's token ids.
@@ -113,11 +113,12 @@ def generate_dataset(target, prompts: list[TrainPrompt], out_dir: Path, taps: li
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with claim(out_dir, "-o"):
         return _generate_dataset(target, prompts, out_dir, taps, max_tokens, parallel, topk, context, shard_prompts,
-                                 settings, sources, prompt_ids, ray_pool, turns, tap_dtype)
+                                 settings, sources, prompt_ids, ray_pool, turns, tap_dtype, prefill_chunk)
 
 
 def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel, topk, context, shard_prompts,
-                      settings, sources, prompt_ids, ray_pool=None, turns=1, tap_dtype="auto") -> dict:
+                      settings, sources, prompt_ids, ray_pool=None, turns=1, tap_dtype="auto",
+                      prefill_chunk=256) -> dict:
     from tqdm import tqdm
 
     model, tok = target.model, target.tokenizer
@@ -173,7 +174,7 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
 
         jobs = [(k, names[k], [(i, prompt_ids(prompts[i].text)) for i in shard_range(k)]) for k in todo_shards]
         recipe = {"taps": taps, "max_tokens": max_tokens, "parallel": parallel, "topk": topk, "context": context,
-                  "tap_dtype": tap_dtype, "prefill_chunk": settings.get("prefill_chunk", 256)}
+                  "tap_dtype": tap_dtype, "prefill_chunk": prefill_chunk}
         t0 = time.perf_counter()
         generated = 0
         for record, n_gen in generate_on_ray(ray_pool, target, recipe, out_dir, jobs):
@@ -187,7 +188,7 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
         return _finish(manifest, mpath)
     todo = [((i, 1), prompt_ids(prompts[i].text)) for k in todo_shards for i in shard_range(k)]
     gen = DataGenerator(target, taps, max_tokens, parallel, topk, context, tap_dtype=tap_dtype,
-                        prefill_chunk=settings.get("prefill_chunk", 256))
+                        prefill_chunk=prefill_chunk)
     results: dict[tuple[int, int], dict | None] = {}  # (prompt index, turn) -> arrays; None: a turn left out
     skipped = {"second_turn_no_room": 0}
     bar = tqdm(total=len(todo) + sum(two[i] for (i, _), _ in todo), unit="answer", file=sys.stderr,

@@ -165,7 +165,7 @@ class DataGenerator:
             best = top_ids[:, 0].tolist()
         for t, li in self.tap_ids.items():  # the step's rows, checked once
             self._check_storable(out.hidden[li], t)
-        hidden = {t: out.hidden[li].to(self.tap_dtype).cpu() for t, li in self.tap_ids.items()}  # one copy a step
+        hidden = {t: out.hidden[li].to("cpu", self.tap_dtype) for t, li in self.tap_ids.items()}  # one copy a step
         j = 0  # index into the logit rows
         for slot, q, a, n, d0 in spans:
             for t in self.taps:
