@@ -44,13 +44,13 @@ def test_cuda_graph_step_matches_eager(gguf_path, dtype):
     eager, graphs = _model(gguf_path, dtype), _model(gguf_path, dtype, cuda_graphs=True)
     rng = random.Random(0)
     prompts = {s: [rng.randrange(3, 250) for _ in range(rng.randrange(5, 80))] for s in range(3)}
+    steps = [[rng.randrange(3, 250) for _ in range(3)] for _ in range(4)]  # the same ids for both
     outs = []
     for m in (eager, graphs):
         cache = m.new_cache(3, CTX)
         _prefill(m, cache, prompts)
         res = []
-        for step in range(4):  # decode rows of every sequence, then 3-token verification of seq 1
-            ids = [rng.randrange(3, 250) for _ in range(3)]
+        for step, ids in enumerate(steps):  # one decode row of every sequence, four times
             pos = [len(prompts[s]) + step for s in range(3)]
             res.append(m.forward(ids, pos, [0, 1, 2], cache, logits_rows=None, taps={1}))
         outs.append(res)

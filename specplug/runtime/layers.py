@@ -21,7 +21,6 @@ cells up to its position. `cache.seq_rm(seq, p0)` rolls a sequence back.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -294,10 +293,11 @@ class StaticRows:
 
     def at(self, li: int) -> "StaticRows":
         """This step bound to layer `li`'s K/V (its `attend`/`store` then ignore `li`): a layer
-        compiled once then serves every layer, since no layer index is baked into its graph."""
-        view = copy.copy(self)
-        view.kc, view.vc = self._kv(li)
-        return view
+        compiled once then serves every layer, since no layer index is baked into its graph.
+        It rebinds this step and returns it (layers run one after another); no copy, because
+        torch 2.11's compiler refuses to trace `copy.copy`."""
+        self.kc, self.vc = self.kv[li] if self.kv is not None else (self.cache.k[li], self.cache.v[li])
+        return self
 
     def _kv(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kc is not None:
