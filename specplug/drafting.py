@@ -5,7 +5,13 @@ Everything is priced in one unit: the time of a one-row target forward, T(1). An
 token saves a sequence's share of a step, T(B)/B for B sequences; a draft token costs its extra
 verification row, T(R+1) - T(R) on the runtime's curve (`verify_cost`), plus what the speculator
 took to draft it, measured online (seconds of its `draft` hook per drafted token, divided by the
-measured seconds of T(1)). From these:
+measured seconds of T(1)). That drafting cost is measured on calls for sequences it was also asked
+for the step before (steady drafting). A call that resumes a sequence (its first, or the first
+after a pause) also pays for catching up with the rows it missed (a head reads them, a draft model
+prefills them): that is the price of the pause and of the probe, not of a drafted token, so it
+counts in the call's realized value and in how far apart probes come, not in the break-even.
+(Charged to the drafted tokens, it made a head that pays when drafting steadily look too dear to
+draft at all: issue 37, docs/results/heads.md.) From these:
 
 - every `DraftRequest` carries `break_even[i]`, the probability that tokens 0..i are all accepted
   below which token i would not be verified; a drafter stops before computing such a token, and
@@ -62,6 +68,7 @@ class SeqDraftState:
     skip: int = 0  # steps left before this sequence asks the speculator again
     value: float | None = None  # average value of a call (T(1) units); None: starts from the speculator's
     probe: int = PROBE_MIN  # steps between probes while the value is negative
+    asked_at: int = -2  # the host's step number when this speculator was last asked for this sequence
 
 
 @dataclass
@@ -76,8 +83,12 @@ class Speculator:
     stats: SpecStats = field(default_factory=SpecStats)
     value: float = 0.0  # average value of one call over all sequences: where a new sequence starts
     probe: int = PROBE_MIN  # pause of a new sequence while `value` is negative: that of the last one to end
-    _draft_s: float = 0.0  # decayed sums: seconds of `draft` and tokens it returned
+    _draft_s: float = 0.0  # decayed sums: seconds of `draft` and tokens it returned, steady calls
     _draft_tokens: float = 0.0
+    _all_s: float = 0.0  # the same over every call (the drafting cost until a steady call is measured)
+    _all_tokens: float = 0.0
+    _resume_s: float = 0.0  # decayed sums: seconds and requests of calls that resumed a sequence
+    _resume_reqs: float = 0.0
     _seq: dict[int, SeqDraftState] = field(default_factory=dict)
 
     @property
@@ -108,15 +119,32 @@ class Speculator:
             self.probe = st.probe if st.value < -VALUE_MARGIN else PROBE_MIN
 
     def draft_cost(self, t_row: float) -> float:
-        """Measured drafting time per drafted token, in units of a one-row target forward (0 until known)."""
-        if t_row <= 0 or self._draft_tokens <= 0:
+        """Measured drafting time per drafted token while drafting steadily, in units of a one-row
+        target forward (over every call until a steady one is measured; 0 until any is)."""
+        s, n = (self._draft_s, self._draft_tokens) if self._draft_tokens > 0 else (self._all_s, self._all_tokens)
+        if t_row <= 0 or n <= 0:
             return 0.0
-        return self._draft_s / self._draft_tokens / t_row
+        return s / n / t_row
 
-    def note_draft_time(self, seconds: float, n_tokens: int) -> None:
+    def probe_cost(self, t_row: float) -> float:
+        """Measured time of a call per sequence it resumed (catching up included), T(1) units;
+        the drafting cost of one token until such a call is measured."""
+        if t_row <= 0 or self._resume_reqs <= 0:
+            return self.draft_cost(t_row)
+        return self._resume_s / self._resume_reqs / t_row
+
+    def note_draft_time(self, seconds: float, n_tokens: int, resumed: int = 0, n_requests: int = 1) -> None:
+        """A `draft` call took `seconds` and returned `n_tokens`; `resumed` of its `n_requests`
+        sequences were not asked the step before (the call then also caught up for them)."""
         # decayed sums: recent calls count most, and a call that drafted nothing still costs its time
-        self._draft_s = 0.9 * self._draft_s + seconds
-        self._draft_tokens = 0.9 * self._draft_tokens + n_tokens
+        self._all_s = 0.9 * self._all_s + seconds
+        self._all_tokens = 0.9 * self._all_tokens + n_tokens
+        if resumed:
+            self._resume_s = 0.9 * self._resume_s + seconds
+            self._resume_reqs = 0.9 * self._resume_reqs + n_requests
+        else:
+            self._draft_s = 0.9 * self._draft_s + seconds
+            self._draft_tokens = 0.9 * self._draft_tokens + n_tokens
 
     def note_value(self, st: SeqDraftState, value: float, call_cost: float = 0.0) -> None:
         """Average in what one call was worth for a sequence (`call_cost`: what the call took, T(1)
@@ -186,6 +214,8 @@ class Drafting:
         self.vocab, self.max_ctx = vocab, max_ctx
         self.t_row = 0.0  # measured seconds of a one-row target forward
         self._asked: list[_Asked] = []
+        self._step = 0  # calls of `propose`: a sequence asked at steps n - 1 and n drafts steadily
+        self._resumed = 0  # requests of the `_requests` call just made that resume their sequence
 
     def note_forward(self, seconds: float, rows: int) -> None:
         """A verification forward of `rows` rows took `seconds`: the scale of the cost curve."""
@@ -202,12 +232,14 @@ class Drafting:
         """Ask every speculator; keep per sequence the draft with most expected accepted tokens."""
         best: dict[int, tuple[float, Speculator, Draft]] = {}
         self._asked = []
+        self._step += 1
         for spec in self.specs:
             if not spec.enabled or not spec.caller.implements("draft"):
                 continue
             reqs = self._requests(spec, seqs)
             if not reqs:
                 continue
+            resumed = self._resumed
             self.before_draft(spec)
             t0 = time.perf_counter()
             res = self.call(spec, "draft", requests=reqs)
@@ -218,7 +250,7 @@ class Drafting:
             share = seconds / self.t_row / len(reqs) if self.t_row > 0 else 0.0
             if res is None:
                 if spec.enabled:  # no drafts at all this step: the call cost its time all the same
-                    spec.note_draft_time(seconds, 0)
+                    spec.note_draft_time(seconds, 0, resumed, len(reqs))
                     for r in reqs:
                         spec.note_value(spec.state(r.seq_id), -share, share)
                 continue
@@ -229,7 +261,7 @@ class Drafting:
             if problem:
                 self.disable(spec, problem)
                 continue
-            spec.note_draft_time(seconds, sum(len(d) for d in res if d is not None))
+            spec.note_draft_time(seconds, sum(len(d) for d in res if d is not None), resumed, len(reqs))
             self._asked.append(_Asked(spec, {r.seq_id: d for r, d in zip(reqs, res)}, share))
             for r, d in zip(reqs, res):
                 scored = self._value(spec, d)
@@ -244,6 +276,7 @@ class Drafting:
         break_even: tuple[float, ...] | list[float] | None = None  # computed once a sequence is not paused
         n_pay = 0
         reqs = []
+        self._resumed = 0
         for q in seqs:
             if q.req.speculators is not None and spec.name not in q.req.speculators:
                 continue
@@ -266,12 +299,14 @@ class Drafting:
                 # no token can pay at the drafting cost measured so far: a one-token probe (its cost
                 # measured again), then a pause that doubles while that stays so
                 n_max, advice = min(n_max, 1), ()
-                pause(st, spec.draft_cost(self.t_row))
+                pause(st, spec.probe_cost(self.t_row))
             elif priced:
                 n_max = min(n_max, n_pay)
                 advice = break_even[:n_max]
             if n_max >= max(1, spec.policy.n_min):
                 reqs.append(DraftRequest(q.slot, History(q.tokens), n_max, advice))
+                self._resumed += st.asked_at != self._step - 1
+                st.asked_at = self._step
         return reqs
 
     def _value(self, spec: Speculator, d: Draft | None) -> tuple[float, Draft] | None:

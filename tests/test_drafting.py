@@ -169,6 +169,44 @@ def test_drafting_cost_is_measured_in_target_steps(tiny_target):
     assert be[0] == pytest.approx(cost(2) - cost(1) + 0.125)
 
 
+def test_catching_up_after_a_pause_is_not_priced_as_drafting(tiny_target, prompts):
+    """A call that resumes a sequence (its first, or the first after a pause) also pays for the rows
+    the speculator missed (a head reads them, a draft model prefills them). The break-even prices a
+    drafted token by steady calls only; the resuming calls' cost sets how far apart probes come.
+    (Charged to drafted tokens, Eagle3's 1.9 ms catch-up after a pause against its 0.7 ms steady
+    call made it look too dear to draft: its first-token break-even read 0.37-0.44 instead of 0.22.)"""
+    spec = Speculator("s", caller=None, policy=DraftPolicy())
+    t_row = 0.004
+    spec.note_draft_time(0.008, 1, resumed=1, n_requests=1)  # resumed: caught up, then drafted one token
+    assert spec.draft_cost(t_row) == pytest.approx(2.0)  # no steady call yet: every call's cost
+    spec.note_draft_time(0.001, 1)  # steady: one token for a quarter of a step
+    assert spec.draft_cost(t_row) == pytest.approx(0.25)
+    assert spec.probe_cost(t_row) == pytest.approx(2.0)
+
+    class CatchUp(RandomDrafts):
+        """A sequence's first call reads its prompt (10 ms); later calls take 0.5 ms."""
+
+        def __init__(self, vocab):
+            super().__init__(vocab, seed=3)
+            self.seen: set[int] = set()
+            self.calls = 0
+
+        @hookimpl
+        def draft(self, requests):
+            self.calls += 1
+            for r in requests:
+                time.sleep(0.0005 if r.seq_id in self.seen else 0.010)
+                self.seen.add(r.seq_id)
+            return super().draft(requests)
+
+    cu = CatchUp(tiny_target.model.config.vocab_size)
+    eng = make_engine(tiny_target, [speculator(cu, "cu", cost_trim=False, backoff=10**6)])  # asked every step
+    eng.run([Request(prompts[0], 12)])
+    spec = eng.specs[0]
+    assert cu.calls > 3  # the first call resumed the sequence, the others were steady and priced so
+    assert spec.draft_cost(1.0) < 0.003 < 0.008 < spec.probe_cost(1.0)
+
+
 class Mutator(RandomDrafts):
     """Breaks the rule 'do not modify DraftRequest.tokens' (in the way `how` says)."""
 
