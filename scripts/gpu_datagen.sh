@@ -13,8 +13,12 @@
 # target's own distributions on them, and counts the rows where its greedy choice differs.
 # --self-s S first spends up to S seconds having the target write requests of its own
 # (`specplug train prompts --self`, pieces of 400 candidates, each filtered against the pieces
-# before it and the shipped data/train/self-smollm2.jsonl.gz); they join the prompts, and the
-# kept requests come back too (self-gpu.jsonl.gz, to add to data/train).
+# before it and the shipped data/train/self-smollm2*.jsonl.gz); they join the prompts, and the
+# kept requests come back too (self-gpu-STAMP.jsonl.gz, to add to data/train).
+# Prompts already answered in the committed conversation token folders (data/distill/*-chat*) are
+# skipped (`train data --exclude`): the second GPU run, without it, answered 645 of its 845
+# prompts a second time. Self-written requests use a seed of their own per run (the run's stamp),
+# so a run does not sample the candidates the one before it did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 UNTIL="" OUT="${OUT:-gpu-datagen-out}" PARALLEL=${GPU_DATAGEN_PARALLEL:-128} SELF_S=0 DEVICE=${GPU_DATAGEN_DEVICE:-cuda}
@@ -31,33 +35,40 @@ PY=${PYTHON:-python3}
 WORK=${GPU_CHECK_WORK:-/tmp/specplug-gpu}
 export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 DATA=$WORK/chat-gpu TOKENS=$WORK/chat-gpu-tokens
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$WORK"
 UNTIL=${UNTIL:-$(( $(date +%s) + 300 ))}
+STAMP=$(date -u +%Y%m%d%H%M)
+shopt -s nullglob
+SHIPPED_SELF=(data/train/self-smollm2*.jsonl.gz)
+DONE=(data/distill/*-chat*/)  # token folders whose prompts are answered already
+shopt -u nullglob
 PROMPTS=(data/train/gpteacher/roleplay-simple-deduped-roleplay-instruct.json.gz
-         data/train/gpteacher/codegen-instruct.json.gz data/train/self-smollm2.jsonl.gz)
+         data/train/gpteacher/codegen-instruct.json.gz "${SHIPPED_SELF[@]}")
 if [ "$SELF_S" -gt 0 ]; then
   end=$(( $(date +%s) + SELF_S )); k=0
   [ "$end" -le $(( UNTIL - 120 )) ] || end=$(( UNTIL - 120 ))  # leave the answers two minutes at least
   while [ $(( end - $(date +%s) )) -gt 45 ]; do
     shopt -s nullglob; before=("$WORK"/self-*.jsonl); shopt -u nullglob
     echo "== gpu_datagen: self-written requests, piece $k"
-    # candidates 900.. of seed 0 (0-899 made data/train/self-smollm2.jsonl.gz)
-    timeout -s INT $(( end - $(date +%s) )) $PY -m specplug.cli train prompts --self "$PIECE" --offset $(( 900 + PIECE * k )) \
-      --turns 2 --seed 0 --parallel "$PARALLEL" --device "$DEVICE" -o "$WORK/self-$k.jsonl" \
-      --against data/train/self-smollm2.jsonl.gz "${before[@]}" >> "$OUT/self.log" 2>&1 || { rm -f "$WORK/self-$k.jsonl"; break; }
+    # candidates of this run's own seed (seed 0 made data/train/self-smollm2.jsonl.gz)
+    timeout -s INT $(( end - $(date +%s) )) $PY -m specplug.cli train prompts --self "$PIECE" --offset $(( PIECE * k )) \
+      --turns 2 --seed "$STAMP" --parallel "$PARALLEL" --device "$DEVICE" -o "$WORK/self-$k.jsonl" \
+      --against "${SHIPPED_SELF[@]}" "${before[@]}" >> "$OUT/self.log" 2>&1 || { rm -f "$WORK/self-$k.jsonl"; break; }
     k=$(( k + 1 ))
   done
   shopt -s nullglob; pieces=("$WORK"/self-*.jsonl); shopt -u nullglob
   if [ ${#pieces[@]} -gt 0 ]; then
-    cat "${pieces[@]}" | gzip > "$OUT/self-gpu.jsonl.gz"
-    PROMPTS+=("$OUT/self-gpu.jsonl.gz")
-    echo "== gpu_datagen: $(zcat "$OUT/self-gpu.jsonl.gz" | wc -l) self-written requests kept"
+    SELF="$OUT/self-smollm2-gpu-$STAMP.jsonl.gz"  # a name of its own: prompt ids are "<file stem>:<line>"
+    cat "${pieces[@]}" | gzip > "$SELF"
+    PROMPTS+=("$SELF")
+    echo "== gpu_datagen: $(zcat "$SELF" | wc -l) self-written requests kept"
   fi
 fi
 secs=$(( UNTIL - $(date +%s) - 30 ))  # 30 s left for the export
 [ "$secs" -gt 20 ] || { echo "gpu_datagen: no time left (--until)"; exit 0; }
 echo "== gpu_datagen: $secs s of generation, parallel $PARALLEL"
 timeout -s INT "$secs" $PY -m specplug.cli train data --device "$DEVICE" --turns 2 --seed 11 --prompts "${PROMPTS[@]}" \
+  ${DONE[@]:+--exclude "${DONE[@]}"} \
   -o "$DATA" --taps final --topk 1 --max-tokens 384 --parallel "$PARALLEL" --prefill-chunk 32 \
   --shard-prompts 50 > "$OUT/datagen.log" 2>&1
 echo "== gpu_datagen: generation exit $?"

@@ -110,6 +110,23 @@ def test_a_small_prefill_chunk_reads_prompts_in_more_steps_to_the_same_data(tiny
     assert "--prefill-chunk must be >= 1" in capsys.readouterr().err
 
 
+def test_exclude_skips_the_prompts_a_token_folder_already_answers(tiny_q8, tmp_path, capsys):
+    """A data set grown in pieces (a GPU lent now and then) answers each prompt once: `--exclude
+    TOKENS` drops the prompts whose answers that folder holds, whatever the shuffle picks."""
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in repetitive_prompts(10, seed=7)))
+    common = ["--model", str(tiny_q8), "--prompts", str(src), "--taps", "final", "--max-tokens", "6",
+              "--keep-overlap", "--seed", "3"]
+    assert main(["train", "data", *common, "--limit", "4", "-o", str(tmp_path / "a")]) == 0
+    assert main(["train", "tokens", str(tmp_path / "a"), "-o", str(tmp_path / "ta")]) == 0
+    assert main(["train", "data", *common, "--exclude", str(tmp_path / "ta"), "-o", str(tmp_path / "b")]) == 0
+    ids = [{p["id"] for p in json.loads((tmp_path / d / "manifest.json").read_text())["prompts"]} for d in "ab"]
+    assert len(ids[0]) == 4 and len(ids[1]) == 6 and not ids[0] & ids[1]
+    assert "--exclude: 4 prompts already answered" in capsys.readouterr().err
+    assert main(["train", "data", *common, "--exclude", str(tmp_path / "a"), "-o", str(tmp_path / "c")]) == 2
+    assert "not a tokens-only data set" in capsys.readouterr().err
+
+
 def test_a_shard_written_but_not_yet_in_the_manifest_is_found_not_made_again(tiny_q8, tmp_path):
     prompts = repetitive_prompts(16, seed=4)
     out = make_train_data(tiny_q8, tmp_path / "d", prompts, max_tokens=12, shard_prompts=8)

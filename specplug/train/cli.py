@@ -41,6 +41,15 @@ def cmd_data(args) -> int:
         for d in args.from_tokens:
             read_tokens_manifest(d)  # every folder checked before the model loads
     files = [read_prompt_file(p) for p in args.prompts]  # every file checked before the model loads
+    if args.exclude and args.from_tokens:
+        raise SpecplugError("--exclude picks which prompts to answer; a rebuild --from-tokens answers none (drop one)")
+    if args.exclude:
+        from specplug.train.tokens import generated_prompt_ids
+
+        done = set().union(*(generated_prompt_ids(d) for d in args.exclude))
+        files = [[p for p in f if p.id not in done] for f in files]
+        print(f"specplug: --exclude: {len(done)} prompts already answered in {', '.join(args.exclude)}; "
+              f"{sum(map(len, files))} prompts left in the files", file=sys.stderr)
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise SpecplugError(f"-o {out} is a file; give a folder for the data set")
@@ -274,6 +283,9 @@ def register(sub) -> None:
     d.add_argument("--quant", default="auto")
     d.add_argument("--threads", type=threads_arg, default="auto",
                    help="CPU threads: auto (default) = the cores this process may run on, or a count")
+    d.add_argument("--exclude", nargs="+", default=[], metavar="DIR",
+                   help="tokens-only folders (`specplug train tokens`) whose prompts are already answered: "
+                        "those prompts (by id: file stem and line) are skipped")
     d.add_argument("--from-tokens", nargs="+", default=None, metavar="DIR",
                    help="rebuild a data set by prefill from tokens-only folders (`specplug train tokens`), "
                         "concatenated in order, instead of generating")

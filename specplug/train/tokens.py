@@ -109,6 +109,22 @@ def _read_token_shard(folder: Path, sh: dict) -> dict[str, np.ndarray]:
         raise SpecplugError(f"{f}: unreadable token shard ({type(exc).__name__}: {exc})") from None
 
 
+def generated_prompt_ids(path: str | Path) -> set[str]:
+    """The ids (`TrainPrompt.id`) of the prompts a tokens-only folder holds answers to: `train data
+    --exclude` skips them, so a data set grown in pieces (a GPU lent now and then) never answers a
+    prompt twice. A second turn counts under its prompt's id."""
+    folder = Path(path)
+    man = read_tokens_manifest(folder)
+    prompts = man.get("prompts") or []
+    done = set()
+    for sh in man.get("shards", []):
+        for i in _read_token_shard(folder, sh)["prompt_index"].tolist():
+            if not 0 <= i < len(prompts) or "id" not in prompts[i]:
+                raise SpecplugError(f"{folder / sh['file']}: prompt index {i} is not in the manifest's prompts")
+            done.add(prompts[i]["id"])
+    return done
+
+
 def rebuild_dataset(target, token_dirs: Sequence[str | Path], out_dir: str | Path, taps: list[str], topk: int,
                     parallel: int = 8, chunk: int = 512, command: str = "", tap_dtype: str = "auto") -> dict:
     """Make a full data set (taps, top-k) in `out_dir` from tokens-only folders, by prefill; resumable
