@@ -215,7 +215,6 @@ class Drafting:
         self.t_row = 0.0  # measured seconds of a one-row target forward
         self._asked: list[_Asked] = []
         self._step = 0  # calls of `propose`: a sequence asked at steps n - 1 and n drafts steadily
-        self._resumed = 0  # requests of the `_requests` call just made that resume their sequence
 
     def note_forward(self, seconds: float, rows: int) -> None:
         """A verification forward of `rows` rows took `seconds`: the scale of the cost curve."""
@@ -236,10 +235,9 @@ class Drafting:
         for spec in self.specs:
             if not spec.enabled or not spec.caller.implements("draft"):
                 continue
-            reqs = self._requests(spec, seqs)
+            reqs, resumed = self._requests(spec, seqs)
             if not reqs:
                 continue
-            resumed = self._resumed
             self.before_draft(spec)
             t0 = time.perf_counter()
             res = self.call(spec, "draft", requests=reqs)
@@ -271,12 +269,14 @@ class Drafting:
         _trim(chosen, len(seqs), self.cost)
         return chosen
 
-    def _requests(self, spec: Speculator, seqs: Sequence[Any]) -> list[DraftRequest]:
+    def _requests(self, spec: Speculator, seqs: Sequence[Any]) -> tuple[list[DraftRequest], int]:
+        """The requests to `spec` this step, and how many of them resume their sequence (not asked
+        the step before)."""
         priced = spec.policy.cost_trim
         break_even: tuple[float, ...] | list[float] | None = None  # computed once a sequence is not paused
         n_pay = 0
         reqs = []
-        self._resumed = 0
+        resumed = 0
         for q in seqs:
             if q.req.speculators is not None and spec.name not in q.req.speculators:
                 continue
@@ -305,9 +305,9 @@ class Drafting:
                 advice = break_even[:n_max]
             if n_max >= max(1, spec.policy.n_min):
                 reqs.append(DraftRequest(q.slot, History(q.tokens), n_max, advice))
-                self._resumed += st.asked_at != self._step - 1
+                resumed += st.asked_at != self._step - 1
                 st.asked_at = self._step
-        return reqs
+        return reqs, resumed
 
     def _value(self, spec: Speculator, d: Draft | None) -> tuple[float, Draft] | None:
         """(expected accepted tokens less extra rows, the draft cut to what pays), or None."""

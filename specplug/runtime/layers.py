@@ -296,12 +296,13 @@ class StaticRows:
         compiled once then serves every layer, since no layer index is baked into its graph.
         It rebinds this step and returns it (layers run one after another); no copy, because
         torch 2.11's compiler refuses to trace `copy.copy`."""
-        self.kc, self.vc = self.kv[li] if self.kv is not None else (self.cache.k[li], self.cache.v[li])
+        self.kc, self.vc = self._layer_kv(li)
         return self
 
     def _kv(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kc is not None:
-            return self.kc, self.vc
+        return (self.kc, self.vc) if self.kc is not None else self._layer_kv(li)
+
+    def _layer_kv(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[li] if self.kv is not None else (self.cache.k[li], self.cache.v[li])
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
