@@ -271,15 +271,20 @@ def test_embedding_rows_gathered_natively_equal_the_gguf_dequantizer(qtype):
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from specplug.heads.pairstep import _EMBED_TYPES
-    from specplug.runtime.model import TokenEmbeddings
+    from specplug.runtime.model import EMBED_TYPES, TokenEmbeddings
 
     w = torch.randn(50, 64, generator=torch.Generator().manual_seed(3)).numpy()
     raw = quantize(w.astype(np.float32), GGMLQuantizationType[qtype])
     raw = np.ascontiguousarray(raw).view(np.uint8).reshape(50, -1)
     table = TokenEmbeddings(raw, qtype, (50, 64), torch.device("cpu"), torch.float32)
     ids = [7, 0, 49, 7, 23]
-    got = native.kernels().embed_rows(torch.from_numpy(raw), _EMBED_TYPES[qtype], torch.tensor(ids), 64)
+    got = native.kernels().embed_rows(torch.from_numpy(raw), EMBED_TYPES[qtype], torch.tensor(ids), 64)
     assert torch.equal(got, table[ids])  # bit for bit: the same single float32 product per value
+    # a table that gathers with the kernels (as a model on them does) gives the same rows, any shape of ids
+    fast = TokenEmbeddings(raw, qtype, (50, 64), torch.device("cpu"), torch.float32, kernels=native.kernels())
+    for asked in (ids, [-1, -50, 3], torch.tensor([[1, 2], [49, 0]]), 5):
+        assert torch.equal(fast[asked], table[asked]), asked
+    with pytest.raises(IndexError, match="out of range"):
+        fast[[50]]
     with pytest.raises(RuntimeError, match="outside the embedding table"):
-        native.kernels().embed_rows(torch.from_numpy(raw), _EMBED_TYPES[qtype], torch.tensor([50]), 64)
+        native.kernels().embed_rows(torch.from_numpy(raw), EMBED_TYPES[qtype], torch.tensor([50]), 64)

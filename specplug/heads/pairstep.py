@@ -25,29 +25,21 @@ backend, and every kernel is batch-invariant as before.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from specplug.runtime import native
 from specplug.runtime.layers import Backend, DecoderLayer, Rope, Step
 from specplug.runtime.kv_cache import KVCache
-
-# GGML type ids of the embedding tables the kernel gathers from
-_EMBED_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8}
-
+from specplug.runtime.model import EMBED_TYPES, embed_blocks
 
 def _embed_blocks(embed) -> tuple[torch.Tensor, int] | None:
     """(table as [vocab, bytes per row] uint8, GGML type id) of a TokenEmbeddings table, or None."""
     raw, qtype = getattr(embed, "_raw", None), getattr(embed, "_qtype", None)
-    if raw is None or qtype not in _EMBED_TYPES:
+    if raw is None or qtype not in EMBED_TYPES:
         return None
-    with warnings.catch_warnings():  # a read-only memory map: the kernel only reads it
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(np.asarray(raw))
-    return (t if t.dtype == torch.uint8 else t.view(torch.uint8)), _EMBED_TYPES[qtype]
+    return embed_blocks(raw, qtype), EMBED_TYPES[qtype]
 
 
 class PairStep:

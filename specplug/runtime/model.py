@@ -141,6 +141,18 @@ class OutputHead:
         return w if rows is None else w[torch.as_tensor(list(rows), dtype=torch.long)]
 
 
+# GGML type ids of the embedding tables the kernels gather from (`embed_rows`)
+EMBED_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8}
+
+
+def embed_blocks(raw: np.ndarray, qtype: str) -> torch.Tensor:
+    """A table's blocks as the [vocab, bytes per row] uint8 tensor the kernels read (no copy)."""
+    with warnings.catch_warnings():  # a read-only memory map: the kernels only read it
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(np.asarray(raw))
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
 class TokenEmbeddings:
     """The token embedding table as stored in the file, indexed like a [vocab, n_embd] tensor.
 
@@ -152,10 +164,15 @@ class TokenEmbeddings:
     """
 
     def __init__(self, raw: np.ndarray, qtype: str, shape: tuple[int, int], device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, kernels=None):
         self._raw, self._qtype = raw, qtype  # [vocab, bytes per row], the file's own blocks
         self.shape = torch.Size(shape)
         self.device, self.dtype = device, dtype
+        # the gguf kernels' gather where they are loaded and read this type (the same values as
+        # gguf's dequantizer, tests/test_native.py; 1 us a step against its 34 us of numpy)
+        self._gather = None
+        if kernels is not None and qtype in EMBED_TYPES:
+            self._gather = (kernels, embed_blocks(raw, qtype), EMBED_TYPES[qtype])
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -165,7 +182,12 @@ class TokenEmbeddings:
         flat = idx.reshape(-1).numpy()
         if len(flat) and (flat.min() < -self.shape[0] or flat.max() >= self.shape[0]):
             raise IndexError(f"token id out of range for an embedding table of {self.shape[0]} rows")
-        rows = self._rows(np.ascontiguousarray(self._raw[flat]))
+        if self._gather is not None:
+            k, table, type_id = self._gather
+            ids = torch.from_numpy(np.where(flat < 0, flat + self.shape[0], flat).astype(np.int64))
+            rows = k.embed_rows(table, type_id, ids, self.shape[1])
+        else:
+            rows = self._rows(np.ascontiguousarray(self._raw[flat]))
         return rows.reshape(*idx.shape, self.shape[1]).to(self.device, self.dtype)
 
     def _rows(self, raw: np.ndarray) -> torch.Tensor:
@@ -269,7 +291,8 @@ class Transformer:
                              f"expected ({cfg.vocab_size}, {cfg.n_embd})")
         # [vocab, n_embd]: on CPU the file's blocks, rows dequantized as they are looked up; on an
         # accelerator a dense table in device memory (a gather there costs nothing)
-        table = TokenEmbeddings(*gguf.raw("token_embd.weight"), device, dtype)
+        table = TokenEmbeddings(*gguf.raw("token_embd.weight"), device, dtype,
+                                kernels=native.kernels() if quant == "gguf" else None)
         self.embed: TokenEmbeddings | torch.Tensor = table if device.type == "cpu" else table.dense()
         out_norm = t("output_norm.weight")
         self.norm = vec(out_norm)  # [n_embd]: the head applies it (norm_linear); kept for callers of taps
