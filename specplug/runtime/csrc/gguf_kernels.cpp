@@ -823,7 +823,7 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
         const bool* vm = vp + s * ctx;
         int64_t m = 0;
         for (int64_t c = bottom; c <= top; ++c)
-          if (vm[c]) cpos[m] = (int32_t)c, cells[m++] = (int32_t)(c % ncell);
+          if (vm[c]) cpos[m] = (int32_t)c, cells[m++] = (int32_t)(c < ncell ? c : c % ncell);
         for (int64_t r = 0; r < R; ++r) {
           a[r] = std::lower_bound(cpos.begin(), cpos.begin() + m, first(r0 + r)) - cpos.begin();
           n[r] = std::upper_bound(cpos.begin(), cpos.begin() + m, lp[r0 + r]) - cpos.begin();

@@ -1,0 +1,89 @@
+"""Attention kernels side by side: builds timed on SmolLM2-135M's shapes (9 query heads, 3 K/V
+heads, head_dim 64, a float16 cache), one sequence with k rows at the end of `--ctx` positions,
+one call per layer over 30 layers' caches (so the K/V come from memory as in a forward), alternated
+in rounds; medians. Builds as in `scripts/kernel_builds.py`: `avx2`, `avx512` (this checkout's)
+or a cached build folder (`specplug_gguf_<isa>_<key>`) to time a change against the kernels before it.
+
+    python scripts/attention_builds.py --builds specplug_gguf_avx512_<old>,avx512 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from specplug import machine
+from scripts.kernel_builds import load_build
+
+H, HKV, D, LAYERS = 9, 3, 64, 30
+
+
+def case(ctx: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    caches = [(torch.randn(1, HKV, ctx + k, D, generator=g).half(), torch.randn(1, HKV, ctx + k, D, generator=g).half())
+              for _ in range(LAYERS)]
+    valid = torch.zeros(1, ctx + k, dtype=torch.bool)
+    valid[0, :ctx + k] = True
+    q = torch.randn(k, (H + 2 * HKV) * D, generator=g)
+    seq = torch.zeros(k, dtype=torch.int32)
+    pos = torch.arange(ctx, ctx + k, dtype=torch.int32)
+    return q, caches, seq, pos, valid
+
+
+def time_forward(kern, c, reps: int) -> float:
+    q, caches, seq, pos, valid = c
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for kc, vc in caches:
+            kern.attention(q, kc, vc, seq, pos, valid, H, D ** -0.5, None, 0)
+        out.append(time.perf_counter() - t)
+    return statistics.median(out) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--builds", required=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ctx", type=int, nargs="+", default=[512, 1024])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    names = a.builds.split(",")
+    builds = {n: load_build(n) for n in names}
+    cases = {(ctx, k): case(ctx, k) for ctx in a.ctx for k in a.ks}
+    ref = {key: builds[names[0]].attention(c[0], *c[1][0], *c[2:], H, D ** -0.5, None, 0) for key, c in cases.items()}
+    for n in names[1:]:
+        for key, c in cases.items():
+            o = builds[n].attention(c[0], *c[1][0], *c[2:], H, D ** -0.5, None, 0)
+            assert torch.equal(o, ref[key]), (n, key, (o - ref[key]).abs().max())
+    ms = {(n, key): [] for n in names for key in cases}
+    for r in range(a.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for n in order:
+            for key, c in cases.items():
+                ms[(n, key)].append(time_forward(builds[n], c, a.reps))
+    rows = []
+    print(f"# {machine.line(machine.describe('cpu'))}; threads {a.threads}; {LAYERS} layers' calls, medians of {a.rounds} rounds")
+    print("| build | ctx | k | ms (30 layers) | vs first |")
+    print("|---|---|---|---|---|")
+    for key in cases:
+        base = statistics.median(ms[(names[0], key)])
+        for n in names:
+            m = statistics.median(ms[(n, key)])
+            rows.append({"build": n, "ctx": key[0], "k": key[1], "ms": m})
+            print(f"| {n} | {key[0]} | {key[1]} | {m:.3f} | {base / m:.2f}x |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"machine": machine.describe("cpu"), "threads": a.threads, "rows": rows,
+                       "command": "python scripts/attention_builds.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items())}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
