@@ -34,6 +34,7 @@ from specplug.runtime.layers import Backend, DecoderLayer, Rope, Step
 from specplug.runtime.kv_cache import KVCache
 from specplug.runtime.model import EMBED_TYPES, embed_blocks
 
+
 def _embed_blocks(embed) -> tuple[torch.Tensor, int] | None:
     """(table as [vocab, bytes per row] uint8, GGML type id) of a TokenEmbeddings table, or None."""
     raw, qtype = getattr(embed, "_raw", None), getattr(embed, "_qtype", None)

@@ -804,8 +804,8 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   for (int64_t i = 0; i < nrun; ++i) rmax = std::max(rmax, run_start[i + 1] - run_start[i]);
   // Each run's list of the cells its rows see (the valid positions from the lowest first position
   // to the highest limit of its rows; row r sees entries [ra[r], rn[r]) of it), made once here for
-  // all the run's tasks. (Each task made it again before, with a division per cell: that was 10-25%
-  // of attention's time.)
+  // all the run's tasks. (Each task made it again before, with a division per cell: up to a fifth
+  // of attention's time, docs/results/runtime.md.)
   thread_local std::vector<int32_t> cell_list, cpos;
   thread_local std::vector<int64_t> ra, rn;
   std::vector<int64_t> list_start(nrun + 1, 0);
