@@ -23,8 +23,12 @@ draft at all: issue 37, docs/results/heads.md.) From these:
   sparse probes (4, 8, ... 64 steps apart) that switch it back on when they pay; probes are never
   so close that they cost more than PROBE_SHARE (1%) of the steps between them (a probe costing 5
   steps, a draft model's, comes at most every 500 steps). While its calls lose on average over all
-  sequences, a new sequence starts paused, as long as the last sequence to end was: a speculator
-  that does not pay here is not asked at every sequence's first step.
+  sequences, a new sequence starts paused, for what was left of the pause of the last sequence to
+  end: a speculator that does not pay here is not asked at every sequence's first step, and a pause
+  longer than a sequence runs on across sequences to its probe. (A new sequence used to start the
+  whole pause again, so once the pause outgrew the answers, 64 steps for 64-token answers or a
+  costly probe's 130 for 128-token ones, the speculator was never asked again, even where it
+  would have paid: issue 37, docs/results/heads.md.)
 Speculators with `cost_trim: false` are asked on every step and their drafts verified whole.
 """
 from __future__ import annotations
@@ -83,6 +87,7 @@ class Speculator:
     stats: SpecStats = field(default_factory=SpecStats)
     value: float = 0.0  # average value of one call over all sequences: where a new sequence starts
     probe: int = PROBE_MIN  # pause of a new sequence while `value` is negative: that of the last one to end
+    wait: int | None = None  # steps of that pause left when it ended (None: none ended paused yet)
     _draft_s: float = 0.0  # decayed sums: seconds of `draft` and tokens it returned, steady calls
     _draft_tokens: float = 0.0
     _all_s: float = 0.0  # the same over every call (the drafting cost until a steady call is measured)
@@ -108,15 +113,20 @@ class Speculator:
         if st is None:
             st = self._seq[seq] = SeqDraftState(self.policy.n_max)
             if self.policy.cost_trim and self.value < -VALUE_MARGIN:
-                # calls have been losing time over the sequences before: this one starts paused, for
-                # as long as the last one to end was (its first probe comes after that many steps)
-                st.skip = st.probe = self.probe
+                # calls have been losing time over the sequences before: this one goes on with the
+                # pause the last one to end was in (its first probe comes when that pause is over)
+                st.probe = self.probe
+                st.skip = self.probe if self.wait is None else self.wait
         return st
 
     def forget(self, seq: int) -> None:
+        """A sequence ended: the next one starts from its pause (what is left of it) and probe interval."""
         st = self._seq.pop(seq, None)
-        if st is not None and st.value is not None:
+        if st is None:
+            return
+        if st.value is not None:
             self.probe = st.probe if st.value < -VALUE_MARGIN else PROBE_MIN
+        self.wait = st.skip
 
     def draft_cost(self, t_row: float) -> float:
         """Measured drafting time per drafted token while drafting steadily, in units of a one-row

@@ -61,17 +61,18 @@ def test_slow_losing_speculator_is_paused_with_probes(tiny_target, prompts, monk
 
 def test_a_new_sequence_starts_paused_while_the_speculator_loses(tiny_target, prompts):
     """A speculator whose calls lose on average is not asked at a new sequence's first step: the
-    sequence starts paused as long as the last one to end was (so a head that does not pay here
+    sequence goes on with the pause the last one to end was in (so a head that does not pay here
     costs a probe now and then, not a draft per sequence)."""
     spec = Speculator("s", caller=None, policy=DraftPolicy())
     st = spec.state(0)
     assert st.skip == 0  # no history: asked at once
     spec.note_value(st, -1.0)  # a losing call pauses the sequence; the probe interval doubles
     assert st.skip == PROBE_MIN and st.probe == 2 * PROBE_MIN and spec.value < -VALUE_MARGIN
+    st.skip -= 1  # one step of its pause went by, then it ended
     spec.forget(0)
     assert spec.probe == 2 * PROBE_MIN
     st1 = spec.state(1)
-    assert st1.skip == st1.probe == 2 * PROBE_MIN
+    assert st1.skip == PROBE_MIN - 1 and st1.probe == 2 * PROBE_MIN  # the rest of that pause; then 8
     unpriced = Speculator("u", caller=None, policy=DraftPolicy(cost_trim=False), value=-1.0)
     assert unpriced.state(0).skip == 0  # unpriced: asked on every step whatever it is worth
     # in the engine: one sequence after another, the later ones are first asked after their pause
@@ -93,6 +94,47 @@ def test_a_new_sequence_starts_paused_while_the_speculator_loses(tiny_target, pr
     assert all(a is None or a >= 1 + PROBE_MIN for a in first_ask[1:]), (first_ask, eng.stats.speculators["slow"].to_dict())
 
 
+def test_a_pause_longer_than_an_answer_runs_on_to_its_probe(tiny_target, prompts, monkeypatch):
+    """Answers shorter than the pause: each new sequence takes over what is left of it, so the probe
+    still comes, in a later answer. (When each new sequence started the whole pause again, a pause
+    that had outgrown the answers was never over: the speculator was not asked again for the rest
+    of the run, however well it would have done; issue 37.)"""
+    monkeypatch.setattr("specplug.drafting.PROBE_SHARE", float("inf"))  # pauses 4, 8, ... 64 steps
+    spec = Speculator("s", caller=None, policy=DraftPolicy())
+    st = spec.state(0)
+    for _ in range(4):  # losing calls: pauses of 4, 8, 16, 32 steps
+        spec.note_value(st, -1.0)
+    assert st.skip == 32 and st.probe == PROBE_MAX
+    spec.forget(0)
+    for seq in range(1, 4):  # answers of 10 steps, all paused: the pause counts down across them
+        st = spec.state(seq)
+        assert st.skip == 32 - 10 * (seq - 1)
+        st.skip -= 10
+        spec.forget(seq)
+    assert spec.state(4).skip == 2
+    # in the engine: a speculator that always loses, answers of 24 tokens one after another; the pause
+    # reaches 64 steps, and every stretch of 64 + 24 steps still has a call in it
+    vocab = tiny_target.model.config.vocab_size
+
+    class Recording(Slow):
+        @hookimpl
+        def draft(self, requests):
+            self.seen = getattr(self, "seen", []) + [list(r.tokens) for r in requests]
+            return super().draft(requests)
+
+    losing = Recording(vocab, 0.0)
+    many = [p + [t] for p in prompts for t in (5, 6, 7, 8)]  # 16 distinct prompts
+    eng = assert_greedy_equal(tiny_target, [speculator(losing, "slow")], many, 24, n_parallel=1,
+                              allow_unverified=True)
+    asked = [sum(t[:len(p)] == p and len(t) > len(p) for t in losing.seen) for p in many]
+    runs, gap = [], 0
+    for n in asked:  # longest stretch of answers without a call
+        gap = 0 if n else gap + 1
+        runs.append(gap)
+    assert max(runs) * 24 <= PROBE_MAX + 24, (asked, eng.stats.speculators["slow"].to_dict())
+    assert sum(asked[8:]) > 0, asked  # the second half of the run is still probed
+
+
 def test_a_costly_probe_comes_rarely(tiny_target, prompts):
     """Probes never cost more than PROBE_SHARE of the steps between them: a losing call that took 5
     target steps pauses its sequence for 500 steps, and the next sequence starts paused as long (a
@@ -104,7 +146,7 @@ def test_a_costly_probe_comes_rarely(tiny_target, prompts):
     spec.note_value(st, -0.1, call_cost=0.1)  # a cheap losing call: the usual doubling, capped
     assert st.skip == round(5.0 / PROBE_SHARE) and st.probe == PROBE_MAX
     spec.forget(0)
-    assert spec.state(1).skip == PROBE_MAX
+    assert spec.state(1).skip == round(5.0 / PROBE_SHARE)  # the pause goes on in the next sequence
     # in the engine: a speculator whose every call takes 20 ms (many steps of the tiny target) is asked
     # at the first sequence's first step and, once its cost is measured against a target step, at one
     # probe; then never again in these four answers (probes 4, 8, ... 64 apart: 4 asks in the first)
