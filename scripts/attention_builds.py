@@ -3,8 +3,10 @@ heads, head_dim 64, a float16 cache), one sequence with k rows at the end of `--
 one call per layer over 30 layers' caches (so the K/V come from memory as in a forward), alternated
 in rounds; medians. Builds as in `scripts/kernel_builds.py`: `avx2`, `avx512` (this checkout's)
 or a cached build folder (`specplug_gguf_<isa>_<key>`) to time a change against the kernels before it.
+`--dtypes float16 float32` times each build on both cache types (the kernels take either).
 
     python scripts/attention_builds.py --builds specplug_gguf_avx512_<old>,avx512 --threads 2
+    python -m scripts.attention_builds --builds avx512 --dtypes float16 float32 --rounds 4 --reps 20
 """
 from __future__ import annotations
 
@@ -21,10 +23,10 @@ from scripts.kernel_builds import load_build
 H, HKV, D, LAYERS = 9, 3, 64, 30
 
 
-def case(ctx: int, k: int, seed: int = 0):
+def case(ctx: int, k: int, seed: int = 0, dtype: torch.dtype = torch.float16):
     g = torch.Generator().manual_seed(seed)
-    caches = [(torch.randn(1, HKV, ctx + k, D, generator=g).half(), torch.randn(1, HKV, ctx + k, D, generator=g).half())
-              for _ in range(LAYERS)]
+    caches = [(torch.randn(1, HKV, ctx + k, D, generator=g).half().to(dtype),
+               torch.randn(1, HKV, ctx + k, D, generator=g).half().to(dtype)) for _ in range(LAYERS)]
     valid = torch.zeros(1, ctx + k, dtype=torch.bool)
     valid[0, :ctx + k] = True
     q = torch.randn(k, (H + 2 * HKV) * D, generator=g)
@@ -52,28 +54,37 @@ def main() -> None:
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--dtypes", nargs="+", default=["float16"], choices=["float16", "float32"],
+                   help="K/V cache types to time each build on (same values: float16 ones, widened)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    names = a.builds.split(",")
-    builds = {n: load_build(n) for n in names}
-    cases = {(ctx, k): case(ctx, k) for ctx in a.ctx for k in a.ks}
-    ref = {key: builds[names[0]].attention(c[0], *c[1][0], *c[2:], H, D ** -0.5, None, 0) for key, c in cases.items()}
+    loaded = {b: load_build(b) for b in a.builds.split(",")}
+    tag = (lambda b, t: b) if a.dtypes == ["float16"] else (lambda b, t: f"{b}/{t}")
+    builds = {tag(b, t): loaded[b] for b in loaded for t in a.dtypes}
+    names = list(builds)
+    cases = {(n, ctx, k): case(ctx, k, dtype=getattr(torch, t)) for b in loaded for t in a.dtypes
+             for n in [tag(b, t)] for ctx in a.ctx for k in a.ks}
+    keys = [(ctx, k) for ctx in a.ctx for k in a.ks]
+    ref = {key: builds[names[0]].attention(c[0], *c[1][0], *c[2:], H, D ** -0.5, None, 0)
+           for (n, *key), c in cases.items() if n == names[0] for key in [tuple(key)]}
     for n in names[1:]:
-        for key, c in cases.items():
+        for key in keys:
+            c = cases[(n, *key)]
             o = builds[n].attention(c[0], *c[1][0], *c[2:], H, D ** -0.5, None, 0)
-            assert torch.equal(o, ref[key]), (n, key, (o - ref[key]).abs().max())
-    ms = {(n, key): [] for n in names for key in cases}
+            if len(a.dtypes) == 1:  # one cache type: the builds must agree bit for bit
+                assert torch.equal(o, ref[key]), (n, key, (o - ref[key]).abs().max())
+    ms = {(n, key): [] for n in names for key in keys}
     for r in range(a.rounds):
         order = names if r % 2 == 0 else names[::-1]
         for n in order:
-            for key, c in cases.items():
-                ms[(n, key)].append(time_forward(builds[n], c, a.reps))
+            for key in keys:
+                ms[(n, key)].append(time_forward(builds[n], cases[(n, *key)], a.reps))
     rows = []
     print(f"# {machine.line(machine.describe('cpu'))}; threads {a.threads}; {LAYERS} layers' calls, medians of {a.rounds} rounds")
     print("| build | ctx | k | ms (30 layers) | vs first |")
     print("|---|---|---|---|---|")
-    for key in cases:
+    for key in keys:
         base = statistics.median(ms[(names[0], key)])
         for n in names:
             m = statistics.median(ms[(n, key)])
