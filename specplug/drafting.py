@@ -19,7 +19,8 @@ draft at all: issue 37, docs/results/heads.md.) From these:
 - drafts with confidences are trimmed to the prefix with the most expected tokens less rows
   (drafts without confidences are valued with the speculator's measured acceptance per position);
 - per sequence, the realized value of each call (tokens saved less rows and drafting time) is
-  averaged; a speculator whose calls lose time for a sequence is not asked for it, except by
+  averaged; a speculator whose calls lose time for a sequence beyond their noise (`note_value`) is
+  not asked for it, except by
   sparse probes (4, 8, ... 64 steps apart) that switch it back on when they pay; probes are never
   so close that they cost more than PROBE_SHARE (1%) of the steps between them (a probe costing 5
   steps, a draft model's, comes at most every 500 steps). While its calls lose on average over all
@@ -49,7 +50,9 @@ from specplug.types import Draft, DraftRequest, EmbeddingRequest, Verified
 PROBE_MIN, PROBE_MAX = 4, 64  # steps between probes of a speculator that does not pay for a sequence
 PROBE_SHARE = 0.01  # ... and at least a probe's own cost (T(1) units) / PROBE_SHARE steps
 VALUE_MARGIN = 0.02  # a speculator is paused for a sequence when its calls lose more than this (units of T(1))
-SEQ_ALPHA, SPEC_ALPHA = 0.2, 0.05  # weights of a new call's value in the per-sequence / per-speculator averages
+SEQ_WINDOW = 20  # calls a sequence's average looks back over (weight max(1/n, 1/SEQ_WINDOW) for its n-th call)
+SPEC_ALPHA = 0.05  # weight of a new call in the speculator's average and spread over all sequences
+PAUSE_Z = 1.5  # ... and a sequence pauses only when its average is below -VALUE_MARGIN by PAUSE_Z standard errors
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ class SeqDraftState:
     n_cur: int  # current cap on its draft length (grows after full acceptance, shrinks after a rejection)
     dead: int = 0  # consecutive drafts with no token accepted
     skip: int = 0  # steps left before this sequence asks the speculator again
-    value: float | None = None  # average value of a call (T(1) units); None: starts from the speculator's
+    value: float | None = None  # average value of its calls (T(1) units); None: not asked yet
+    calls: int = 0  # calls averaged into `value`
     probe: int = PROBE_MIN  # steps between probes while the value is negative
     asked_at: int = -2  # the host's step number when this speculator was last asked for this sequence
 
@@ -85,7 +89,8 @@ class Speculator:
     embeddings: EmbeddingRequest = field(default_factory=EmbeddingRequest)
     enabled: bool = True
     stats: SpecStats = field(default_factory=SpecStats)
-    value: float = 0.0  # average value of one call over all sequences: where a new sequence starts
+    value: float = 0.0  # average value of one call over all sequences (a new sequence starts paused below 0)
+    spread: float = 0.0  # average squared deviation of a call's value from `value`
     probe: int = PROBE_MIN  # pause of a new sequence while `value` is negative: that of the last one to end
     wait: int | None = None  # steps of that pause left when it ended (None: none ended paused yet)
     _draft_s: float = 0.0  # decayed sums: seconds of `draft` and tokens it returned, steady calls
@@ -158,12 +163,22 @@ class Speculator:
 
     def note_value(self, st: SeqDraftState, value: float, call_cost: float = 0.0) -> None:
         """Average in what one call was worth for a sequence (`call_cost`: what the call took, T(1)
-        units); pause or resume the speculator for it."""
-        st.value = (self.value if st.value is None else st.value) * (1 - SEQ_ALPHA) + SEQ_ALPHA * value
-        self.value = self.value * (1 - SPEC_ALPHA) + SPEC_ALPHA * value
+        units); pause or resume the speculator for it.
+
+        A call's value is noisy: a head's one-token draft is worth about +0.7 of a step when accepted
+        and -0.3 when not. A sequence is paused only when its calls lose beyond that noise: when its
+        average plus PAUSE_Z standard errors (the spread measured over all calls, over the calls
+        averaged) is still below -VALUE_MARGIN. A head that pays on average is not paused by a few
+        rejections in a row; a drafter whose every call loses the same is paused at its first."""
+        st.calls += 1
+        w = max(1.0 / st.calls, 1.0 / SEQ_WINDOW)
+        st.value = value if st.value is None else st.value + w * (value - st.value)
+        d = value - self.value
+        self.value += SPEC_ALPHA * d
+        self.spread = (1 - SPEC_ALPHA) * (self.spread + SPEC_ALPHA * d * d)
         if not self.policy.cost_trim:
             return
-        if st.value < -VALUE_MARGIN:
+        if st.value + PAUSE_Z * math.sqrt(self.spread / min(st.calls, SEQ_WINDOW)) < -VALUE_MARGIN:
             pause(st, call_cost)
         else:
             st.probe = PROBE_MIN
