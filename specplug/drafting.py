@@ -20,13 +20,12 @@ draft at all: issue 37, docs/results/heads.md.) From these:
   (drafts without confidences are valued with the speculator's measured acceptance per position);
 - per sequence, the realized value of each call (tokens saved less rows and drafting time) is
   averaged; a speculator whose calls lose time for a sequence beyond their noise (`note_value`) is
-  not asked for it, except by
-  sparse probes (4, 8, ... 64 steps apart) that switch it back on when they pay; probes are never
-  so close that they cost more than PROBE_SHARE (1%) of the steps between them (a probe costing 5
-  steps, a draft model's, comes at most every 500 steps). While its calls lose on average over all
-  sequences, a new sequence starts paused, for what was left of the pause of the last sequence to
-  end: a speculator that does not pay here is not asked at every sequence's first step, and a pause
-  longer than a sequence runs on across sequences to its probe. (A new sequence used to start the
+  not asked for it, except by sparse probes (4, 8, ... 64 steps apart) that switch it back on when
+  they pay; probes are never so close that they cost more than PROBE_SHARE (1%) of the steps
+  between them (a probe costing 5 steps, a draft model's, comes at most every 500 steps). While
+  its calls lose on average over all sequences, a new sequence starts paused, for what was left of
+  the pause of the last sequence to end: a speculator that does not pay here is not asked at every
+  sequence's first step, and a pause longer than a sequence runs on across sequences to its probe. (A new sequence used to start the
   whole pause again, so once the pause outgrew the answers, 64 steps for 64-token answers or a
   costly probe's 130 for 128-token ones, the speculator was never asked again, even where it
   would have paid: issue 37, docs/results/heads.md.)
