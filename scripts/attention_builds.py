@@ -60,26 +60,29 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     loaded = {b: load_build(b) for b in a.builds.split(",")}
-    tag = (lambda b, t: b) if a.dtypes == ["float16"] else (lambda b, t: f"{b}/{t}")
-    builds = {tag(b, t): loaded[b] for b in loaded for t in a.dtypes}
-    names = list(builds)
-    cases = {(n, ctx, k): case(ctx, k, dtype=getattr(torch, t)) for b in loaded for t in a.dtypes
-             for n in [tag(b, t)] for ctx in a.ctx for k in a.ks}
     keys = [(ctx, k) for ctx in a.ctx for k in a.ks]
-    ref = {key: builds[names[0]].attention(c[0], *c[1][0], *c[2:], H, D ** -0.5, None, 0)
-           for (n, *key), c in cases.items() if n == names[0] for key in [tuple(key)]}
-    for n in names[1:]:
-        for key in keys:
-            c = cases[(n, *key)]
-            o = builds[n].attention(c[0], *c[1][0], *c[2:], H, D ** -0.5, None, 0)
-            if len(a.dtypes) == 1:  # one cache type: the builds must agree bit for bit
+    cases = {t: {key: case(*key, dtype=getattr(torch, t)) for key in keys} for t in a.dtypes}
+    # a timed variant: a build on one cache type (named by the build alone when there is one type)
+    variants = {(b if len(a.dtypes) == 1 else f"{b}/{t}"): (loaded[b], t) for b in loaded for t in a.dtypes}
+    names = list(variants)
+
+    def attend(n, key):
+        kern, t = variants[n]
+        c = cases[t][key]
+        return kern.attention(c[0], *c[1][0], *c[2:], H, D ** -0.5, None, 0)
+
+    if len(a.dtypes) == 1:  # one cache type: the builds must agree bit for bit
+        ref = {key: attend(names[0], key) for key in keys}
+        for n in names[1:]:
+            for key in keys:
+                o = attend(n, key)
                 assert torch.equal(o, ref[key]), (n, key, (o - ref[key]).abs().max())
     ms = {(n, key): [] for n in names for key in keys}
     for r in range(a.rounds):
         order = names if r % 2 == 0 else names[::-1]
         for n in order:
             for key in keys:
-                ms[(n, key)].append(time_forward(builds[n], cases[(n, *key)], a.reps))
+                ms[(n, key)].append(time_forward(variants[n][0], cases[variants[n][1]][key], a.reps))
     rows = []
     print(f"# {machine.line(machine.describe('cpu'))}; threads {a.threads}; {LAYERS} layers' calls, medians of {a.rounds} rounds")
     print("| build | ctx | k | ms (30 layers) | vs first |")

@@ -25,10 +25,10 @@ draft at all: issue 37, docs/results/heads.md.) From these:
   between them (a probe costing 5 steps, a draft model's, comes at most every 500 steps). While
   its calls lose on average over all sequences, a new sequence starts paused, for what was left of
   the pause of the last sequence to end: a speculator that does not pay here is not asked at every
-  sequence's first step, and a pause longer than a sequence runs on across sequences to its probe. (A new sequence used to start the
-  whole pause again, so once the pause outgrew the answers, 64 steps for 64-token answers or a
-  costly probe's 130 for 128-token ones, the speculator was never asked again, even where it
-  would have paid: issue 37, docs/results/heads.md.)
+  sequence's first step, and a pause longer than a sequence runs on across sequences to its probe.
+  (A new sequence used to start the whole pause again, so once the pause outgrew the answers, 64
+  steps for 64-token answers or a costly probe's 130 for 128-token ones, the speculator was never
+  asked again, even where it would have paid: issue 37, docs/results/heads.md.)
 Speculators with `cost_trim: false` are asked on every step and their drafts verified whole.
 """
 from __future__ import annotations

@@ -40,6 +40,15 @@ class Slow(RandomDrafts):
         return super().draft(requests)
 
 
+class Recording(Slow):
+    """Slow, keeping a copy of every request's history (`seen`)."""
+
+    @hookimpl
+    def draft(self, requests):
+        self.seen = getattr(self, "seen", []) + [list(r.tokens) for r in requests]  # copies: views expire
+        return super().draft(requests)
+
+
 def test_slow_losing_speculator_is_paused_with_probes(tiny_target, prompts, monkeypatch):
     # probes 4, 8, ... 64 steps apart: here without the floor that a probe's own cost sets (2 ms are
     # many steps of the tiny target; see test_a_costly_probe_comes_rarely)
@@ -77,13 +86,6 @@ def test_a_new_sequence_starts_paused_while_the_speculator_loses(tiny_target, pr
     assert unpriced.state(0).skip == 0  # unpriced: asked on every step whatever it is worth
     # in the engine: one sequence after another, the later ones are first asked after their pause
     vocab = tiny_target.model.config.vocab_size
-
-    class Recording(Slow):
-        @hookimpl
-        def draft(self, requests):
-            self.seen = getattr(self, "seen", []) + [list(r.tokens) for r in requests]  # copies: views expire
-            return super().draft(requests)
-
     slow = Recording(vocab, 0.002)
     eng = assert_greedy_equal(tiny_target, [speculator(slow, "slow")], prompts, 48, n_parallel=1,
                               allow_unverified=True)
@@ -94,7 +96,7 @@ def test_a_new_sequence_starts_paused_while_the_speculator_loses(tiny_target, pr
     assert all(a is None or a >= 1 + PROBE_MIN for a in first_ask[1:]), (first_ask, eng.stats.speculators["slow"].to_dict())
 
 
-def test_a_few_rejections_do_not_pause_a_head_that_pays(tiny_target):
+def test_a_few_rejections_do_not_pause_a_head_that_pays():
     """A call's value is noisy (a head's one-token draft: +0.7 of a step when accepted, -0.3 when
     not): a sequence is paused when its calls lose beyond that noise, not after two rejections in a
     row (which paused a head that pays on 40% acceptance on most steps: priced Eagle3 at 0.97-1.01x
@@ -137,15 +139,7 @@ def test_a_pause_longer_than_an_answer_runs_on_to_its_probe(tiny_target, prompts
     assert spec.state(4).skip == 2
     # in the engine: a speculator that always loses, answers of 24 tokens one after another; the pause
     # reaches 64 steps, and every stretch of 64 + 24 steps still has a call in it
-    vocab = tiny_target.model.config.vocab_size
-
-    class Recording(Slow):
-        @hookimpl
-        def draft(self, requests):
-            self.seen = getattr(self, "seen", []) + [list(r.tokens) for r in requests]
-            return super().draft(requests)
-
-    losing = Recording(vocab, 0.0)
+    losing = Recording(tiny_target.model.config.vocab_size, 0.0)
     many = [p + [t] for p in prompts for t in (5, 6, 7, 8)]  # 16 distinct prompts
     eng = assert_greedy_equal(tiny_target, [speculator(losing, "slow")], many, 24, n_parallel=1,
                               allow_unverified=True)
