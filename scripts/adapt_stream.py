@@ -77,8 +77,9 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=None, help="bench only this many second-half prompts a category")
     ap.add_argument("--base", type=Path, default=None, help="the head the stream was served and adapted from "
                                                              "(default: the plugin's shipped head)")
-    ap.add_argument("--adapted", type=Path, default=None, help="bench this head as the adapted one (default: "
-                                                                "the one the adapt phase wrote)")
+    ap.add_argument("--adapted", type=Path, nargs="+", default=None,
+                    help="bench these heads as the adapted ones, each named <method>-<file stem> (default: the one "
+                         "the adapt phase wrote)")
     ap.add_argument("--phase", choices=("all", "record", "adapt", "bench"), default="all")
     args = ap.parse_args()
     w = args.work
@@ -111,11 +112,13 @@ def main() -> int:
         (w / "adapt-report.json").write_text(json.dumps(rep, indent=1))
         summary["adapt"] = rep
     if args.phase in ("all", "bench"):
-        if args.adapted is not None:
-            adapted = args.adapted
-        elif not adapted.is_file():
-            adapted = w / "adapt" / f"candidate-{adapted.name}"  # not better on the held-back slice: bench it anyway
-        heads = {f"{args.method}-base": args.base, f"{args.method}-adapted": adapted}
+        if args.adapted:
+            adapted_heads = {f"{args.method}-{p.stem}": p for p in args.adapted}
+        else:
+            if not adapted.is_file():  # not better on the held-back slice: bench it anyway
+                adapted = w / "adapt" / f"candidate-{adapted.name}"
+            adapted_heads = {f"{args.method}-adapted": adapted}
+        heads = {f"{args.method}-base": args.base, **adapted_heads}
         for kind, every in (("every-step", True), ("priced", False)):
             out = w / f"bench-{kind}"
             if (out / "results.json").is_file():

@@ -107,3 +107,16 @@ def test_learning_from_prompt_rows_marks_only_the_training_side(setup, tmp_path)
     tr, ev = _seqs(tmp_path / "tr"), _seqs(tmp_path / "ev")
     assert all(n == 1 for _, _, n in tr) and any(every[(p, tuple(t))] > 1 for p, t, _ in tr)
     assert all(n == every[(p, tuple(t))] for p, t, n in ev)  # judged on the answers, as served
+
+
+def test_adapt_can_swap_draft_tokens_for_the_traffics(setup, capsys):
+    work, tiny, first, head, record = setup
+    out = work / "swapped.gguf"
+    assert main(["adapt", "--record", str(record), "--head", str(head), "-o", str(out), "--model", str(tiny),
+                 "--steps", "4", "--threads", "2", "--swap-vocab", "8"]) in (0, 1)
+    rep = json.loads((work / "swapped.adapt" / REPORT).read_text())
+    sw = rep["draft_vocab_swapped"]
+    assert rep["swap_vocab"] == 8 and 0 < sw["swapped"] <= 8
+    assert sw["train_answer_coverage"]["after"] > sw["train_answer_coverage"]["before"]
+    old, new = HeadFile(head).tensor("d2t"), HeadFile(work / "swapped.adapt" / "candidate-swapped.gguf").tensor("d2t")
+    assert int((old != new).sum()) == sw["swapped"] and sorted(new[old != new].tolist()) == sorted(sw["tokens_in"])

@@ -146,3 +146,76 @@ def test_fine_tuning_on_a_mix_records_every_folder_and_its_share(data, bases, wo
     capsys.readouterr()
     assert main(["train", "mtp", "--data", str(new), str(work / "nowhere"), "-o", str(work / "x.gguf"), *LOOP]) == 2
     assert "nowhere: no manifest.json here" in capsys.readouterr().err
+
+
+def test_swap_vocabulary_trades_the_least_used_draft_tokens_for_the_most_frequent_outside():
+    from specplug.train.finetune import swap_vocabulary
+
+    d2t = torch.tensor([5, 1, 7, 3, 9])  # draft rows 0..4
+    # in the new data: 7 x12 (in), 5 x3 (in), 1 and 3 and 9 unused; outside: 20 x8, 21 x8, 22 x2, 23 x1
+    tokens = torch.tensor([7] * 12 + [5] * 3 + [20] * 8 + [21] * 8 + [22] * 2 + [23])
+    new, rows = swap_vocabulary(d2t, tokens, 3, 30)
+    # the three unused draft tokens go, the later row first (9 at row 4, 3 at row 3, 1 at row 1)
+    assert rows.tolist() == [1, 3, 4]
+    assert new.tolist() == [5, 22, 7, 21, 20]  # most frequent in where the least used went (ties: lower id)
+    assert len(set(new.tolist())) == len(new)
+    # a token no more frequent than the one it would replace stays out; n caps the trade
+    new2, rows2 = swap_vocabulary(d2t, torch.tensor([7, 7, 5, 1, 3, 9, 20, 20, 21]), 5, 30)
+    assert new2.tolist() == [5, 1, 7, 3, 20] and rows2.tolist() == [4]
+    assert swap_vocabulary(d2t, tokens, 0, 30)[1].numel() == 0
+    same, none = swap_vocabulary(d2t, torch.tensor([5, 1, 7, 3, 9]), 4, 30)
+    assert torch.equal(same, d2t) and none.numel() == 0
+
+
+@pytest.fixture(scope="module")
+def other_traffic(data, work) -> Path:
+    """Traffic unlike the bases' data (other words in the prompts), made with the same target."""
+    import random
+
+    rng = random.Random(3)
+    words = "zebra 1234 quantum Paris 98.6 kilogram October Zurich #define printf".split()
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 8))) for _ in range(30)]
+    return make_train_data(work / "tiny.gguf", work / "other-traffic", prompts, taps="final,0,1,2", max_tokens=24,
+                           shard_prompts=10)
+
+
+def test_swap_vocab_starts_new_rows_from_the_target_and_keeps_the_rest(other_traffic, bases, work, capsys):
+    from specplug.train.dataset import TrainData
+    from specplug.train.finetune import BaseHead
+    from specplug.train.loop import load_trainer
+    from specplug.train.target import TargetWeights
+
+    base = HeadFile(bases["eagle3"])
+    data = other_traffic
+    view = BaseHead(base, load_trainer("eagle3"), swap_vocab=6).for_trainer(TrainData(data, ("0", "1", "2"), 0.2))
+    old, new = base.tensor("d2t"), view.tensor("d2t")
+    rows = torch.nonzero(old != new).flatten()
+    assert len(rows) == 6 and len(set(new.tolist())) == len(new) == len(old)
+    lm_old, lm_new = base.tensor("lm_head"), view.tensor("lm_head")
+    keep = torch.ones(len(old), dtype=torch.bool)
+    keep[rows] = False
+    assert torch.equal(lm_new[keep], lm_old[keep])  # the head's learned rows where the token stays
+    # a new token's row: its target row under the affine map that takes the kept tokens' target rows to the head's
+    target_rows = TargetWeights(json.loads((data / "manifest.json").read_text())["target"]).output_weight(new.tolist())
+    x = torch.cat([target_rows.double(), torch.ones(len(new), 1, dtype=torch.double)], 1)
+    fit = torch.linalg.lstsq(x[keep], lm_old[keep].double()).solution
+    assert torch.allclose(lm_new[rows].double(), x[rows] @ fit, atol=1e-5)
+    assert torch.allclose(x[keep] @ fit, lm_old[keep].double(), atol=0.5 * float(lm_old.abs().max()))
+    assert torch.equal(view.tensor("fc"), base.tensor("fc"))  # everything else as in the file
+
+    for method in ("eagle3", "mtp"):
+        out = work / f"{method}-swap.gguf"
+        capsys.readouterr()
+        assert _train(method, data, out, "--init", str(bases[method]), "--swap-vocab", "6") == 0
+        assert "draft tokens swapped for this data's most frequent" in capsys.readouterr().err
+        d_old, d_new = HeadFile(bases[method]).tensor("d2t"), HeadFile(out).tensor("d2t")
+        swapped = _recipe(out)["init"]["draft_vocab"]["swapped_for_the_data"]
+        assert int((d_old != d_new).sum()) == swapped["swapped"] > 0
+        cov = swapped["train_answer_coverage"]
+        assert cov["after"] > cov["before"]
+        # a resume must ask for the same swap: its checkpoint starts from other rows
+        rc = main(["train", method, "--data", str(data), "-o", str(out), *LOOP, "--steps", "3", "--resume",
+                   "--init", str(bases[method])])
+        assert rc == 2 and "give the same --init to resume it" in capsys.readouterr().err
+    assert _train("mtp", data, work / "mtp-swap-scratch.gguf", "--swap-vocab", "6", "--draft-vocab", "40") == 2
+    assert "--swap-vocab changes the draft vocabulary of the --init head" in capsys.readouterr().err

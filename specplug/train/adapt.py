@@ -1,6 +1,7 @@
 """`specplug adapt`: a head learns the traffic it serves, in one command.
 
     specplug adapt --record REC --head HEAD.gguf -o NEW.gguf [--mix ORIG:300k] [--hold-back 0.2]
+                   [--swap-vocab 1024]
 
 REC is a folder of recorded traffic (`specplug serve --record REC` or `specplug run --record REC`:
 token shards in the `specplug train tokens` format). The loop:
@@ -11,7 +12,9 @@ token shards in the `specplug train tokens` format). The loop:
 2. rebuild both by prefill (`specplug train data --from-tokens`) with the hidden states the
    head reads;
 3. fine-tune HEAD on the training part (`specplug train <method> --init HEAD`), optionally mixed
-   with a share of the data it was first trained on (`--mix DIR:TOKENS`, so it does not forget);
+   with a share of the data it was first trained on (`--mix DIR:TOKENS`, so it does not forget),
+   and with `--swap-vocab N` up to N of its draft tokens traded for the traffic's most frequent
+   ones outside its draft vocabulary;
 4. score HEAD and the fine-tuned head on the held-back part (`specplug heads eval`), and write
    NEW only if its first-token acceptance there beats HEAD's.
 
@@ -120,7 +123,7 @@ def _known_model(filename: str | None) -> str | None:
 
 def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Path, *, hold_back: float = 0.2,
           mix: list[str] | None = None, learn_prompts: bool = True, steps: int = 200, lr: float = 5e-4,
-          batch_tokens: int = 4096,
+          batch_tokens: int = 4096, swap_vocab: int = 0,
           threads: int | None = None, quant: str = "auto", model: str | None = None, quiet: bool = False) -> dict:
     """Run the loop (see the module's doc); returns the report (also written to `work`/adapt-report.json)."""
     from specplug.heads import HeadFile
@@ -139,7 +142,7 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
         raise SpecplugError(f"-o {out} is the --head file; write the new head beside it (a reload swaps it in)")
     hf = HeadFile(head)
     cls = load_trainer(hf.meta.method)
-    base = BaseHead(hf, cls)
+    base = BaseHead(hf, cls, swap_vocab=swap_vocab)
     rec_man = read_tokens_manifest(record)
     mixes = [DataSource.parse(m) for m in (mix or [])]
     topk = 32
@@ -148,7 +151,7 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {"record": str(record), "head": str(head), "output": str(out), "hold_back": hold_back,
                     "mix": [str(m) for m in mixes], "learn_prompts": learn_prompts, "steps": steps, "lr": lr,
-                    "seconds": {}}
+                    "swap_vocab": swap_vocab, "seconds": {}}
     clock = report["seconds"]
     with claim(work, "--work"):
         # 1. the split, again only when the recording changed
@@ -192,6 +195,8 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
         train(cls, None, loop, [DataSource(work / "train-data"), *mixes], cand, resume=ckpt_exists,
               command=" ".join(sys.argv), quiet=quiet, init=base)
         clock["fine_tune"] = round(time.perf_counter() - t0, 1)
+        if base.swapped:
+            report["draft_vocab_swapped"] = base.swapped
 
         # 4. the judgement on the held-back traffic
         t0 = time.perf_counter()
@@ -228,6 +233,9 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--swap-vocab", type=int, default=0, metavar="N",
+                   help="trade up to N of the head's draft tokens that the traffic uses least for the traffic's "
+                        "most frequent tokens outside its draft vocabulary (names, figures, identifiers)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores this process may use)")
     p.add_argument("--quant", default="auto", help="the target's weight path for the rebuild (as in `train data`)")
     p.add_argument("--model", default=None, help="the target .gguf, if not where the recording says")
@@ -239,7 +247,7 @@ def cmd_adapt(args) -> int:
     out = Path(args.output)
     work = Path(args.work) if args.work else out.with_name(out.stem + ".adapt")
     rep = adapt(args.record, args.head, out, work, hold_back=args.hold_back, mix=args.mix,
-                learn_prompts=not args.answers_only, steps=args.steps,
+                learn_prompts=not args.answers_only, steps=args.steps, swap_vocab=args.swap_vocab,
                 lr=args.lr, batch_tokens=args.batch_tokens, threads=args.threads, quant=args.quant, model=args.model)
     acc, s = rep["first_token_acceptance"], rep["seconds"]
     verdict = f"wrote {out}" if rep["written"] else f"kept {args.head} ({out} not written)"

@@ -8,10 +8,21 @@ A trainer that can start from a head has, beside the `specplug.train.loop.Traine
                               (its shape: draft vocabulary size, tapped layers, block, ...) or that
                               only a fresh start uses (how to initialize); these cannot be given
                               beside --init
-  __init__(..., init=head)    with `init` (a HeadFile): the head's draft vocabulary (never chosen
-                              anew from the data) and its weights, instead of a fresh start
+  __init__(..., init=head)    with `init` (a HeadFile, or a `SwappedVocab` view of one): the head's
+                              draft vocabulary (`init.tensor("d2t")`, never chosen anew from the
+                              data) and its weights, instead of a fresh start
   depth_option                class attribute: the Options field that sets how many depths
                               `evaluate` reports (None when the head's shape fixes them)
+  vocab_rows                  class attribute, optional: the head tensors with one row per draft
+                              token that training learns (Eagle3's `lm_head`); under
+                              `--swap-vocab` a swapped-in token's rows start from the target's
+                              output rows mapped into the head's (`rows_like_the_head`) (default:
+                              none, the head reads the target's rows through d2t)
+
+`--swap-vocab N` (`BaseHead(swap_vocab=N)`) keeps the head's draft vocabulary size but trades up
+to N of its tokens that the new data uses least for the data's most frequent tokens outside it
+(`swap_vocabulary`): a head adapting to traffic full of names, figures or code identifiers its
+first data never had can draft them. The trainer then sees the base head through `SwappedVocab`.
 
 The other method options default to those in the head's recipe (how it was trained), then to
 the Options defaults; a flag overrides them.
@@ -22,6 +33,8 @@ import dataclasses
 import math
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
@@ -34,7 +47,7 @@ def _flag(name: str) -> str:
 class BaseHead:
     """A head file to start a trainer `cls` from (opened and checked against the trainer)."""
 
-    def __init__(self, head: HeadFile | str | Path, cls: type):
+    def __init__(self, head: HeadFile | str | Path, cls: type, swap_vocab: int = 0):
         from specplug.train.datagen import file_sha256
 
         self.head = head if isinstance(head, HeadFile) else HeadFile(head)
@@ -46,9 +59,43 @@ class BaseHead:
         if self.head.meta.method != method:
             raise SpecplugError(f"{self.path} is a {self.head.meta.method!r} head; the {method} trainer cannot "
                                 f"start from it")
+        if swap_vocab < 0:
+            raise SpecplugError(f"--swap-vocab must be >= 0 (draft tokens to trade for the data's), got {swap_vocab}")
+        if swap_vocab and not self.head.has("d2t"):
+            raise SpecplugError(f"--swap-vocab {swap_vocab}: {self.path} drafts over the whole vocabulary (no d2t); "
+                                f"there is nothing to swap")
         self.cls = cls
         self.sha256 = file_sha256(self.path)
         self.fixed: dict[str, Any] = dict(cls.options_of_head(self.head))
+        self.swap_vocab = swap_vocab
+        self.swapped: dict | None = None  # what `for_trainer` swapped (recorded in the lineage)
+
+    @property
+    def identity(self) -> str:
+        """What a checkpoint made from this base must match: the file, and the swap asked for."""
+        return self.sha256 + (f"+swap-vocab-{self.swap_vocab}" if self.swap_vocab else "")
+
+    def for_trainer(self, data) -> "HeadFile | SwappedVocab":
+        """The head as the trainer starts from it: the file itself, or under `swap_vocab` a view with
+        the swapped draft vocabulary (chosen from `data`'s training answers, a TrainData)."""
+        if not self.swap_vocab:
+            return self.head
+        from specplug.train.target import TargetWeights
+
+        d2t = self.head.tensor("d2t").long().flatten()
+        tokens = data.answer_tokens("train")
+        new, rows = swap_vocabulary(d2t, tokens, self.swap_vocab, self.head.meta.vocab_size)
+        fresh = {}
+        names = getattr(self.cls, "vocab_rows", ())
+        if len(rows) and names:
+            out_w = TargetWeights(data.target).output_weight(new.tolist()).float()
+            fresh = {name: rows_like_the_head(self.head.tensor(name).float(), out_w, rows) for name in names}
+        counts = torch.bincount(tokens.long(), minlength=self.head.meta.vocab_size)
+        cover = lambda m: round(float(counts[m].sum()) / max(1, int(counts.sum())), 4)  # noqa: E731
+        self.swapped = {"asked": self.swap_vocab, "swapped": int(len(rows)),
+                        "train_answer_coverage": {"before": cover(d2t), "after": cover(new)},
+                        "tokens_in": new[rows].tolist()[:50], "tokens_out": d2t[rows].tolist()[:50]}
+        return SwappedVocab(self.head, new, rows, fresh)
 
     def options(self, given: dict[str, Any] | Any = None) -> Any:
         """The trainer's Options for this head: the head's shape (`options_of_head`), its recipe's other
@@ -96,7 +143,8 @@ class BaseHead:
                 "steps": r.get("steps"), "total_steps": total_steps(r),
                 "data": {k: data.get(k) for k in ("path", "manifest_sha256", "train_tokens")} if data else None,
                 "val_top1_per_depth": (r.get("final") or {}).get("val_top1_per_depth"),
-                "draft_vocab": "kept from the base head", "init": r.get("init")}
+                "draft_vocab": ("kept from the base head" if not self.swapped else
+                                {"swapped_for_the_data": self.swapped}), "init": r.get("init")}
 
 
 def total_steps(recipe: dict) -> int | None:
@@ -137,6 +185,67 @@ def check_config(head: HeadFile, expected: dict) -> None:
     differ = [f"{k} {cfg.get(k)!r} (head) vs {v!r} (target)" for k, v in expected.items() if not same(cfg.get(k), v)]
     if differ:
         raise SpecplugError(f"{head.path} does not fit the data set's target: {'; '.join(differ)}")
+
+
+def swap_vocabulary(d2t: torch.Tensor, tokens: torch.Tensor, n: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trade up to `n` draft tokens for the data's: the most frequent tokens of `tokens` outside
+    `d2t` replace, one for one, the draft tokens `tokens` uses least (ties: the later draft row,
+    the less frequent in the head's first data, goes first), while the new token is strictly more
+    frequent than the one it replaces. The size and the other rows stay.
+
+    d2t: [N] int64 draft row -> target token id; tokens: token ids (a data set's training answers).
+    Returns (the new d2t, the rows swapped, ascending)."""
+    d2t = d2t.long().flatten()
+    counts = torch.bincount(tokens.long().flatten(), minlength=vocab)[:vocab]
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[d2t] = False
+    cand = torch.nonzero(outside & (counts > 0)).flatten()
+    cand = cand[torch.argsort(-counts[cand], stable=True)][:n]  # most frequent first (ties: lower id)
+    rows = torch.arange(len(d2t))
+    # least used first; among equals the later row (a stable sort of the rows in reverse)
+    victims = rows.flip(0)[torch.argsort(counts[d2t].flip(0), stable=True)][:len(cand)]
+    take = counts[cand] > counts[d2t[victims]]  # both sorted: once false, false for the rest
+    k = int(take.long().cumprod(0).sum())
+    new = d2t.clone()
+    new[victims[:k]] = cand[:k]
+    return new, torch.sort(victims[:k]).values
+
+
+def rows_like_the_head(head_rows: torch.Tensor, target_rows: torch.Tensor, swapped: torch.Tensor) -> torch.Tensor:
+    """Rows for swapped-in draft tokens in a trained head's own output space: the affine map from the
+    target's output rows to the head's, fitted by least squares on the rows kept, applied to the new
+    tokens' target rows. (The target's rows as they are fit a fresh head, not a trained one: on the
+    shipped Eagle3 head they took the argmax on 80% of rows and validation top-1 from 0.21 to 0.)
+
+    head_rows: [N, d] the head's tensor; target_rows: [N, d] the target's output rows of the new d2t;
+    swapped: the rows to fill. Returns [len(swapped), d]."""
+    keep = torch.ones(len(head_rows), dtype=torch.bool)
+    keep[swapped] = False
+    one = torch.ones(len(head_rows), 1, dtype=target_rows.dtype)
+    x = torch.cat([target_rows, one], 1)
+    fit = torch.linalg.lstsq(x[keep].double(), head_rows[keep].double()).solution
+    return (x[swapped].double() @ fit).to(head_rows.dtype)
+
+
+class SwappedVocab:
+    """A head file as `swap_vocabulary` changed it, for a trainer's `init`: `d2t` is the new map, a
+    `vocab_rows` tensor has the swapped rows from `fresh` (`rows_like_the_head`); everything else
+    reads through to the file."""
+
+    def __init__(self, head: HeadFile, d2t: torch.Tensor, rows: torch.Tensor, fresh: dict[str, torch.Tensor]):
+        self.head, self.d2t, self.rows, self.fresh = head, d2t, rows, fresh
+
+    def tensor(self, name: str, shape=None) -> torch.Tensor:
+        if name == "d2t":
+            return self.d2t.clone()
+        t = self.head.tensor(name, shape)
+        if name in self.fresh and len(self.rows):
+            t = t.clone()
+            t[self.rows] = self.fresh[name].to(t.dtype)
+        return t
+
+    def __getattr__(self, name: str):
+        return getattr(self.head, name)
 
 
 def draft_vocabulary(init: HeadFile | None, expected: dict, data, size: int, vocab: int):

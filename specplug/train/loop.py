@@ -162,6 +162,9 @@ def add_trainer_parsers(tsub) -> None:
         p.add_argument("--init", default=None, metavar="HEAD.gguf",
                        help="fine-tune this head file instead of starting a fresh head: its shape (draft vocabulary, "
                             "taps, layers) comes from the file, its recipe's method options are the defaults")
+        p.add_argument("--swap-vocab", type=int, default=0, metavar="N",
+                       help="with --init: trade up to N of the head's draft tokens that this data uses least for "
+                            "the data's most frequent tokens outside the head's draft vocabulary (same size)")
         _add_fields(p, LoopOptions, "training loop")
         try:
             _add_fields(p, load_trainer(name).Options, f"{name} options")
@@ -194,9 +197,12 @@ def run_trainer(args) -> int:
         from specplug.heads import HeadFile
         from specplug.train.finetune import BaseHead
 
-        init = BaseHead(HeadFile(args.init, args.trainer), cls)
+        init = BaseHead(HeadFile(args.init, args.trainer), cls, swap_vocab=args.swap_vocab)
         opts = init.options(_given(cls.Options, args))  # the head's shape; its flags given are an error
     else:
+        if args.swap_vocab:
+            raise SpecplugError("--swap-vocab changes the draft vocabulary of the --init head; a fresh head chooses "
+                                "its own from the data (--draft-vocab)")
         opts = _options(cls.Options, args)
     out = Path(args.output)
     if out.suffix != ".gguf":
@@ -261,7 +267,7 @@ def build(cls: type, opts: Any, data_dir: Path | Sequence, device: torch.device,
     data = TrainData(data_dir, taps, val_fraction, limit_tokens, max_len)
     if model:
         data.target = dict(data.target, path=model)
-    trainer = cls(opts, data, device) if init is None else cls(opts, data, device, init=init.head)
+    trainer = cls(opts, data, device) if init is None else cls(opts, data, device, init=init.for_trainer(data))
     return data, trainer
 
 
@@ -330,7 +336,7 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path | Sequence, o
     step, pos = 0, (0, 0)
     t_spent = 0.0
     start = None  # with --init: the base head's validation on this data, before any step
-    base_id = init.sha256 if init is not None else None
+    base_id = init.identity if init is not None else None
     if ckpt.is_file() and resume:
         state = torch.load(ckpt, weights_only=False)
         known = (data.manifest_sha256, data.legacy_manifest_sha256)  # checkpoints from before the content-only hash
@@ -433,14 +439,20 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path | Sequence, o
 
 
 def _say_init(init: Any, trainer: Any, start: dict) -> None:
-    """What fine-tuning starts from: the base head, its kept draft vocabulary, its figures on this data."""
+    """What fine-tuning starts from: the base head, its draft vocabulary (kept or swapped), its figures on this data."""
     r = init.head.meta.recipe
     n = int(trainer.d2t.numel()) if hasattr(trainer, "d2t") else None
     cover = getattr(trainer, "coverage", None)
+    covering = f", covering {cover:.1%} of this data set's validation answers" if cover is not None else ""
+    if init.swapped:
+        sw = init.swapped
+        before, after = sw["train_answer_coverage"]["before"], sw["train_answer_coverage"]["after"]
+        vocab = (f"{sw['swapped']} of its {n} draft tokens swapped for this data's most frequent (training answers "
+                 f"covered {before:.1%} -> {after:.1%}{covering})")
+    else:
+        vocab = f"its draft vocabulary is kept ({n} tokens{covering}), not chosen anew from this data"
     print(f"specplug: starting from {init.path} ({init.head.meta.method}, {r.get('steps', '?')} steps, sha256 "
-          f"{init.sha256[:12]}); its draft vocabulary is kept ({n} tokens"
-          + (f", covering {cover:.1%} of this data set's validation answers" if cover is not None else "")
-          + "), not chosen anew from this data; validation before fine-tuning: top-1 per depth "
+          f"{init.sha256[:12]}); {vocab}; validation before fine-tuning: top-1 per depth "
           f"{start['val_top1_per_depth']}, loss {start['val_loss']}", file=sys.stderr)
 
 

@@ -52,6 +52,7 @@ class Eagle3Trainer:
 
     method = METHOD  # head files it writes, and can start from (--init)
     depth_option = "unroll"  # what sets the depths `evaluate` reports
+    vocab_rows = ("lm_head",)  # learned rows per draft token (--swap-vocab starts new ones from the target's)
 
     @classmethod
     def taps(cls, options, target: dict) -> tuple[str, ...]:
