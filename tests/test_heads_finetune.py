@@ -213,6 +213,8 @@ def test_swap_vocab_starts_new_rows_from_the_target_and_keeps_the_rest(other_tra
         assert int((d_old != d_new).sum()) == swapped["swapped"] > 0
         cov = swapped["train_answer_coverage"]
         assert cov["after"] > cov["before"]
+        assert main(["heads", "show", str(out)]) == 0
+        assert f"{swapped['swapped']} of its draft tokens swapped for the data's" in capsys.readouterr().out
         # a resume must ask for the same swap: its checkpoint starts from other rows
         rc = main(["train", method, "--data", str(data), "-o", str(out), *LOOP, "--steps", "3", "--resume",
                    "--init", str(bases[method])])

@@ -79,8 +79,12 @@ def _lineage(rec: dict) -> list[str]:
     if not init:
         return []
     start = init.get("start") or {}
+    swapped = (init.get("draft_vocab") or {}).get("swapped_for_the_data") if isinstance(init.get("draft_vocab"), dict) \
+        else None
+    vocab = (f"{swapped.get('swapped')} of its draft tokens swapped for the data's (--swap-vocab)" if swapped
+             else "its draft vocabulary kept")
     lines = [f"  lineage      fine-tuned from {init.get('file')} (sha256 {str(init.get('sha256'))[:12]}), "
-             f"{rec.get('total_steps', '?')} steps in all; its draft vocabulary kept; before fine-tuning on this data: "
+             f"{rec.get('total_steps', '?')} steps in all; {vocab}; before fine-tuning on this data: "
              f"top-1 per depth {start.get('val_top1_per_depth')}, loss {start.get('val_loss')}"]
     while init:
         data = init.get("data") or {}
