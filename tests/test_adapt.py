@@ -120,3 +120,8 @@ def test_adapt_can_swap_draft_tokens_for_the_traffics(setup, capsys):
     assert sw["train_answer_coverage"]["after"] > sw["train_answer_coverage"]["before"]
     old, new = HeadFile(head).tensor("d2t"), HeadFile(work / "swapped.adapt" / "candidate-swapped.gguf").tensor("d2t")
     assert int((old != new).sum()) == sw["swapped"] and sorted(new[old != new].tolist()) == sorted(sw["tokens_in"])
+    # the same -o again with another swap: its checkpoint came from another start, so it is begun anew, not resumed
+    assert main(["adapt", "--record", str(record), "--head", str(head), "-o", str(out), "--model", str(tiny),
+                 "--steps", "4", "--threads", "2", "--swap-vocab", "3"]) in (0, 1)
+    rep = json.loads((work / "swapped.adapt" / REPORT).read_text())
+    assert rep["swap_vocab"] == 3 and 0 < rep["draft_vocab_swapped"]["swapped"] <= 3

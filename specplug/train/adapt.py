@@ -191,8 +191,8 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
         t0 = time.perf_counter()
         loop = LoopOptions(steps=steps, lr=lr, warmup=min(20, max(1, steps // 10)), batch_tokens=batch_tokens,
                            val_every=max(1, steps), save_every=max(1, steps // 4), threads=threads or 0)
-        ckpt_exists = (cand.with_name(cand.stem + ".train") / "checkpoint.pt").is_file()
-        train(cls, None, loop, [DataSource(work / "train-data"), *mixes], cand, resume=ckpt_exists,
+        resume = _resumable(cand.with_name(cand.stem + ".train") / "checkpoint.pt", base.identity)
+        train(cls, None, loop, [DataSource(work / "train-data"), *mixes], cand, resume=resume, restart=not resume,
               command=" ".join(sys.argv), quiet=quiet, init=base)
         clock["fine_tune"] = round(time.perf_counter() - t0, 1)
         if base.swapped:
@@ -213,6 +213,19 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
         report["machine"] = describe()
         write_json_atomic(work / REPORT, report)
     return report
+
+
+def _resumable(ckpt: Path, base_identity: str) -> bool:
+    """Whether the fine-tuning checkpoint in --work was made from this base head (and the same
+    --swap-vocab); one from another start is begun anew, not resumed."""
+    if not ckpt.is_file():
+        return False
+    import torch
+
+    try:
+        return torch.load(ckpt, weights_only=False, map_location="cpu").get("init") == base_identity
+    except Exception:  # an unreadable checkpoint: start over (train() replaces it)
+        return False
 
 
 def add_parser(sub) -> None:
