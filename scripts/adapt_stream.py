@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Issue 39's measurement: a head adapts to a stream of traffic it was not trained on.
 
-The stream: Spec-Bench's summarization and RAG first turns, interleaved in the file's order
-(160 requests). Its first half is served with the shipped head and recorded (`specplug run
+The stream (`--stream`): Spec-Bench's summarization and RAG first turns, interleaved in the file's
+order (160 requests), or the 164 HumanEval prompts in file order (a coding assistant). Its first half is served with the shipped head and recorded (`specplug run
 --record`); `specplug adapt` fine-tunes the head on the recording; the second half is then
 benched with the shipped head and the adapted one side by side (`specplug bench`, alternated
 with plain, greedy, 0 mismatches required):
@@ -34,12 +34,22 @@ def sh(*args: str) -> int:
     return subprocess.run([str(a) for a in args]).returncode
 
 
-def stream(out: Path, max_prompt_chars: int) -> tuple[Path, Path]:
-    """The two halves of the stream as prompt files (first turns only, in arrival order)."""
-    rows = [json.loads(x) for x in (ROOT / "specplug/data/spec_bench/question.jsonl").read_text().splitlines() if x]
-    by = {c: [r for r in rows if r["category"] == c and len(r["turns"][0]) <= max_prompt_chars] for c in CATEGORIES}
-    n = min(len(v) for v in by.values())
-    order = [by[c][i] for i in range(n) for c in CATEGORIES]  # interleaved: a deployment sees both kinds
+def stream(out: Path, max_prompt_chars: int, kind: str = "summarization-rag") -> tuple[Path, Path]:
+    """The two halves of the stream as prompt files (first turns only, in arrival order).
+
+    summarization-rag: Spec-Bench's two categories interleaved; humaneval: the HumanEval prompts in
+    file order, as a coding assistant receives them."""
+    if kind == "humaneval":
+        sys.path.insert(0, str(ROOT))
+        from specplug.bench.data import dataset_path, read_jsonl_prompts
+
+        order = [{"question_id": r["id"], "category": "HumanEval", "turns": r["turns"]}
+                 for r in read_jsonl_prompts(dataset_path("humaneval")) if len(r["turns"][0]) <= max_prompt_chars]
+    else:
+        rows = [json.loads(x) for x in (ROOT / "specplug/data/spec_bench/question.jsonl").read_text().splitlines() if x]
+        by = {c: [r for r in rows if r["category"] == c and len(r["turns"][0]) <= max_prompt_chars] for c in CATEGORIES}
+        n = min(len(v) for v in by.values())
+        order = [by[c][i] for i in range(n) for c in CATEGORIES]  # interleaved: a deployment sees both kinds
     half = len(order) // 2
     first, second = out / "first.jsonl", out / "second.jsonl"
     for path, part in ((first, order[:half]), (second, order[half:])):
@@ -67,6 +77,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True, type=Path)
     ap.add_argument("--method", default="eagle3", choices=("eagle3", "mtp", "dflash"))
+    ap.add_argument("--stream", default="summarization-rag", choices=("summarization-rag", "humaneval"),
+                    help="the traffic: Spec-Bench summarization + RAG first turns, or HumanEval as a coding assistant")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-chars", type=int, default=6000, help="longer requests are left out of the stream")
@@ -85,11 +97,12 @@ def main() -> int:
     w = args.work
     w.mkdir(parents=True, exist_ok=True)
     spec = [str(ROOT / ".venv/bin/specplug")] if (ROOT / ".venv/bin/specplug").exists() else ["specplug"]
-    first, second = stream(w, args.max_prompt_chars)
+    first, second = stream(w, args.max_prompt_chars, args.stream)
     rec, adapted = w / "record", w / f"{args.method}-adapted.gguf"
     summary_path = w / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    summary.update({"stream": {"categories": CATEGORIES, "first": sum(1 for _ in first.open()),
+    summary.update({"stream": {"kind": args.stream, "categories": CATEGORIES if args.stream != "humaneval" else
+                               ("HumanEval",), "first": sum(1 for _ in first.open()),
                                "second": sum(1 for _ in second.open())}, "method": args.method})
 
     if args.phase in ("all", "record") and not (rec / "manifest.json").is_file():
