@@ -143,10 +143,9 @@ def main() -> int:
                 return rc
         for kind in ("every-step", "priced"):
             res = json.loads((w / f"bench-{kind}" / "results.json").read_text())
-            summary[f"bench_{kind}"] = {name: {k: v.get(k) for k in ("first_token_match", "decode_speedup",
-                                                                      "decode_speedup_median", "speedup",
-                                                                      "mean_accepted_length", "mismatches",
-                                                                      "n_prompts", "tokens")}
+            keys = ("first_token_match", "decode_speedup_geomean", "decode_speedup", "decode_speedup_median",
+                    "speedup", "mean_accepted_length", "mismatches", "n_prompts", "tokens")
+            summary[f"bench_{kind}"] = {name: {k: v.get(k) for k in keys}
                                         for name, v in res["overall"].items()}
             summary["machine"] = res["settings"].get("machine")
     summary_path.write_text(json.dumps(summary, indent=1))
