@@ -2,10 +2,11 @@
 """Issue 39's measurement: a head adapts to a stream of traffic it was not trained on.
 
 The stream (`--stream`): Spec-Bench's summarization and RAG first turns, interleaved in the file's
-order (160 requests), or the 164 HumanEval prompts in file order (a coding assistant). Its first half is served with the shipped head and recorded (`specplug run
---record`); `specplug adapt` fine-tunes the head on the recording; the second half is then
-benched with the shipped head and the adapted one side by side (`specplug bench`, alternated
-with plain, greedy, 0 mismatches required):
+order (160 requests), or the 164 HumanEval prompts in file order (a coding assistant). Its first
+half is served with the shipped head and recorded (`specplug run --record`); `specplug adapt`
+fine-tunes the head on the recording; the second half is then benched with the shipped head and
+the adapted one side by side (`specplug bench`, alternated with plain, greedy, 0 mismatches
+required):
 
 - every-step first-token acceptance (`cost_trim: false`, `stop_below: 0`),
 - the priced decode speedup (the heads as they ship: priced drafting).
@@ -40,7 +41,6 @@ def stream(out: Path, max_prompt_chars: int, kind: str = "summarization-rag") ->
     summarization-rag: Spec-Bench's two categories interleaved; humaneval: the HumanEval prompts in
     file order, as a coding assistant receives them."""
     if kind == "humaneval":
-        sys.path.insert(0, str(ROOT))
         from specplug.bench.data import dataset_path, read_jsonl_prompts
 
         order = [{"question_id": r["id"], "category": "HumanEval", "turns": r["turns"]}

@@ -79,8 +79,8 @@ def _lineage(rec: dict) -> list[str]:
     if not init:
         return []
     start = init.get("start") or {}
-    swapped = (init.get("draft_vocab") or {}).get("swapped_for_the_data") if isinstance(init.get("draft_vocab"), dict) \
-        else None
+    dv = init.get("draft_vocab")
+    swapped = dv.get("swapped_for_the_data") if isinstance(dv, dict) else None
     vocab = (f"{swapped.get('swapped')} of its draft tokens swapped for the data's (--swap-vocab)" if swapped
              else "its draft vocabulary kept")
     lines = [f"  lineage      fine-tuned from {init.get('file')} (sha256 {str(init.get('sha256'))[:12]}), "

@@ -239,7 +239,7 @@ class SwappedVocab:
         if name == "d2t":
             return self.d2t.clone()
         t = self.head.tensor(name, shape)
-        if name in self.fresh and len(self.rows):
+        if name in self.fresh:  # (empty when no row was swapped)
             t = t.clone()
             t[self.rows] = self.fresh[name].to(t.dtype)
         return t
@@ -249,8 +249,9 @@ class SwappedVocab:
 
 
 def draft_vocabulary(init: HeadFile | None, expected: dict, data, size: int, vocab: int):
-    """A reduced-vocabulary head's d2t: the base head's own under --init (after check_config against
-    `expected`), else the `size` most frequent answer tokens of the training split."""
+    """A reduced-vocabulary head's d2t: under --init the base head's own as `init` gives it (swapped
+    under --swap-vocab), after check_config against `expected`; else the `size` most frequent answer
+    tokens of the training split."""
     if init is not None:  # the base head's vocabulary, not one chosen anew from this data
         check_config(init, expected)
         return init.tensor("d2t").long()
