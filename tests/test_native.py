@@ -232,21 +232,69 @@ def test_float16_cache_is_the_default_and_stores_rounded_float32_values(qtiny):
     assert not torch.equal(a, b)  # really computed from the float16 cache
 
 
-def test_fused_layer_call_equals_kernel_by_kernel(qtiny):
-    m = qtiny.model
-    assert all(layer._fused is not None for layer in m.layers)
-    toks = list(range(30, 60))
-    n_layer = m.config.n_layer
-    fused = m.forward(toks, list(range(30)), [0] * 30, m.new_cache(1, 64), taps={1, n_layer})
+def _three_ways(m, monkeypatch, run):
+    """run(m) with all layers in one native call (LayerStack), with one layer_forward call per layer,
+    and kernel by kernel (the profiler's way)."""
+    from specplug.runtime.model import Transformer
+
+    assert m._layer_stack() is not None  # so a forward on the native kernels runs the stack
+    stacked = run(m)
+    with monkeypatch.context() as mp:
+        mp.setattr(Transformer, "_layer_stack", lambda self: None)
+        per_layer = run(m)
     try:
         for layer in m.layers:
             layer.fused = False
-        apart = m.forward(toks, list(range(30)), [0] * 30, m.new_cache(1, 64), taps={1, n_layer})
+        assert m._layer_stack() is None
+        apart = run(m)
     finally:
         for layer in m.layers:
             layer.fused = True
-    assert torch.equal(fused.logits, apart.logits)
-    assert all(torch.equal(fused.hidden[t], apart.hidden[t]) for t in (1, n_layer))
+    return stacked, per_layer, apart
+
+
+def _forward_two_sequences(m):
+    """A prompt of 30 on sequence 1, 20 on sequence 0, then a 4-row verification on both at once;
+    outputs with the taps (0, 1, n_layer) and the caches after."""
+    n_layer, toks = m.config.n_layer, list(range(30, 60))
+    c = m.new_cache(2, 64)
+    taps = {0, 1, n_layer}
+    outs = [m.forward(toks, list(range(30)), [1] * 30, c, taps=taps),
+            m.forward(toks[:20], list(range(20)), [0] * 20, c, taps=taps),
+            m.forward(toks[5:9] + toks[9:13], [30, 31, 32, 33, 20, 21, 22, 23], [1] * 4 + [0] * 4, c, taps=taps)]
+    kc = c.k if isinstance(c.k, torch.Tensor) else torch.cat([k.flatten() for k in c.k])
+    return [o.logits for o in outs] + [o.hidden[t] for o in outs for t in sorted(taps)] + [kc]
+
+
+def test_one_call_for_all_layers_equals_a_call_per_layer_and_kernel_by_kernel(qtiny, monkeypatch):
+    stacked, per_layer, apart = _three_ways(qtiny.model, monkeypatch, _forward_two_sequences)
+    assert all(torch.equal(a, b) for a, b in zip(stacked, per_layer))
+    assert all(torch.equal(a, b) for a, b in zip(stacked, apart))
+
+
+def test_gemma_layers_in_one_call_are_the_same_bits(tmp_path, monkeypatch):
+    """Gemma 3's layers in the stack: sliding windows on ring caches (one tensor per layer), their
+    own RoPE base (a second table), post norms, GeGLU."""
+    path = write_tiny_gguf(tmp_path / "g.gguf", n_layer=3, head_dim=32, context=128, arch="gemma3", window=4,
+                           window_pattern=2, rope_base_window=100.0, scale=2.0, tensor_type="Q8_0", seed=5)
+    m = load_target(str(path), device="cpu", quant="gguf").model
+    stacked, per_layer, apart = _three_ways(m, monkeypatch, _forward_two_sequences)
+    assert len(m._stack[2]) == 2  # the step's RoPE and the local layers' own
+    assert all(torch.equal(a, b) for a, b in zip(stacked, per_layer))
+    assert all(torch.equal(a, b) for a, b in zip(stacked, apart))
+
+
+def test_the_stack_refuses_mismatched_caches_and_taps(qtiny):
+    m = qtiny.model
+    stack, ropes = m._layer_stack()
+    c = m.new_cache(1, 16)
+    step_args = (torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), c.valid)
+    cos, sin = m.rope.cos_sin(16)
+    x = torch.zeros(1, m.config.n_embd)
+    with pytest.raises(RuntimeError, match="one tensor per layer"):
+        stack.forward(x, [c.k[0]], [c.v[0], c.v[1]], *step_args, [cos], [sin], None, [])
+    with pytest.raises(RuntimeError, match="ascending"):
+        stack.forward(x, [c.k], [c.v], *step_args, [cos], [sin], None, [2, 1])
 
 
 @pytest.mark.parametrize("ttype", ["F32", "F16", "Q8_0", "Q4_1"])

@@ -397,6 +397,16 @@ class DecoderLayer:
         """qkv, o, gate_up, down."""
         return self.qkv, self.o, self.gate_up, self.down
 
+    def stack_args(self, rope: int) -> tuple | None:
+        """The arguments of the kernels' `LayerStack.add` for this layer (the ones `layer_forward`
+        takes that do not change from call to call; `rope`: which of a call's RoPE tables it uses),
+        or None where the layer is not one native call."""
+        if self._fused is None or not self.fused:
+            return None
+        S, kind = self.shape, self.kind
+        return (*self._fused, self.q_norm, self.k_norm, self.eps, S.n_head, S.n_head_kv, self.scale, kind.window,
+                *self._post, kind.gelu, rope)
+
     def __call__(self, x: torch.Tensor, step: Step, li: int, attn_in: torch.Tensor | None = None) -> torch.Tensor:
         """The layer on residual rows x [rows, n_embd], writing K/V into layer `li` of step.cache."""
         if attn_in is None and step.native and self._fused is not None and self.fused:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -230,6 +230,7 @@ class Transformer:
         self.backend = backend = Backend(device, dtype, quant)
         self.governor = None  # a ThreadGovernor under `threads: auto` (specplug.runtime.governor)
         self.static = None  # a StaticRunner once use_static() is called (specplug.runtime.static)
+        self._stack = None  # (kernels module, its LayerStack of the layers, their RoPEs): see _layer_stack
 
         def t(name: str) -> torch.Tensor:
             return torch.from_numpy(gguf.tensor(name))
@@ -300,6 +301,26 @@ class Transformer:
         self.head = lin([head_name], None, None, out_norm)
         self.output_head = OutputHead(gguf, head_name, out_norm, cfg.rms_eps, backend, self.head)
         self.metadata = gguf.metadata
+
+    def _layer_stack(self) -> tuple[Any, list[Rope | None]] | None:
+        """(the kernels' LayerStack of every layer, the RoPEs of its tables: None for the step's own),
+        or None where some layer is not one native call (then each layer is called from Python: the
+        same kernel calls in the same order, so the same bits). Built once per kernels module (tools
+        like scripts/kernel_builds.py swap the module) and while every layer is `fused` (the profiler
+        times the kernels apart)."""
+        k = getattr(self.layers[0], "_k", None)
+        if k is None or not all(layer.fused and layer._fused is not None and layer._k is k for layer in self.layers):
+            return None
+        if self._stack is not None and self._stack[0] is k:
+            return self._stack[1], self._stack[2]
+        ropes: list[Rope | None] = [None]
+        stack = k.LayerStack()
+        for layer in self.layers:
+            if layer.kind.rope not in ropes:
+                ropes.append(layer.kind.rope)
+            stack.add(*layer.stack_args(ropes.index(layer.kind.rope)))
+        self._stack = (k, stack, ropes)
+        return stack, ropes
 
     def _layer_kind(self, i: int, t, vec) -> LayerKind:
         """What layer i does beyond llama's (gemma3: window, its RoPE, post norms, GeGLU, scale)."""
@@ -441,12 +462,21 @@ class Transformer:
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         hidden: dict[int, torch.Tensor] = {}
-        for li, layer in enumerate(self.layers):
-            if li in taps:
-                hidden[li] = x
-            x = layer(x, step, li)
-        if cfg.n_layer in taps:
-            hidden[cfg.n_layer] = x
+        stack = self._layer_stack() if step.native else None
+        if stack is not None:  # all layers in one native call
+            at = sorted(t for t in taps if 0 <= t <= cfg.n_layer)
+            tables = [step.tables(r) for r in stack[1]]
+            out = stack[0].forward(x, [cache.k] if isinstance(cache.k, torch.Tensor) else cache.k,
+                                   [cache.v] if isinstance(cache.v, torch.Tensor) else cache.v, step.seq, step.pos,
+                                   cache.valid, [c for c, _ in tables], [s for _, s in tables], step.limit, at)
+            x, hidden = out[0], dict(zip(at, out[1:]))
+        else:
+            for li, layer in enumerate(self.layers):
+                if li in taps:
+                    hidden[li] = x
+                x = layer(x, step, li)
+            if cfg.n_layer in taps:
+                hidden[cfg.n_layer] = x
         hidden = {k: step.entries(v).float() for k, v in hidden.items()}
         logits = None
         if logits_rows is None or len(logits_rows) > 0:
