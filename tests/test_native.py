@@ -284,6 +284,14 @@ def test_gemma_layers_in_one_call_are_the_same_bits(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(stacked, apart))
 
 
+def test_a_one_layer_model_runs_its_stack(tmp_path, monkeypatch):
+    m = load_target(str(write_tiny_gguf(tmp_path / "one.gguf", n_layer=1, tensor_type="Q8_0", seed=4)),
+                    device="cpu", quant="gguf").model
+    stacked, per_layer, apart = _three_ways(m, monkeypatch, _forward_two_sequences)
+    assert all(torch.equal(a, b) for a, b in zip(stacked, per_layer))
+    assert all(torch.equal(a, b) for a, b in zip(stacked, apart))
+
+
 def test_the_stack_refuses_mismatched_caches_and_taps(qtiny):
     m = qtiny.model
     stack, ropes = m._layer_stack()

@@ -958,7 +958,7 @@ class LayerStack {
                                      const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
                                      const c10::optional<torch::Tensor>& limit, const std::vector<int64_t>& taps) {
     const int64_t n = size();
-    const bool stacked = kc.size() == 1 && n > 1;
+    const bool stacked = kc.size() == 1 && kc[0].dim() == 5;  // [n_layer, slots, heads, cells, head_dim]
     TORCH_CHECK(stacked ? vc.size() == 1 && kc[0].size(0) == n && vc[0].size(0) == n
                         : (int64_t)kc.size() == n && (int64_t)vc.size() == n,
                 "the caches must be one [n_layer, ...] tensor each or one tensor per layer");
