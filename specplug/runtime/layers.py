@@ -397,12 +397,10 @@ class DecoderLayer:
         """qkv, o, gate_up, down."""
         return self.qkv, self.o, self.gate_up, self.down
 
-    def stack_args(self, rope: int) -> tuple | None:
-        """The arguments of the kernels' `LayerStack.add` for this layer (the ones `layer_forward`
-        takes that do not change from call to call; `rope`: which of a call's RoPE tables it uses),
-        or None where the layer is not one native call."""
-        if self._fused is None or not self.fused:
-            return None
+    def stack_args(self, rope: int) -> tuple:
+        """The arguments of the kernels' `LayerStack.add` for this layer, one native call (`_fused`
+        set): the ones `layer_forward` takes that do not change from call to call; `rope`: which of a
+        call's RoPE tables it uses."""
         S, kind = self.shape, self.kind
         return (*self._fused, self.q_norm, self.k_norm, self.eps, S.n_head, S.n_head_kv, self.scale, kind.window,
                 *self._post, kind.gelu, rope)

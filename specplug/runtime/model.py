@@ -462,13 +462,14 @@ class Transformer:
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         hidden: dict[int, torch.Tensor] = {}
-        stack = self._layer_stack() if step.native else None
-        if stack is not None:  # all layers in one native call
+        built = self._layer_stack() if step.native else None
+        if built is not None:  # all layers in one native call
+            stack, ropes = built
             at = sorted(t for t in taps if 0 <= t <= cfg.n_layer)
-            tables = [step.tables(r) for r in stack[1]]
-            out = stack[0].forward(x, [cache.k] if isinstance(cache.k, torch.Tensor) else cache.k,
-                                   [cache.v] if isinstance(cache.v, torch.Tensor) else cache.v, step.seq, step.pos,
-                                   cache.valid, [c for c, _ in tables], [s for _, s in tables], step.limit, at)
+            tables = [step.tables(r) for r in ropes]
+            out = stack.forward(x, [cache.k] if isinstance(cache.k, torch.Tensor) else cache.k,
+                                [cache.v] if isinstance(cache.v, torch.Tensor) else cache.v, step.seq, step.pos,
+                                cache.valid, [c for c, _ in tables], [s for _, s in tables], step.limit, at)
             x, hidden = out[0], dict(zip(at, out[1:]))
         else:
             for li, layer in enumerate(self.layers):
