@@ -397,22 +397,25 @@ class DecoderLayer:
         """qkv, o, gate_up, down."""
         return self.qkv, self.o, self.gate_up, self.down
 
-    def stack_args(self, rope: int) -> tuple:
-        """The arguments of the kernels' `LayerStack.add` for this layer, one native call (`_fused`
-        set): the ones `layer_forward` takes that do not change from call to call; `rope`: which of a
-        call's RoPE tables it uses."""
+    def _own_args(self) -> tuple:
+        """The arguments of the kernels' `layer_forward` that belong to the layer, not to a call
+        (`_fused` set): what `LayerStack.add` takes, less the index of the RoPE table."""
         S, kind = self.shape, self.kind
         return (*self._fused, self.q_norm, self.k_norm, self.eps, S.n_head, S.n_head_kv, self.scale, kind.window,
-                *self._post, kind.gelu, rope)
+                *self._post, kind.gelu)
+
+    def stack_args(self, rope: int) -> tuple:
+        """The arguments of the kernels' `LayerStack.add` for this layer, one native call (`_fused`
+        set); `rope`: which of a call's RoPE tables it uses."""
+        return (*self._own_args(), rope)
 
     def __call__(self, x: torch.Tensor, step: Step, li: int, attn_in: torch.Tensor | None = None) -> torch.Tensor:
         """The layer on residual rows x [rows, n_embd], writing K/V into layer `li` of step.cache."""
         if attn_in is None and step.native and self._fused is not None and self.fused:
-            S, cache, kind = self.shape, step.cache, self.kind
-            cos, sin = step.tables(kind.rope)
-            return self._k.layer_forward(x.contiguous(), *self._fused, self.q_norm, self.k_norm, self.eps, cache.k[li],
-                                         cache.v[li], step.seq, step.pos, cache.valid, cos, sin, S.n_head,
-                                         S.n_head_kv, self.scale, step.limit, kind.window, *self._post, kind.gelu)
+            cache = step.cache
+            cos, sin = step.tables(self.kind.rope)
+            return self._k.layer_forward(x.contiguous(), *self._own_args(), cache.k[li], cache.v[li], step.seq,
+                                         step.pos, cache.valid, cos, sin, step.limit)
         return self.ffn(self.attention(x, step, li, attn_in))
 
     def _residual(self, y: torch.Tensor, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:

@@ -907,17 +907,18 @@ torch::Tensor layer_rest(const torch::Tensor& x, const std::vector<torch::Tensor
 // A whole decoder layer on the native kernels, the same calls in the same order as the Python
 // DecoderLayer makes them (so results are bit-identical to it), in one call from Python:
 // x + o(attention(rope(qkv(norm(x))))), then + down(silu(gate) * up)(norm(.)); Gemma's layers
-// with a window, post norms (empty tensors: none) and GeGLU.
+// with a window, post norms (empty tensors: none) and GeGLU. The layer's own arguments come in
+// the order LayerStack::add takes them (less its RoPE table index), then the call's.
 torch::Tensor layer_forward(const torch::Tensor& x, const std::vector<torch::Tensor>& qkv_w, int64_t qkv_n,
                             const std::vector<torch::Tensor>& o_w, int64_t o_n,
                             const std::vector<torch::Tensor>& gu_w, int64_t gu_n,
                             const std::vector<torch::Tensor>& down_w, int64_t down_n,
                             const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
-                            double eps, torch::Tensor kc, torch::Tensor vc, const torch::Tensor& seq,
-                            const torch::Tensor& pos, const torch::Tensor& valid, const torch::Tensor& cos,
-                            const torch::Tensor& sin, int64_t H, int64_t Hkv, double scale,
-                            const c10::optional<torch::Tensor>& limit, int64_t window, const torch::Tensor& post_attn,
-                            const torch::Tensor& post_ffn, bool gelu) {
+                            double eps, int64_t H, int64_t Hkv, double scale, int64_t window,
+                            const torch::Tensor& post_attn, const torch::Tensor& post_ffn, bool gelu, torch::Tensor kc,
+                            torch::Tensor vc, const torch::Tensor& seq, const torch::Tensor& pos,
+                            const torch::Tensor& valid, const torch::Tensor& cos, const torch::Tensor& sin,
+                            const c10::optional<torch::Tensor>& limit) {
   const Lin qkv = unpack(qkv_w, qkv_n), o = unpack(o_w, o_n), gu = unpack(gu_w, gu_n), down = unpack(down_w, down_n);
   return layer_rest(x, quantize_rows(x, opt(qkv.norm), eps), qkv, o, gu, down, q_norm, k_norm, eps, kc, vc, seq, pos,
                     valid, cos, sin, H, Hkv, scale, limit, LayerKind{window, post_attn, post_ffn, gelu});
@@ -1147,7 +1148,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_forward", &layer_forward, "a whole decoder layer in one call", nogil);
   py::class_<LayerStack>(m, "LayerStack", "a model's decoder layers, run in one call")
       .def(py::init<>())
-      .def("add", &LayerStack::add, "append a layer (the arguments of layer_forward that do not change per call)")
+      .def("add", &LayerStack::add, "append a layer (layer_forward's own arguments, then the index of its RoPE table)")
       .def("__len__", &LayerStack::size)
       .def("forward", &LayerStack::forward, "every layer in one call: [x, tapped inputs...]", nogil);
   m.def("embed_rows", &embed_rows, "token embedding rows from the file's blocks", nogil);
