@@ -141,3 +141,25 @@ def test_parallel_heads_draft_losslessly_with_parallel_sequences(tiny_target, ti
     eng = assert_greedy_equal(tiny_target, [spec], prompts, 24, n_parallel=3)
     st = eng.stats.speculators["medusa"]
     assert st.drafted_tokens > 20
+
+
+def test_pair_lookup_proposes_what_followed_the_last_occurrence_of_the_last_two_tokens():
+    from specplug.heads.lookup import NONE, batch_lookups, pair_lookup, sequence_lookups
+
+    #        0  1  2  3  4  5  6  7  8
+    toks = [5, 6, 7, 5, 6, 8, 5, 6, 9]
+    got = sequence_lookups(toks)
+    # (5, 6) at 3-4 last occurred at 0-1, followed by 7; at 6-7 last at 3-4, followed by 8
+    assert got[4] == 7 and got[7] == 8
+    assert got[:4] == [NONE] * 4 and got[5] == got[6] == got[8] == NONE
+    assert pair_lookup(toks[:5]) == 7 and pair_lookup(toks[:8]) == 8 and pair_lookup(toks) == NONE
+    assert pair_lookup([]) == pair_lookup([1]) == pair_lookup([1, 1]) == NONE
+    assert pair_lookup([1, 1, 1]) == 1  # (1, 1) at 0-1, followed by the row's own token
+    gen = torch.Generator().manual_seed(0)
+    for n in (3, 40, 300):  # the one-pass and the per-row forms agree on every prefix
+        seq = torch.randint(0, 4, (n,), generator=gen).tolist()
+        assert [pair_lookup(seq[:t + 1]) for t in range(n)] == sequence_lookups(seq)
+    batch = torch.tensor([[5, 6, 7, 5, 6, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    look = batch_lookups(batch, [5, 7])
+    assert look[0].tolist() == sequence_lookups([5, 6, 7, 5, 6]) + [NONE, NONE]  # padding has none
+    assert look[1].tolist() == sequence_lookups([1] * 7)

@@ -26,6 +26,11 @@ State per sequence:
   acceptance 34.5% / 31.7% with the prompt read this way, 35.5% / 32.4% with all of it; a first
   draft after a 200-366-token prompt took 14-26 ms reading all of it, 2-3 ms this way.
 
+A head whose runtime sets `reads_lookup` (an Eagle3 head trained with `--lookup true`) also gets,
+per row, the context's pair lookup (`specplug.heads.lookup`: the token that followed the last earlier
+occurrence of the row's last two tokens), computed from the sequence's history and, for drafted
+rows, the tokens drafted before them; its `forward` / `forward_pick` take them as `lookup=`.
+
 Confidence per draft token: the head's probability of the token, calibrated per draft depth
 and probability bucket from what `verified` reports (`Calibrator`). Drafting a sequence stops
 when the cumulative confidence falls below `stop_below` or below the host's break-even.
@@ -35,9 +40,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 from specplug.heads.calibrate import Calibrator
+from specplug.heads.lookup import pair_lookup
 from specplug.heads.loop import DraftLoop, Picks
 from specplug.heads.state import StateKeeper
 from specplug.hooks import hookimpl
@@ -58,6 +65,7 @@ class ChainHead(Protocol):
 
     # Optional: `native_step` (not None) and `forward_pick(h_prev, token_ids, positions, seq_ids, logits_rows)`
     # -> (states, target ids, probabilities): the greedy step in one native call (`specplug.heads.PairStep`).
+    # Optional: `reads_lookup` (True): both take `lookup=` [each row's pair lookup] (see the module docstring).
 
 
 @dataclass
@@ -128,7 +136,10 @@ class ChainDrafter:
     @hookimpl
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft | None]:
         rt, keeper, zeros = self.rt, self.keeper, self.zeros
+        reads_lookup = getattr(rt, "reads_lookup", False)
         h, tok, pos, seq, last, live = [], [], [], [], [], []
+        look: list[int] | None = [] if reads_lookup else None
+        history: dict[int, np.ndarray] = {}  # request -> its tokens, then its drafted ones (lookups)
         for i, r in enumerate(requests):
             if r.n_max < 1 or not keeper.ready(r):
                 continue
@@ -138,40 +149,55 @@ class ChainDrafter:
             pend = st.pending
             if self.catch_up is not None and len(pend) > self.catch_up:
                 pend = pend[len(pend) - self.catch_up:]  # older unread cells stay empty (not attended)
+            if look is not None:
+                history[i] = np.asarray(r.tokens, dtype=np.int64)
             for t, p, hp in pend:
                 h.append(zeros if hp is None else hp)  # zeros before position 0
                 tok.append(t)
                 pos.append(p)
                 seq.append(r.seq_id)
+                if look is not None:
+                    look.append(pair_lookup(history[i][:p + 1]))
             hl = keeper.last[r.seq_id]
             h.append(zeros if hl is None else hl)
             tok.append(r.tokens[-1])
             pos.append(c)
             seq.append(r.seq_id)
+            if look is not None:
+                look.append(pair_lookup(history[i]))
             last.append(len(tok) - 1)
             live.append(i)
             st.pending, st.done = [], c + 1
         if not live:
             return [None] * len(requests)
-        states, picks = self._step(torch.stack(h), tok, pos, seq, last, raw=self.raw_states)
+        states, picks = self._step(torch.stack(h), tok, pos, seq, last, raw=self.raw_states, lookup=look)
         states = states[torch.tensor(last, device=states.device)]
 
         def advance(depth: int, rows: list[int], tokens: list[int], reqs: list[int]) -> Picks:
             nonlocal states
             ids = [requests[i].seq_id for i in reqs]
             positions = [len(requests[i].tokens) - 1 + depth for i in reqs]
+            step_look = None
+            if look is not None:  # each request's history gains the token it drafted
+                step_look = []
+                for i, t in zip(reqs, tokens):
+                    history[i] = np.append(history[i], t)
+                    step_look.append(pair_lookup(history[i]))
             states, picks = self._step(states[torch.tensor(rows, device=states.device)], tokens, positions, ids,
-                                       list(range(len(rows))))
+                                       list(range(len(rows))), lookup=step_look)
             return picks
 
         return self.loop.run(requests, live, picks, advance)
 
     def _step(self, h: torch.Tensor, tok: list[int], pos: list[int], seq: list[int],
-              rows: list[int], raw: bool = False) -> tuple[torch.Tensor, Picks]:
+              rows: list[int], raw: bool = False, lookup: list[int] | None = None) -> tuple[torch.Tensor, Picks]:
         """One head forward and the picks of `rows`: greedy picks come out of the head's own native
         step when it has one (`forward_pick`, see `specplug.heads.PairStep`), else from its logits.
-        raw: `h` holds the states as `row_states` gave them, for a head that transforms them itself."""
+        raw: `h` holds the states as `row_states` gave them, for a head that transforms them itself.
+        lookup: each row's pair lookup (`specplug.heads.lookup`), for a head that reads it."""
         kw = {"raw": True} if raw else {}
+        if lookup is not None:
+            kw["lookup"] = lookup
         if self.temperature == 0 and getattr(self.rt, "native_step", None) is not None:
             states, ids, probs = self.rt.forward_pick(h, tok, pos, seq, rows, **kw)
             return states, (ids, probs, None)

@@ -27,6 +27,7 @@ written, 1 when the fine-tuned head was not better (NEW is not written), 2 on an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -123,7 +124,7 @@ def _known_model(filename: str | None) -> str | None:
 
 def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Path, *, hold_back: float = 0.2,
           mix: list[str] | None = None, learn_prompts: bool = True, steps: int = 200, lr: float = 5e-4,
-          batch_tokens: int = 4096, swap_vocab: int = 0,
+          batch_tokens: int = 4096, swap_vocab: int = 0, lookup: bool = False,
           threads: int | None = None, quant: str = "auto", model: str | None = None, quiet: bool = False) -> dict:
     """Run the loop (see the module's doc); returns the report (also written to `work`/adapt-report.json)."""
     from specplug.heads import HeadFile
@@ -143,6 +144,9 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
     hf = HeadFile(head)
     cls = load_trainer(hf.meta.method)
     base = BaseHead(hf, cls, swap_vocab=swap_vocab)
+    if lookup and "lookup" not in {f.name for f in dataclasses.fields(cls.Options)}:
+        raise SpecplugError(f"--lookup: a {hf.meta.method} head has no form that reads the context's pair lookup "
+                            f"(an eagle3 head has)")
     rec_man = read_tokens_manifest(record)
     mixes = [DataSource.parse(m) for m in (mix or [])]
     topk = 32
@@ -151,7 +155,7 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {"record": str(record), "head": str(head), "output": str(out), "hold_back": hold_back,
                     "mix": [str(m) for m in mixes], "learn_prompts": learn_prompts, "steps": steps, "lr": lr,
-                    "swap_vocab": swap_vocab, "seconds": {}}
+                    "swap_vocab": swap_vocab, "lookup": lookup, "seconds": {}}
     clock = report["seconds"]
     with claim(work, "--work"):
         # 1. the split, again only when the recording changed
@@ -178,7 +182,7 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
             raise SpecplugError(f"{record}: its target {rec_man['target'].get('file')} is not a known model name's "
                                 f"file; give the .gguf with --model")
         target = load_target(model, "cpu", "float32", quant, threads or "auto")
-        opts = base.options({})
+        opts = base.options({"lookup": True} if lookup and not base.fixed.get("lookup") else {})
         taps = list(cls.taps(opts, {"arch": target.model.config.arch, "n_layer": target.model.config.n_layer,
                                "n_embd": target.model.config.n_embd, "vocab_size": target.model.config.vocab_size}))
         for name in ("train", "eval"):
@@ -191,8 +195,8 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
         t0 = time.perf_counter()
         loop = LoopOptions(steps=steps, lr=lr, warmup=min(20, max(1, steps // 10)), batch_tokens=batch_tokens,
                            val_every=max(1, steps), save_every=max(1, steps // 4), threads=threads or 0)
-        resume = _resumable(cand.with_name(cand.stem + ".train") / "checkpoint.pt", base.identity)
-        train(cls, None, loop, [DataSource(work / "train-data"), *mixes], cand, resume=resume, restart=not resume,
+        resume = _resumable(cand.with_name(cand.stem + ".train") / "checkpoint.pt", base.identity, opts)
+        train(cls, opts, loop, [DataSource(work / "train-data"), *mixes], cand, resume=resume, restart=not resume,
               command=" ".join(sys.argv), quiet=quiet, init=base)
         clock["fine_tune"] = round(time.perf_counter() - t0, 1)
         if base.swapped:
@@ -215,15 +219,16 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
     return report
 
 
-def _resumable(ckpt: Path, base_identity: str) -> bool:
+def _resumable(ckpt: Path, base_identity: str, opts) -> bool:
     """Whether the fine-tuning checkpoint in --work was made from this base head (and the same
-    --swap-vocab); one from another start is begun anew, not resumed."""
+    --swap-vocab) with these options (--lookup); one from another start is begun anew, not resumed."""
     if not ckpt.is_file():
         return False
     import torch
 
     try:
-        return torch.load(ckpt, weights_only=False, map_location="cpu").get("init") == base_identity
+        state = torch.load(ckpt, weights_only=False, map_location="cpu", mmap=True)
+        return state.get("init") == base_identity and state.get("options") == dataclasses.asdict(opts)
     except Exception:  # an unreadable checkpoint: start over (train() replaces it)
         return False
 
@@ -249,6 +254,9 @@ def add_parser(sub) -> None:
     p.add_argument("--swap-vocab", type=int, default=0, metavar="N",
                    help="trade up to N of the head's draft tokens that the traffic uses least for the traffic's "
                         "most frequent tokens outside its draft vocabulary (names, figures, identifiers)")
+    p.add_argument("--lookup", action="store_true",
+                   help="fine-tune the head into one that also reads the context's pair lookup (Eagle3; "
+                        "specplug.heads.lookup): traffic that repeats its prompts' names and figures")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores this process may use)")
     p.add_argument("--quant", default="auto", help="the target's weight path for the rebuild (as in `train data`)")
     p.add_argument("--model", default=None, help="the target .gguf, if not where the recording says")
@@ -260,7 +268,7 @@ def cmd_adapt(args) -> int:
     out = Path(args.output)
     work = Path(args.work) if args.work else out.with_name(out.stem + ".adapt")
     rep = adapt(args.record, args.head, out, work, hold_back=args.hold_back, mix=args.mix,
-                learn_prompts=not args.answers_only, steps=args.steps, swap_vocab=args.swap_vocab,
+                learn_prompts=not args.answers_only, steps=args.steps, swap_vocab=args.swap_vocab, lookup=args.lookup,
                 lr=args.lr, batch_tokens=args.batch_tokens, threads=args.threads, quant=args.quant, model=args.model)
     acc, s = rep["first_token_acceptance"], rep["seconds"]
     verdict = f"wrote {out}" if rep["written"] else f"kept {args.head} ({out} not written)"

@@ -44,6 +44,8 @@ class Trainer(Protocol):
     Options: ClassVar[type]
     depths: int  # draft depths reported by `evaluate`
     module: torch.nn.Module  # its trainable parameters are optimized
+    # optional: lr_scale {parameter: factor}, parameters learned at factor x the schedule's rate
+    # (parts a fine-tuning adds from zero, which the base head's rate would barely move)
 
     @classmethod
     def taps(cls, options: Any, target: dict) -> Sequence[str]:
@@ -294,6 +296,16 @@ def score(trainer: Any, data: TrainData, groups: Iterable[Sequence], device: tor
     return hit, tot, (loss_sum / loss_n if loss_n else None)
 
 
+def _param_groups(params: list, lr_scale: dict | None) -> list[dict]:
+    """The optimizer's groups: the parameters at the schedule's rate, and those a trainer scales
+    (`lr_scale`), one group per factor."""
+    scale = {id(p): f for p, f in (lr_scale or {}).items()}
+    groups = [{"params": [p for p in params if id(p) not in scale]}]
+    for f in sorted(set(scale.values())):
+        groups.append({"params": [p for p in params if scale.get(id(p)) == f], "lr_scale": f})
+    return [g for g in groups if g["params"]]
+
+
 def _val_groups(data: TrainData, loop: LoopOptions) -> list:
     """The validation batches: the first of the held-out split, up to val_tokens."""
     n, kept = 0, []
@@ -331,7 +343,8 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path | Sequence, o
     data, trainer = build(cls, opts, data_dir, device, loop.val_fraction, loop.limit_tokens or None, loop.max_len,
                           model, init)
     params = [p for p in trainer.module.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=loop.lr, betas=(0.9, 0.95), weight_decay=loop.weight_decay)
+    optim = torch.optim.AdamW(_param_groups(params, getattr(trainer, "lr_scale", None)), lr=loop.lr,
+                              betas=(0.9, 0.95), weight_decay=loop.weight_decay)
     history: list[dict] = []
     step, pos = 0, (0, 0)
     t_spent = 0.0
@@ -383,7 +396,7 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path | Sequence, o
         while step < loop.steps:
             epoch, index, group = next(it)
             for g in optim.param_groups:
-                g["lr"] = lr_at(step, loop)
+                g["lr"] = lr_at(step, loop) * g.get("lr_scale", 1.0)
             loss, figs = trainer.loss(data.collate(group, device))
             optim.zero_grad(set_to_none=True)
             loss.backward()

@@ -374,3 +374,103 @@ def test_draft_step_on_static_steps_next_to_a_static_target(tiny, trained):
     eng = assert_greedy_equal(target, [speculator(spec, "Eagle3", cost_trim=False)], _ids(target, 3), max_tokens=24,
                               n_parallel=2)
     assert eng.stats.speculators["Eagle3"].accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def with_lookup(data, trained, work) -> Path:
+    """The trained head fine-tuned into one that reads the context's pair lookup."""
+    from specplug.heads import HeadFile
+    from specplug.train.finetune import BaseHead
+
+    loop = LoopOptions(steps=40, lr=3e-3, warmup=5, batch_tokens=2048, val_every=40, save_every=10 ** 6,
+                       val_fraction=0.1)
+    base = BaseHead(HeadFile(trained), Eagle3Trainer)
+    report = train(Eagle3Trainer, base.options({"lookup": True}), loop, data, work / "lookup.gguf", quiet=True,
+                   restart=True, init=base)
+    # zero-initialised: before a step the head is the one it started from
+    start = report["init"]["val_top1_per_depth"] if "init" in report else None
+    assert start is None or start == report["start"]["val_top1_per_depth"]
+    return work / "lookup.gguf"
+
+
+def test_a_head_reading_the_pair_lookup_starts_as_its_base_and_drafts_losslessly(tiny, data, trained, with_lookup):
+    from specplug.heads import HeadFile
+    from specplug.heads.eval import evaluate_head
+
+    h = HeadFile(with_lookup)
+    assert h.meta.config["lookup"] is True and {"lookup.proj", "lookup.gate"} <= set(h.gguf.tensors)
+    assert abs(float(h.tensor("lookup.gate_bias")[0])) > 0  # it learned something about trusting the lookup
+    before, after = (evaluate_head(p, data)["overall"]["top1"][0] for p in (trained, with_lookup))
+    assert after >= before - 0.02, (before, after)
+    target = _target(tiny, "gguf")
+    spec = _eagle(target, with_lookup, stop_below=0.0)
+    assert spec.rt.reads_lookup
+    eng = assert_greedy_equal(target, [speculator(spec, "Eagle3", cost_trim=False)], _ids(target), max_tokens=40,
+                              n_parallel=3)
+    st = eng.stats.speculators["Eagle3"]
+    assert st.drafted_tokens > 50 and st.accepted_tokens > 0 and not eng.stats.disabled
+    from specplug.errors import SpecplugError
+    from specplug_eagle3.llamacpp import export_llamacpp
+
+    with pytest.raises(SpecplugError, match=r"reads the context's pair lookup .* export a head trained without"):
+        export_llamacpp(with_lookup, tiny, with_lookup.with_name("lookup-lcpp.gguf"))
+    assert not with_lookup.with_name("lookup-lcpp.gguf").exists()
+
+
+def test_the_runtime_reads_the_lookup_as_the_training_module_does(tiny, data, with_lookup, work):
+    """Logits of the runtime form given each row's lookup equal the training form's at every unroll
+    step (f32 weights, torch runtime), and the drafter hands the runtime the lookups of its history."""
+    from specplug.heads import HeadFile
+    from specplug.heads.lookup import batch_lookups, pair_lookup, sequence_lookups
+    from specplug.train.dataset import TrainData
+    from specplug.train.finetune import BaseHead
+
+    out = work / "lookup-f32.gguf"
+    loop = LoopOptions(steps=5, lr=3e-3, warmup=1, batch_tokens=2048, val_every=5, save_every=10 ** 6, val_fraction=0.1)
+    base = BaseHead(HeadFile(with_lookup), Eagle3Trainer)
+    train(Eagle3Trainer, base.options({"weights": "f32"}), loop, data, out, quiet=True, restart=True, init=base)
+    target = _target(tiny, "none")
+    d = TrainData(data, LAYERS.split(","), 0.1)
+    tr = Eagle3Trainer(Eagle3Trainer.Options(layers=LAYERS, draft_vocab=200, lookup=True), d, torch.device("cpu"),
+                       init=HeadFile(out))
+    b = d.collate(d.split["val"][:1])
+    n = int(b.valid[0].sum())
+    look = batch_lookups(b.tokens, [n])
+    rows = torch.where(look >= 0, tr.t2d[look.clamp(min=0)], -1)
+    taps = [b.taps[x] for x in LAYERS.split(",")]
+    steps = {r: tr.module.logits(o[0], rows[0]) for r, o in tr.module.unroll(b.tokens, b.positions, taps, 3, look)}
+    head = _eagle(target, out).head
+    rt = Eagle3Runtime(head, target_info(target, 1, 512), _eagle(target, out).rt.backend, 1, 512)
+    toks = b.tokens[0, :n].tolist()
+    L = sequence_lookups(toks)
+    a = next(t for t in range(int(b.dist_start[0]) + 2, n - 3) if L[t] >= 0 and int(rows[0, t]) >= 0)
+    g = rt.fuse([t[0, :n] for t in taps])
+    g_prev = torch.cat([torch.zeros(1, g.shape[1]), g[:-1]])
+    states, logits = rt.forward(g_prev[:a + 1], toks[:a + 1], list(range(a + 1)), [0] * (a + 1), [a], lookup=L[:a + 1])
+    torch.testing.assert_close(logits[0], steps[0][a], rtol=1e-3, atol=1e-3)
+    prev = states[a:a + 1]
+    for r in (1, 2):
+        prev, logits = rt.forward(prev, [toks[a + r]], [a + r], [0], [0], lookup=[L[a + r]])
+        torch.testing.assert_close(logits[0], steps[r][a + r], rtol=1e-3, atol=1e-3)
+
+    # the drafter: every row it hands the head (the prompt's, committed and drafted ones) carries the
+    # lookup of the sequence up to that row, as the head has read it
+    seen = []
+    spec = _eagle(target, out, stop_below=0.0, catch_up=None)  # reads every row
+    real = spec.rt.forward
+
+    def spy(h, tok, pos, seq, rows, raw=False, lookup=None):
+        seen.append((list(tok), list(pos), list(seq), lookup))
+        return real(h, tok, pos, seq, rows, raw=raw, lookup=lookup)
+
+    spec.rt.forward = spy
+    spec.rt.native_step = None  # the logits path (forward_pick calls forward with a lookup too)
+    outs, _ = greedy_outputs(target, [speculator(spec, "Eagle3", cost_trim=False)], _ids(target, 2), max_tokens=20,
+                             n_parallel=2)
+    hist: dict[int, list[int]] = {}
+    for tok, pos, seq, lk in seen:
+        assert lk is not None and len(lk) == len(tok)
+        for t, p, s, x in zip(tok, pos, seq, lk):
+            hist[s] = hist.get(s, [])[:p] + [t]
+            assert len(hist[s]) == p + 1 and x == pair_lookup(hist[s]), (s, p)
+    assert any(x >= 0 for *_, lk in seen for x in lk) and any(p[0] > 0 and len(p) == 1 for _, p, _, _ in seen)

@@ -10,7 +10,17 @@
 Head file (method "eagle3", version 1): `fc` [d, 3d]; `blk.input_norm`, `blk.hidden_norm`;
 the layer under `blk.` (attention input 2d, no `blk.attn_norm`); `norm`; `lm_head` [N, d];
 `d2t` [N] int32 (absolute target ids). config: n_embd, n_head, n_head_kv, head_dim, n_ff, eps,
-rope_base, layers (the target layers whose inputs are tapped, low to high).
+rope_base, layers (the target layers whose inputs are tapped, low to high), lookup.
+
+With `lookup` (an extension of ours, not in EAGLE-3) the head also reads the context's proposal for
+the next token, the token after the last earlier occurrence of the row's last two tokens
+(`specplug.heads.lookup`; L = none where there is none):
+
+    h      = h + lookup.proj(lookup.norm(embed(L)))      before the layer, at every draft step
+    logits[row of L] += lookup.gate . out + lookup.gate_bias   a learned trust in the proposal
+
+`lookup.proj` [d, d], `lookup.norm` [d], `lookup.gate` [1, d], `lookup.gate_bias` [1], all float32,
+zero (the norm: one) when a head without them is fine-tuned into one, so it starts as that head.
 """
 from __future__ import annotations
 
@@ -29,6 +39,7 @@ from specplug.runtime.static import chain_head_step, embedded, head_steps, token
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
 METHOD, VERSION = "eagle3", 1
+LOOKUP_NAMES = ("lookup.proj", "lookup.norm", "lookup.gate", "lookup.gate_bias")
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,7 @@ class Eagle3Config:
     eps: float
     rope_base: float
     layers: tuple[int, ...]
+    lookup: bool = False  # the head reads the context's pair lookup (see the module docstring)
 
     @property
     def shape(self) -> LayerShape:
@@ -48,7 +60,7 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Eagle3Config":
-        kw = {k: d[k] for k in cls.__dataclass_fields__}
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d or k != "lookup"}  # heads before lookup: off
         kw["layers"] = tuple(int(x) for x in kw["layers"])
         return cls(**kw)
 
@@ -77,21 +89,46 @@ class Eagle3Train(nn.Module):
         self.norm = RMSNorm(d, cfg.eps, out_norm)
         self.lm_head = nn.Parameter(head_rows.detach().clone().float())
         self.register_buffer("embed", embed.float(), persistent=False)
+        if cfg.lookup:  # zero: the head starts as the one without it
+            self.lookup_proj = nn.Parameter(torch.zeros(d, d))
+            self.lookup_norm = RMSNorm(d, cfg.eps)
+            self.lookup_gate = nn.Parameter(torch.zeros(1, d))
+            self.lookup_gate_bias = nn.Parameter(torch.zeros(1))
 
     def fuse(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
         return F.linear(torch.cat(list(taps), -1), self.fc)
 
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(out), self.lm_head)
+    def logits(self, out: torch.Tensor, lookup_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft-vocabulary logits of states [n, d]; with `lookup_rows` [n] (the draft row of each row's
+        lookup, -1: none or outside the draft vocabulary) the gate's logit added at that row."""
+        logits = F.linear(self.norm(out), self.lm_head)
+        if lookup_rows is None or not self.cfg.lookup:
+            return logits
+        gate = F.linear(out, self.lookup_gate, self.lookup_gate_bias).squeeze(-1)
+        has = lookup_rows >= 0
+        boost = torch.zeros_like(logits).scatter(-1, lookup_rows.clamp(min=0).unsqueeze(-1),
+                                                 (gate * has).unsqueeze(-1))
+        return logits + boost
 
-    def unroll(self, tokens: torch.Tensor, positions: torch.Tensor, taps: Sequence[torch.Tensor], steps: int):
+    def lookup_input(self, lookup: torch.Tensor | None) -> torch.Tensor | float:
+        """What the lookup adds to the hidden input: [B, T, d] (zero where there is none)."""
+        if lookup is None or not self.cfg.lookup:
+            return 0.0
+        e = self.lookup_norm(self.embed[lookup.clamp(min=0)])
+        return F.linear(e, self.lookup_proj) * (lookup >= 0).unsqueeze(-1)
+
+    def unroll(self, tokens: torch.Tensor, positions: torch.Tensor, taps: Sequence[torch.Tensor], steps: int,
+               lookup: torch.Tensor | None = None):
         """Yield (r, out [B, T, d]) for r = 0..steps-1 (see specplug_mtp's `unroll`: same pairing and
-        training-time test; here h is the fused state at step 0, the layer's own output after)."""
+        training-time test; here h is the fused state at step 0, the layer's own output after).
+        lookup [B, T]: each row's pair lookup (`specplug.heads.lookup`), for a head that reads it."""
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
         emb = self.input_norm(self.embed[tokens])
+        add = self.lookup_input(lookup)
         ks, vs = [], []
         h = _shift(self.fuse(taps))
         for r in range(steps):
+            h = h + add
             q, k, v = self.layer.qkv(torch.cat([emb, self.hidden_norm(h)], -1), cos, sin)
             ks.append(k)
             vs.append(v)
@@ -101,8 +138,12 @@ class Eagle3Train(nn.Module):
 
     def head_params(self) -> dict[str, nn.Parameter]:
         """The trained parameters under their head file names (`load_head_params` fills them from a file)."""
-        return {"fc": self.fc, "blk.input_norm": self.input_norm.weight, "blk.hidden_norm": self.hidden_norm.weight,
-                **self.layer.head_params("blk."), "norm": self.norm.weight, "lm_head": self.lm_head}
+        p = {"fc": self.fc, "blk.input_norm": self.input_norm.weight, "blk.hidden_norm": self.hidden_norm.weight,
+             **self.layer.head_params("blk."), "norm": self.norm.weight, "lm_head": self.lm_head}
+        if self.cfg.lookup:
+            p.update(zip(LOOKUP_NAMES, (self.lookup_proj, self.lookup_norm.weight, self.lookup_gate,
+                                        self.lookup_gate_bias)))
+        return p
 
     def head_tensors(self, d2t: torch.Tensor) -> dict[str, torch.Tensor]:
         t = self.head_params()
@@ -150,6 +191,12 @@ class Eagle3Runtime:
                                           h_first=False, eps=cfg.eps, layer=self.layer, lm=self.lm, lm_eps=cfg.eps,
                                           rope=self.rope, cache=self.cache, backend=backend, d2t=self.d2t,
                                           pre=self.fc)
+        self.reads_lookup = cfg.lookup  # ChainDrafter passes each row's pair lookup (`lookup=`)
+        if cfg.lookup:
+            shapes = {"lookup.proj": (d, d), "lookup.norm": (d,), "lookup.gate": (1, d), "lookup.gate_bias": (1,)}
+            self.look = {k.split(".")[1]: head.tensor(k, sh).to(dev, torch.float32) for k, sh in shapes.items()}
+            self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
+            self.t2d[d2t.long()] = torch.arange(len(d2t))
 
     @torch.inference_mode()
     def fuse(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -159,10 +206,40 @@ class Eagle3Runtime:
 
     @torch.inference_mode()
     def forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
-                seq_ids: Sequence[int], logits_rows: Sequence[int],
-                raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                seq_ids: Sequence[int], logits_rows: Sequence[int], raw: bool = False,
+                lookup: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows (h(t-1) [n, d] — or with `raw` the three taps side by side [n, 3d], fused here —, x_t, t,
-        seq) -> (output states [n, d], logits over the draft vocabulary for `logits_rows`)."""
+        seq) -> (output states [n, d], logits over the draft vocabulary for `logits_rows`). `lookup`:
+        each row's pair lookup (target ids, -1: none), read by a head made with one (`reads_lookup`)."""
+        if lookup is None or not self.reads_lookup:
+            return self._forward(h_prev, token_ids, positions, seq_ids, logits_rows, raw)
+        h = self.fuse([h_prev]) if raw else h_prev.to(self.backend.device, self.backend.dtype)
+        out, logits = self._forward(self._lookup_input(h, lookup), token_ids, positions, seq_ids, logits_rows)
+        if logits is not None:
+            rows = list(logits_rows)
+            drow = self.t2d[torch.as_tensor([lookup[i] for i in rows]).clamp(min=0)]
+            drow = torch.where(torch.as_tensor([lookup[i] >= 0 for i in rows]), drow, -1).to(logits.device)
+            gate = (out[rows].float() @ self.look["gate"].T).squeeze(-1) + self.look["gate_bias"]
+            has = torch.nonzero(drow >= 0).flatten()
+            logits[has, drow[has]] += gate[has].to(logits.dtype)
+        return out, logits
+
+    def _lookup_input(self, h: torch.Tensor, lookup: Sequence[int]) -> torch.Tensor:
+        """h + lookup.proj(lookup.norm(embed(L))) on the rows with a lookup (the training form's `lookup_input`)."""
+        ids = torch.as_tensor(list(lookup), dtype=torch.long)
+        has = torch.nonzero(ids >= 0).flatten()
+        if not len(has):
+            return h.contiguous()
+        dev = h.device
+        e = self.embed[ids[has]].to(dev, torch.float32)
+        add = rms_norm(e, self.look["norm"], self.cfg.eps) @ self.look["proj"].T
+        h = h.clone()
+        h[has.to(dev)] += add.to(h.dtype)
+        return h.contiguous()
+
+    def _forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
+                 seq_ids: Sequence[int], logits_rows: Sequence[int],
+                 raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.native_step is not None:
             out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True,
                                                  raw=raw)
@@ -191,9 +268,16 @@ class Eagle3Runtime:
         return out, (self.lm.norm_linear(out, eps).float() if key[0] else None)
 
     def forward_pick(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
-                     seq_ids: Sequence[int], logits_rows: Sequence[int],
-                     raw: bool = False) -> tuple[torch.Tensor, list[int], list[float]]:
+                     seq_ids: Sequence[int], logits_rows: Sequence[int], raw: bool = False,
+                     lookup: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int], list[float]]:
         """`forward` with the greedy pick of `logits_rows` made in the same native call: (states, target
-        ids, their probabilities). Only where `native_step` is set."""
+        ids, their probabilities). Only where `native_step` is set. A head reading a lookup picks from
+        the logits with its gate added (the same rule: first maximum, its softmax probability)."""
+        if lookup is not None and self.reads_lookup:
+            out, logits = self.forward(h_prev, token_ids, positions, seq_ids, logits_rows, raw, lookup)
+            if logits is None:
+                return out, [], []
+            probs, best = torch.softmax(logits.float(), -1).max(-1)
+            return out, self.d2t.long()[best.cpu()].tolist(), probs.tolist()
         out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, raw=raw)
         return out, ids, probs

@@ -73,6 +73,10 @@ def export_llamacpp(source: Path, target, output: Path) -> Path:
         raise SpecplugError(str(exc)) from None
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecplugError(f"{source}: eagle3 head config is malformed ({exc})") from None
+    if cfg.lookup:
+        raise SpecplugError(f"{source}: this head also reads the context's pair lookup (config lookup: true), "
+                            f"which llama.cpp's eagle3 graph has no place for; export a head trained without "
+                            f"--lookup")
     info = _target(target)
     if (problem := head.check_target(info)) is not None:
         raise SpecplugError(f"{source}: {problem}")

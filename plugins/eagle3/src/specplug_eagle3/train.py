@@ -10,12 +10,13 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
+from specplug.heads.lookup import batch_lookups
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
 from specplug.train.finetune import draft_vocabulary
 from specplug.train.modules import load_head_params
 from specplug.train.target import TargetWeights
-from specplug_eagle3.head import METHOD, Eagle3Config, Eagle3Train, default_layers, write_eagle3
+from specplug_eagle3.head import LOOKUP_NAMES, METHOD, Eagle3Config, Eagle3Train, default_layers, write_eagle3
 
 
 def _parse_layers(spec: str, n_layer: int | None = None) -> tuple[int, ...] | None:
@@ -41,6 +42,7 @@ class Eagle3Trainer:
         draft_vocab: int = 8192  # the N most frequent answer tokens form the draft vocabulary
         depth_decay: float = 0.8  # loss weight of unroll step r is depth_decay ** r
         weights: str = "q8_0"  # matrices in the head file: q8_0 | f16 | f32
+        lookup: bool = False  # also read the context's pair lookup (specplug.heads.lookup; drafts cost a little more)
 
         def __post_init__(self):
             _parse_layers(self.layers)
@@ -65,7 +67,10 @@ class Eagle3Trainer:
     def options_of_head(cls, head: HeadFile) -> dict:
         """The options a head fixes (--init): its tapped layers and its draft vocabulary."""
         layers = head.meta.config.get("layers") or []
-        return {"layers": ",".join(str(int(x)) for x in layers), "draft_vocab": int(head.shape("d2t")[0])}
+        fixed = {"layers": ",".join(str(int(x)) for x in layers), "draft_vocab": int(head.shape("d2t")[0])}
+        if head.meta.config.get("lookup"):  # a head without it may be fine-tuned into one (--lookup true)
+            fixed["lookup"] = True
+        return fixed
 
     def __init__(self, options: "Eagle3Trainer.Options", data: TrainData, device: torch.device,
                  init: HeadFile | None = None):
@@ -76,25 +81,41 @@ class Eagle3Trainer:
         self.layers = _parse_layers(options.layers, cfg.n_layer)
         vocab = cfg.vocab_size
         self.cfg = Eagle3Config(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rms_eps,
-                                cfg.rope_base, self.layers)
-        self.d2t = draft_vocabulary(init, asdict(self.cfg), data, options.draft_vocab, vocab)
+                                cfg.rope_base, self.layers, options.lookup)
+        shape = {k: v for k, v in asdict(self.cfg).items() if k != "lookup"}  # a head may gain the lookup
+        self.d2t = draft_vocabulary(init, shape, data, options.draft_vocab, vocab)
         self.t2d = invert(self.d2t, vocab).to(device)
         self.module = Eagle3Train(self.cfg, tw.embeddings(), tw.output_norm(),
                                   tw.output_weight(self.d2t.tolist())).to(device)
-        if init is not None:
-            load_head_params(self.module.head_params(), init)
+        if init is not None:  # a head read without a lookup keeps the new lookup tensors at their start
+            params = self.module.head_params()
+            if not init.meta.config.get("lookup"):
+                params = {k: v for k, v in params.items() if k not in LOOKUP_NAMES}
+            load_head_params(params, init)
         self.coverage = float((self.t2d.cpu()[data.answer_tokens("val")] >= 0).float().mean())
+        if options.lookup:  # learned from zero beside a trained head: at 4x its rate (issue 39's probe)
+            self.lr_scale = {p: 4.0 for n, p in self.module.head_params().items() if n in LOOKUP_NAMES}
 
     def _taps(self, batch: SeqBatch) -> list[torch.Tensor]:
         return [batch.taps[str(x)] for x in self.layers]
+
+    def _lookups(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """Each row's pair lookup [B, T] (target ids) and its draft row (-1: none or outside the draft
+        vocabulary), for a head that reads them."""
+        if not self.opts.lookup:
+            return None, None
+        look = batch_lookups(batch.tokens, batch.valid.sum(1).tolist())
+        rows = torch.where(look >= 0, self.t2d[look.clamp(min=0)], -1)
+        return look, rows
 
     def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
         idx, p = soft_targets(batch, self.t2d)
         total, figs = 0.0, {}
         m = self.module
-        for r, out in m.unroll(batch.tokens, batch.positions, self._taps(batch), self.opts.unroll):
+        look, rows = self._lookups(batch)
+        for r, out in m.unroll(batch.tokens, batch.positions, self._taps(batch), self.opts.unroll, look):
             mask = step_mask(batch, r)
-            logits = m.logits(out[mask])
+            logits = m.logits(out[mask], None if rows is None else rows[mask])
             ce = draft_ce(logits, idx[mask], p[mask])
             total = total + self.opts.depth_decay ** r * ce.sum() / max(1, ce.shape[0])
             with torch.no_grad():
@@ -106,9 +127,12 @@ class Eagle3Trainer:
     def evaluate(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor]:
         hit, tot = torch.zeros(self.depths), torch.zeros(self.depths)
         d2t = self.d2t.to(batch.tokens.device)
-        for r, out in self.module.unroll(batch.tokens, batch.positions, self._taps(batch), self.opts.unroll):
+        m = self.module
+        look, rows = self._lookups(batch)
+        for r, out in m.unroll(batch.tokens, batch.positions, self._taps(batch), self.opts.unroll, look):
             mask = step_mask(batch, r)
-            hit[r] = float((d2t[self.module.logits(out[mask]).argmax(-1)] == batch.topk_ids[..., 0][mask]).sum())
+            logits = m.logits(out[mask], None if rows is None else rows[mask])
+            hit[r] = float((d2t[logits.argmax(-1)] == batch.topk_ids[..., 0][mask]).sum())
             tot[r] = float(mask.sum())
         return hit, tot
 
