@@ -11,7 +11,7 @@ required):
 - every-step first-token acceptance (`cost_trim: false`, `stop_below: 0`),
 - the priced decode speedup (the heads as they ship: priced drafting).
 
-    python scripts/adapt_stream.py --work /work/data/adapt --method eagle3 --threads 2
+    python scripts/adapt_stream.py --work /work/data/adapt --method eagle3 --threads 2 [--lookup]
 
 Each phase is skipped when its output exists (delete it to redo). The bench phase wants a quiet
 machine (`--phase bench` runs it alone, later). The summary goes to --work/summary.json and
@@ -85,6 +85,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--mix", nargs="*", default=[], help="--mix for specplug adapt (the head's original data)")
+    ap.add_argument("--lookup", action="store_true", help="--lookup for specplug adapt: the adapted head also reads "
+                                                          "the context's pair lookup (eagle3)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--limit", type=int, default=None, help="bench only this many second-half prompts a category")
     ap.add_argument("--base", type=Path, default=None, help="the head the stream was served and adapted from "
@@ -118,7 +120,7 @@ def main() -> int:
         head = args.base or _shipped_head(args.method)
         rc = sh(*spec, "adapt", "--record", rec, "--head", head, "-o", adapted, "--work", w / "adapt",
                 "--steps", str(args.steps), "--lr", str(args.lr), "--threads", str(args.threads),
-                *(["--mix", *args.mix] if args.mix else []))
+                *(["--mix", *args.mix] if args.mix else []), *(["--lookup"] if args.lookup else []))
         if rc not in (0, 1):
             return rc
         rep = json.loads((w / "adapt" / "adapt-report.json").read_text())

@@ -419,13 +419,14 @@ def assert_greedy_equal(target, specs, prompts: list[list[int]], max_tokens: int
     return eng
 
 
-def check_native_step(rt, seed: int = 0) -> dict:
+def check_native_step(rt, seed: int = 0, lookup: Sequence[int] | None = None) -> dict:
     """For a chain head's inference form `rt` whose `native_step` is set (`specplug.heads.PairStep`):
     its one-call step agrees with its Python form on the same kernels (`rt.native_step = None`) to
     float tolerance; `forward_pick`'s greedy picks are exactly the argmax (through d2t) of the logits
     that step returns, with the softmax probability; and a row's result never depends on the other
     rows of its batch (bitwise). Uses sequences 0 and 1 of rt's cache and clears them. Returns the
-    largest differences seen, for the test's report."""
+    largest differences seen, for the test's report. lookup: the 5 rows' pair lookups, for a head
+    that reads them (`rt.reads_lookup`)."""
     assert rt.native_step is not None, "the head has no native step here (not on the gguf kernels?)"
     g = torch.Generator().manual_seed(seed)
     d, vocab = rt.native_step.norm_a.numel(), rt.native_step.table.shape[0]
@@ -433,26 +434,28 @@ def check_native_step(rt, seed: int = 0) -> dict:
     h = torch.randn(len(seqs), d, generator=g)
     toks = torch.randint(0, vocab, (len(seqs),), generator=g).tolist()
     rows = [2, 4]
+    kw = {} if lookup is None else {"lookup": list(lookup)}
+    kw_alone = {} if lookup is None else {"lookup": list(lookup)[3:]}
 
     def clear():
         for s in (0, 1):
             rt.cache.seq_rm(s, 0)
 
     clear()
-    out_n, logits_n = rt.forward(h, toks, pos, seqs, rows)
+    out_n, logits_n = rt.forward(h, toks, pos, seqs, rows, **kw)
     clear()
     saved, rt.native_step = rt.native_step, None
     try:
-        out_p, logits_p = rt.forward(h, toks, pos, seqs, rows)
+        out_p, logits_p = rt.forward(h, toks, pos, seqs, rows, **kw)
     finally:
         rt.native_step = saved
     clear()
-    states, ids, probs = rt.forward_pick(h, toks, pos, seqs, rows)
+    states, ids, probs = rt.forward_pick(h, toks, pos, seqs, rows, **kw)
     assert torch.equal(states, out_n), "forward_pick's states differ from forward's"
     assert ids == rt.d2t[logits_n.argmax(-1)].tolist(), (ids, rt.d2t[logits_n.argmax(-1)].tolist())
     torch.testing.assert_close(torch.tensor(probs), torch.softmax(logits_n, -1).max(-1).values, rtol=1e-4, atol=1e-6)
     clear()
-    alone, logits_alone = rt.forward(h[3:], toks[3:], pos[3:], seqs[3:], [1])
+    alone, logits_alone = rt.forward(h[3:], toks[3:], pos[3:], seqs[3:], [1], **kw_alone)
     clear()
     assert torch.equal(alone, out_n[3:]) and torch.equal(logits_alone[0], logits_n[1]), "not batch-invariant"
     scale = lambda t: float(t.abs().max())  # noqa: E731

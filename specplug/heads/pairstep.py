@@ -58,6 +58,7 @@ class PairStep:
         self.proj = proj.packed() if proj is not None else (empty, 0)
         self.empty = (empty, 0)
         self.pre = pre.packed() if pre is not None else None
+        self.no_extra = (torch.empty(0), torch.empty(0, dtype=torch.long), torch.empty(0), 0.0)  # h_add, boost
         self.mats = tuple(v for m in layer.linears() for v in m.packed())
         self.lm, self.lm_eps = lm.packed(), float(lm_eps)
         self.d2t = torch.empty(0, dtype=torch.long) if d2t is None else d2t.long().contiguous()
@@ -85,11 +86,15 @@ class PairStep:
 
     @torch.inference_mode()
     def __call__(self, h: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
-                 rows: Sequence[int], want_logits: bool = False, raw: bool = False
+                 rows: Sequence[int], want_logits: bool = False, raw: bool = False,
+                 h_add: torch.Tensor | None = None, boost: tuple | None = None
                  ) -> tuple[torch.Tensor, list[int], list[float], torch.Tensor | None]:
         """Rows (h(t-1) [n, d], x_t, t, seq) -> (output states [n, d], for each of `rows` the top-1 target
         id and its probability, and with `want_logits` the logits [len(rows), draft vocab]).
-        raw: h is [n, pre's input width], put through `pre` first. Every row's K/V go into the cache."""
+        raw: h is [n, pre's input width], put through `pre` first. Every row's K/V go into the cache.
+        h_add [n, d]: added to the states (after `pre`) before the layer; boost (draft rows [len(rows)]
+        int64, -1: none; gate [d]; bias): `gate . out + bias` added to that logit of each asked row
+        before the pick (an Eagle3 head reading the pair lookup)."""
         assert not raw or self.pre is not None, "raw states need a `pre` linear"
         step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
         c = self.cache
@@ -98,5 +103,7 @@ class PairStep:
             *(self.pre if raw else self.empty), self.norm_a, self.norm_b, self.h_first, self.eps, *self.proj,
             *self.mats, None, None, self.layer.eps,
             c.k[0], c.v[0], step.seq, step.pos, c.valid, step.cos, step.sin, self.H, self.Hkv, self.scale, *self.lm,
-            self.lm_eps, torch.tensor(list(rows), dtype=torch.long), self.d2t, want_logits)
+            self.lm_eps, torch.tensor(list(rows), dtype=torch.long), self.d2t, want_logits,
+            *(self.no_extra[:1] if h_add is None else (h_add.float().contiguous(),)),
+            *(self.no_extra[1:] if boost is None else (boost[0], boost[1].float().contiguous(), float(boost[2]))))
         return out, ids.tolist(), probs.tolist(), (logits if want_logits and len(rows) else None)

@@ -409,6 +409,19 @@ def test_a_head_reading_the_pair_lookup_starts_as_its_base_and_drafts_losslessly
                               n_parallel=3)
     st = eng.stats.speculators["Eagle3"]
     assert st.drafted_tokens > 50 and st.accepted_tokens > 0 and not eng.stats.disabled
+    # the native draft step adds the lookup and its gate in the same call as the Python form does
+    rt = spec.rt
+    assert rt.native_step is not None
+    looks = [int(rt.d2t[3]), -1, int(rt.d2t[7]), int(rt.d2t[9]), int(rt.d2t[11])]
+    check_native_step(rt, lookup=looks)
+    rt.cache.seq_rm(0, 0)
+    h = torch.randn(2, rt.cfg.n_embd, generator=torch.Generator().manual_seed(3))
+    _, with_gate = rt.forward(h, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, looks[0]])
+    rt.cache.seq_rm(0, 0)
+    _, without = rt.forward(h, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, -1])
+    rt.cache.seq_rm(0, 0)
+    assert not torch.equal(with_gate, without)  # the lookup is read
+
     from specplug.errors import SpecplugError
     from specplug_eagle3.llamacpp import export_llamacpp
 

@@ -1061,12 +1061,17 @@ std::vector<torch::Tensor> pair_head_step(
     const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc,
     const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, const torch::Tensor& cos,
     const torch::Tensor& sin, int64_t H, int64_t Hkv, double scale, const std::vector<torch::Tensor>& lm_w,
-    int64_t lm_n, double lm_eps, const torch::Tensor& rows, const torch::Tensor& d2t, bool want_logits) {
+    int64_t lm_n, double lm_eps, const torch::Tensor& rows, const torch::Tensor& d2t, bool want_logits,
+    const torch::Tensor& h_add, const torch::Tensor& boost_rows, const torch::Tensor& gate_w, double gate_b) {
   check_cpu_f32(h_in, "h");
   // raw states (Eagle3's three tapped layer inputs side by side) go through `pre` (its fc) first
   const bool has_pre = pre_w.size() == 5 && pre_w[0].numel() > 0;
-  const torch::Tensor h = has_pre ? apply(unpack(pre_w, pre_n), quantize_rows(h_in, c10::nullopt, 0.0), c10::nullopt)
-                                  : h_in;
+  torch::Tensor h = has_pre ? apply(unpack(pre_w, pre_n), quantize_rows(h_in, c10::nullopt, 0.0), c10::nullopt)
+                            : h_in;
+  if (h_add.numel() > 0) {  // a head's extra input per row (Eagle3's pair lookup), added to the state
+    TORCH_CHECK(h_add.sizes() == h.sizes() && h_add.scalar_type() == torch::kFloat32, "h_add must be like h");
+    h = (h + h_add).contiguous();
+  }
   const int64_t n = h.size(0), d = h.size(1);
   TORCH_CHECK(tokens.numel() == n, "one token per row of h");
   TORCH_CHECK(norm_a.numel() == d && norm_b.numel() == d && norm_a.is_contiguous() && norm_b.is_contiguous() &&
@@ -1101,8 +1106,24 @@ std::vector<torch::Tensor> pair_head_step(
   torch::Tensor logits;
   if (m > 0) {
     const Lin lm = unpack(lm_w, lm_n);
-    logits = apply(lm, quantize_rows(out.index_select(0, rows), opt(lm.norm), lm_eps), c10::nullopt);
+    const torch::Tensor sel = out.index_select(0, rows).contiguous();
+    logits = apply(lm, quantize_rows(sel, opt(lm.norm), lm_eps), c10::nullopt);
     const int64_t V = lm_n;
+    if (boost_rows.numel() > 0) {  // a learned logit on one draft row per asked row (-1: none): gate . out + b
+      TORCH_CHECK(boost_rows.numel() == m && boost_rows.scalar_type() == torch::kInt64 && gate_w.numel() == d &&
+                      gate_w.scalar_type() == torch::kFloat32 && gate_w.is_contiguous(),
+                  "boost_rows: one int64 per asked row; gate_w: float32 of the state width");
+      const int64_t* bp = boost_rows.data_ptr<int64_t>();
+      const float *gw = gate_w.data_ptr<float>(), *op = sel.data_ptr<float>();
+      float* lw = logits.data_ptr<float>();
+      for (int64_t r = 0; r < m; ++r) {
+        if (bp[r] < 0) continue;
+        TORCH_CHECK(bp[r] < V, "boost row ", bp[r], " is outside the ", V, " draft rows");
+        float g = 0.0f;
+        for (int64_t k = 0; k < d; ++k) g += gw[k] * op[r * d + k];
+        lw[r * V + bp[r]] += g + (float)gate_b;
+      }
+    }
     const bool mapped = d2t.numel() > 0;
     TORCH_CHECK(!mapped || (d2t.numel() == V && d2t.scalar_type() == torch::kInt64 && d2t.is_contiguous()),
                 "d2t must be an int64 vector with one entry per output row");

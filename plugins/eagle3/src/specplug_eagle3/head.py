@@ -213,29 +213,37 @@ class Eagle3Runtime:
         each row's pair lookup (target ids, -1: none), read by a head made with one (`reads_lookup`)."""
         if lookup is None or not self.reads_lookup:
             return self._forward(h_prev, token_ids, positions, seq_ids, logits_rows, raw)
+        add, boost = self._lookup_parts(lookup, logits_rows)
+        if self.native_step is not None:
+            out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True,
+                                                 raw=raw, h_add=add, boost=boost)
+            return out, logits
         h = self.fuse([h_prev]) if raw else h_prev.to(self.backend.device, self.backend.dtype)
-        out, logits = self._forward(self._lookup_input(h, lookup), token_ids, positions, seq_ids, logits_rows)
+        out, logits = self._forward((h + add.to(h.device, h.dtype)).contiguous(), token_ids, positions, seq_ids,
+                                    logits_rows)
         if logits is not None:
-            rows = list(logits_rows)
-            drow = self.t2d[torch.as_tensor([lookup[i] for i in rows]).clamp(min=0)]
-            drow = torch.where(torch.as_tensor([lookup[i] >= 0 for i in rows]), drow, -1).to(logits.device)
-            gate = (out[rows].float() @ self.look["gate"].T).squeeze(-1) + self.look["gate_bias"]
-            has = torch.nonzero(drow >= 0).flatten()
-            logits[has, drow[has]] += gate[has].to(logits.dtype)
+            rows, gate, bias = boost
+            has = torch.nonzero(rows >= 0).flatten()
+            sel = out[torch.as_tensor(list(logits_rows), device=out.device)[has]].float()
+            logits[has, rows[has].to(logits.device)] += (sel @ gate.to(sel.device) + bias).to(logits.dtype)
         return out, logits
 
-    def _lookup_input(self, h: torch.Tensor, lookup: Sequence[int]) -> torch.Tensor:
-        """h + lookup.proj(lookup.norm(embed(L))) on the rows with a lookup (the training form's `lookup_input`)."""
+    def _lookup_parts(self, lookup: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, tuple]:
+        """What the pair lookup adds (the training form's `lookup_input` and gate): per row
+        lookup.proj(lookup.norm(embed(L))) [n, d] (zero where there is none), and for the asked rows
+        (their lookup's draft row, -1: none or outside the draft vocabulary; the gate [d]; its bias)."""
         ids = torch.as_tensor(list(lookup), dtype=torch.long)
-        has = torch.nonzero(ids >= 0).flatten()
-        if not len(has):
-            return h.contiguous()
-        dev = h.device
-        e = self.embed[ids[has]].to(dev, torch.float32)
-        add = rms_norm(e, self.look["norm"], self.cfg.eps) @ self.look["proj"].T
-        h = h.clone()
-        h[has.to(dev)] += add.to(h.dtype)
-        return h.contiguous()
+        has = ids >= 0
+        add = torch.zeros(len(ids), self.cfg.n_embd)
+        if bool(has.any()):  # row by row: a row's values never depend on the other rows (a matmul's blocking would)
+            where = torch.nonzero(has).flatten().tolist()
+            e = rms_norm(self.embed[ids[has]].float().cpu(), self.look["norm"].cpu(), self.cfg.eps)
+            proj = self.look["proj"].cpu()
+            for j, i in enumerate(where):
+                add[i] = torch.mv(proj, e[j])
+        asked = ids[torch.as_tensor(list(logits_rows), dtype=torch.long)]
+        rows = torch.where(asked >= 0, self.t2d[asked.clamp(min=0)], -1)
+        return add, (rows, self.look["gate"].flatten().cpu(), float(self.look["gate_bias"][0]))
 
     def _forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
                  seq_ids: Sequence[int], logits_rows: Sequence[int],
@@ -271,13 +279,11 @@ class Eagle3Runtime:
                      seq_ids: Sequence[int], logits_rows: Sequence[int], raw: bool = False,
                      lookup: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int], list[float]]:
         """`forward` with the greedy pick of `logits_rows` made in the same native call: (states, target
-        ids, their probabilities). Only where `native_step` is set. A head reading a lookup picks from
-        the logits with its gate added (the same rule: first maximum, its softmax probability)."""
+        ids, their probabilities). Only where `native_step` is set; a head reading the lookup adds it
+        and its gate inside the same call."""
+        add = boost = None
         if lookup is not None and self.reads_lookup:
-            out, logits = self.forward(h_prev, token_ids, positions, seq_ids, logits_rows, raw, lookup)
-            if logits is None:
-                return out, [], []
-            probs, best = torch.softmax(logits.float(), -1).max(-1)
-            return out, self.d2t.long()[best.cpu()].tolist(), probs.tolist()
-        out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, raw=raw)
+            add, boost = self._lookup_parts(lookup, logits_rows)
+        out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, raw=raw, h_add=add,
+                                              boost=boost)
         return out, ids, probs
