@@ -43,3 +43,20 @@ def test_shipped_head_is_lossless_and_trained(smollm2_gguf, plain_outputs, name)
     assert spec.enabled and spec.stats.drafts > 20
     # every-step first-token acceptance: 0.17-0.31 measured on these prompts; an untrained head's ~1e-4
     assert spec.stats.accepted_at[0] / spec.stats.drafted_at[0] > 0.1, spec.stats.to_dict()
+
+
+def test_the_default_eagle3_head_reads_the_pair_lookup_and_a_plain_one_ships_beside_it(smollm2_gguf):
+    if "eagle3" not in installed_names():
+        pytest.skip("specplug-eagle3 is not installed")
+    from specplug.engine import target_info
+    from specplug.heads import HeadFile
+    from specplug.train.datagen import file_sha256
+    from specplug_eagle3.speculator import find_head, shipped_heads
+
+    heads = {p.name: p for p in shipped_heads()}
+    default = find_head(target_info(smollm2_gguf, 1, 256))
+    assert default is not None and default.name == "smollm2-135m-eagle3.gguf"
+    assert HeadFile(default).meta.config["lookup"] is True
+    plain = HeadFile(heads["smollm2-135m-eagle3-plain.gguf"])  # what llama.cpp can run
+    assert not plain.meta.config.get("lookup") and "lookup.gate" not in plain.gguf.tensors
+    assert HeadFile(default).meta.recipe["init"]["sha256"] == file_sha256(plain.path)  # fine-tuned from it

@@ -23,7 +23,10 @@ from specplug_eagle3.head import METHOD, VERSION, Eagle3Config, Eagle3Runtime
 
 
 def shipped_heads() -> list[Path]:
-    return sorted(Path(str(files("specplug_eagle3") / "heads")).glob("*.gguf"))
+    """The heads in the package, each target's default first (`<model>-eagle3.gguf`; then variants
+    such as `<model>-eagle3-plain.gguf`, without the pair lookup, the one llama.cpp can run)."""
+    return sorted(Path(str(files("specplug_eagle3") / "heads")).glob("*.gguf"),
+                  key=lambda p: (not p.name.endswith("-eagle3.gguf"), p.name))
 
 
 def find_head(target: TargetInfo) -> Path | None:
