@@ -197,6 +197,9 @@ class Eagle3Runtime:
             self.look = {k.split(".")[1]: head.tensor(k, sh).to(dev, torch.float32) for k, sh in shapes.items()}
             self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
             self.t2d[d2t.long()] = torch.arange(len(d2t))
+            self._t2d = self.t2d.tolist()  # drafting looks up a few ids a step: a list is faster than tensors
+            self._gate = (self.look["gate"].flatten().cpu().contiguous(), float(self.look["gate_bias"][0]))
+            self._look_rows: dict[int, torch.Tensor] = {}  # token -> what its lookup adds (a token's row is fixed)
 
     @torch.inference_mode()
     def fuse(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -232,18 +235,22 @@ class Eagle3Runtime:
         """What the pair lookup adds (the training form's `lookup_input` and gate): per row
         lookup.proj(lookup.norm(embed(L))) [n, d] (zero where there is none), and for the asked rows
         (their lookup's draft row, -1: none or outside the draft vocabulary; the gate [d]; its bias)."""
-        ids = torch.as_tensor(list(lookup), dtype=torch.long)
-        has = ids >= 0
-        add = torch.zeros(len(ids), self.cfg.n_embd)
-        if bool(has.any()):  # row by row: a row's values never depend on the other rows (a matmul's blocking would)
-            where = torch.nonzero(has).flatten().tolist()
-            e = rms_norm(self.embed[ids[has]].float().cpu(), self.look["norm"].cpu(), self.cfg.eps)
-            proj = self.look["proj"].cpu()
-            for j, i in enumerate(where):
-                add[i] = torch.mv(proj, e[j])
-        asked = ids[torch.as_tensor(list(logits_rows), dtype=torch.long)]
-        rows = torch.where(asked >= 0, self.t2d[asked.clamp(min=0)], -1)
-        return add, (rows, self.look["gate"].flatten().cpu(), float(self.look["gate_bias"][0]))
+        add = torch.zeros(len(lookup), self.cfg.n_embd)
+        for i, tok in enumerate(lookup):
+            if tok >= 0:
+                add[i] = self._lookup_row(int(tok))
+        rows = torch.tensor([self._t2d[lookup[i]] if lookup[i] >= 0 else -1 for i in logits_rows], dtype=torch.long)
+        return add, (rows, *self._gate)
+
+    def _lookup_row(self, tok: int) -> torch.Tensor:
+        """lookup.proj(lookup.norm(embed(tok))), computed once per token (at most 4096 kept)."""
+        row = self._look_rows.get(tok)
+        if row is None:
+            if len(self._look_rows) >= 4096:
+                self._look_rows.clear()
+            e = rms_norm(self.embed[torch.tensor([tok])].float().cpu(), self.look["norm"].cpu(), self.cfg.eps)[0]
+            row = self._look_rows[tok] = torch.mv(self.look["proj"].cpu(), e)
+        return row
 
     def _forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
                  seq_ids: Sequence[int], logits_rows: Sequence[int],
