@@ -36,6 +36,7 @@ from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
 from specplug.runtime.static import chain_head_step, embedded, head_steps, token_input
+from specplug.train.distill import invert
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
 METHOD, VERSION = "eagle3", 1
@@ -194,11 +195,10 @@ class Eagle3Runtime:
         self.reads_lookup = cfg.lookup  # ChainDrafter passes each row's pair lookup (`lookup=`)
         if cfg.lookup:
             shapes = {"lookup.proj": (d, d), "lookup.norm": (d,), "lookup.gate": (1, d), "lookup.gate_bias": (1,)}
-            self.look = {k.split(".")[1]: head.tensor(k, sh).to(dev, torch.float32) for k, sh in shapes.items()}
-            self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
-            self.t2d[d2t.long()] = torch.arange(len(d2t))
-            self._t2d = self.t2d.tolist()  # drafting looks up a few ids a step: a list is faster than tensors
-            self._gate = (self.look["gate"].flatten().cpu().contiguous(), float(self.look["gate_bias"][0]))
+            # on the host: drafting computes the lookup's part there and hands it to the step
+            self.look = {k.split(".")[1]: head.tensor(k, sh).float() for k, sh in shapes.items()}
+            self._t2d = invert(d2t.long(), target.vocab_size).tolist()  # a few ids a step: a list beats tensors
+            self._gate = (self.look["gate"].flatten().contiguous(), float(self.look["gate_bias"][0]))
             self._look_rows: dict[int, torch.Tensor] = {}  # token -> what its lookup adds (a token's row is fixed)
 
     @torch.inference_mode()
@@ -248,8 +248,8 @@ class Eagle3Runtime:
         if row is None:
             if len(self._look_rows) >= 4096:
                 self._look_rows.clear()
-            e = rms_norm(self.embed[torch.tensor([tok])].float().cpu(), self.look["norm"].cpu(), self.cfg.eps)[0]
-            row = self._look_rows[tok] = torch.mv(self.look["proj"].cpu(), e)
+            e = rms_norm(self.embed[torch.tensor([tok])].float().cpu(), self.look["norm"], self.cfg.eps)[0]
+            row = self._look_rows[tok] = torch.mv(self.look["proj"], e)
         return row
 
     def _forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],

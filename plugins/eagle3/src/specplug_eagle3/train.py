@@ -87,14 +87,13 @@ class Eagle3Trainer:
         self.t2d = invert(self.d2t, vocab).to(device)
         self.module = Eagle3Train(self.cfg, tw.embeddings(), tw.output_norm(),
                                   tw.output_weight(self.d2t.tolist())).to(device)
+        params = self.module.head_params()
         if init is not None:  # a head read without a lookup keeps the new lookup tensors at their start
-            params = self.module.head_params()
-            if not init.meta.config.get("lookup"):
-                params = {k: v for k, v in params.items() if k not in LOOKUP_NAMES}
-            load_head_params(params, init)
+            fresh = () if init.meta.config.get("lookup") else LOOKUP_NAMES
+            load_head_params({k: v for k, v in params.items() if k not in fresh}, init)
         self.coverage = float((self.t2d.cpu()[data.answer_tokens("val")] >= 0).float().mean())
         if options.lookup:  # learned from zero beside a trained head: at 4x its rate (issue 39's probe)
-            self.lr_scale = {p: 4.0 for n, p in self.module.head_params().items() if n in LOOKUP_NAMES}
+            self.lr_scale = {params[n]: 4.0 for n in LOOKUP_NAMES}
 
     def _taps(self, batch: SeqBatch) -> list[torch.Tensor]:
         return [batch.taps[str(x)] for x in self.layers]
