@@ -12,6 +12,10 @@ next token on 59% of the answer rows, where the head alone picks it on 34% of th
 Both sides compute it the same way: training over whole recorded sequences (`sequence_lookups`,
 `batch_lookups`), drafting per row from the sequence's history (`pair_lookup`). `NONE` where the pair
 has not occurred before.
+
+What a head does with it is written once here, for every pair head (Eagle3, MTP; see below):
+`LookupTrain` (training form, a head module's `lookup`), `LookupReader` (the drafting form, from a head
+file) and `LookupForward` (a runtime's `forward` / `forward_pick` that hand it to the step).
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
+
+from specplug.runtime.linear import rms_norm
 
 NONE = -1
 
@@ -56,3 +62,150 @@ def pair_lookup(history: Sequence[int] | np.ndarray) -> int:
     # j in [1, t - 1]: a[j-1] == a[t-1] and a[j] == a[t]; the last one
     hits = np.flatnonzero((a[:t - 1] == a[t - 1]) & (a[1:t] == a[t]))
     return int(a[hits[-1] + 2]) if len(hits) else NONE
+
+
+# --- what a head adds from its lookup (written once for every pair head: Eagle3, MTP) ---------------------
+#
+#     h      = h + lookup.proj(lookup.norm(embed(L)))           before the head's layer, at every draft step
+#     logits[row of L] += lookup.gate . out + lookup.gate_bias   a learned trust in the proposal
+#
+# `lookup.proj` [d, d], `lookup.norm` [d], `lookup.gate` [1, d], `lookup.gate_bias` [1], float32 in the
+# head file; zero (the norm: one) when a head without them is fine-tuned into one, so it starts as that head.
+
+LOOKUP_NAMES = ("lookup.proj", "lookup.norm", "lookup.gate", "lookup.gate_bias")
+
+
+def lookup_draft_rows(lookup: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """Each lookup's draft row (t2d: target id -> draft row, -1 outside the draft vocabulary); -1 where
+    there is no lookup or its token is outside the draft vocabulary."""
+    return torch.where(lookup >= 0, t2d[lookup.clamp(min=0)], NONE)
+
+
+def training_lookups(tokens: torch.Tensor, valid: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trainer's batch: each row's pair lookup [B, T] (target ids) and its draft row (-1: none or
+    outside the draft vocabulary); valid [B, T] bool marks each sequence's tokens."""
+    look = batch_lookups(tokens, valid.sum(1).tolist())
+    return look, lookup_draft_rows(look, t2d)
+
+
+class LookupTrain(torch.nn.Module):
+    """The training form of the lookup's parts (the block above), zero-started. A head module owns one
+    as `lookup` and calls `input` on its state before its layer and `boost` on its logits."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        from specplug.train.modules import RMSNorm  # training only: drafting does not import the trainer
+
+        self.proj = torch.nn.Parameter(torch.zeros(d, d))
+        self.norm = RMSNorm(d, eps)
+        self.gate = torch.nn.Parameter(torch.zeros(1, d))
+        self.gate_bias = torch.nn.Parameter(torch.zeros(1))
+
+    def input(self, embed: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
+        """What the lookups [B, T] add to the head's state: [B, T, d] (zero where there is none);
+        embed: the target's embedding table."""
+        e = self.norm(embed[lookup.clamp(min=0)])
+        return torch.nn.functional.linear(e, self.proj) * (lookup >= 0).unsqueeze(-1)
+
+    def boost(self, logits: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """logits [n, V] with `gate . out + bias` added at each row's lookup draft row (rows [n], -1: none)."""
+        gate = torch.nn.functional.linear(out, self.gate, self.gate_bias).squeeze(-1)
+        add = torch.zeros_like(logits).scatter(-1, rows.clamp(min=0).unsqueeze(-1), (gate * (rows >= 0)).unsqueeze(-1))
+        return logits + add
+
+    def head_params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(zip(LOOKUP_NAMES, (self.proj, self.norm.weight, self.gate, self.gate_bias)))
+
+
+class LookupReader:
+    """The drafting form: reads the lookup's tensors from a head file (kept on the host, where drafting
+    computes its part) and gives, per draft step, what the step adds (`parts`)."""
+
+    KEEP = 4096  # token rows kept (a token's projection is fixed)
+
+    def __init__(self, head, embed, d2t: torch.Tensor, vocab_size: int, eps: float):
+        d = int(head.meta.config["n_embd"])
+        shapes = {"lookup.proj": (d, d), "lookup.norm": (d,), "lookup.gate": (1, d), "lookup.gate_bias": (1,)}
+        t = {k.split(".")[1]: head.tensor(k, sh).float() for k, sh in shapes.items()}
+        self.d, self.eps, self.embed = d, eps, embed
+        self.proj, self.norm = t["proj"], t["norm"]
+        self.gate = (t["gate"].flatten().contiguous(), float(t["gate_bias"][0]))
+        t2d = torch.full((vocab_size,), NONE, dtype=torch.long)
+        t2d[d2t.long()] = torch.arange(len(d2t))
+        self.t2d = t2d.tolist()  # a few ids a step: a list beats tensors
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def parts(self, lookup: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, tuple]:
+        """(what each row's lookup adds to its state [n, d], zero where none; the boost of the asked rows:
+        (their lookup's draft row [len(logits_rows)], -1: none; gate [d]; bias)) — `PairStep`'s h_add, boost."""
+        add = torch.zeros(len(lookup), self.d)
+        for i, tok in enumerate(lookup):
+            if tok >= 0:
+                add[i] = self._row(int(tok))
+        rows = torch.tensor([self.t2d[lookup[i]] if lookup[i] >= 0 else NONE for i in logits_rows], dtype=torch.long)
+        return add, (rows, *self.gate)
+
+    def _row(self, tok: int) -> torch.Tensor:
+        row = self._rows.get(tok)
+        if row is None:
+            if len(self._rows) >= self.KEEP:
+                self._rows.clear()
+            e = rms_norm(self.embed[torch.tensor([tok])].float().cpu(), self.norm, self.eps)[0]
+            row = self._rows[tok] = torch.mv(self.proj, e)
+        return row
+
+    @staticmethod
+    def boost_logits(logits: torch.Tensor, out: torch.Tensor, logits_rows: Sequence[int], boost: tuple) -> None:
+        """The boost on logits computed without the native step (in place): out [n, d] all rows' states."""
+        rows, gate, bias = boost
+        has = torch.nonzero(rows >= 0).flatten()
+        sel = out[torch.as_tensor(list(logits_rows), device=out.device)[has]].float()
+        logits[has, rows[has].to(logits.device)] += (sel @ gate.to(sel.device) + bias).to(logits.dtype)
+
+
+class LookupForward:
+    """`forward` / `forward_pick` of a pair head's runtime that may read the lookup (mixed into it).
+
+    The runtime sets `look` (a `LookupReader`, or None for a head without one) and `native_step`, and
+    implements `_forward(h, token_ids, positions, seq_ids, logits_rows, raw)` (its step without the
+    lookup) and `_states(h, raw)` (h on its backend, transformed first when raw)."""
+
+    look: LookupReader | None = None
+
+    @property
+    def reads_lookup(self) -> bool:
+        """ChainDrafter passes each row's pair lookup (`lookup=`) when set."""
+        return self.look is not None
+
+    @torch.inference_mode()
+    def forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
+                seq_ids: Sequence[int], logits_rows: Sequence[int], raw: bool = False,
+                lookup: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows (h(t-1), x_t, t, seq) -> (output states [n, d], logits over the draft vocabulary for
+        `logits_rows`); `lookup`: each row's pair lookup (target ids, -1: none), for a head that reads it."""
+        if lookup is None or self.look is None:
+            return self._forward(h_prev, token_ids, positions, seq_ids, logits_rows, raw)
+        add, boost = self.look.parts(lookup, logits_rows)
+        if self.native_step is not None:
+            out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True,
+                                                 raw=raw, h_add=add, boost=boost)
+            return out, logits
+        h = self._states(h_prev, raw)
+        out, logits = self._forward((h + add.to(h.device, h.dtype)).contiguous(), token_ids, positions, seq_ids,
+                                    logits_rows)
+        if logits is not None:
+            LookupReader.boost_logits(logits, out, logits_rows, boost)
+        return out, logits
+
+    def forward_pick(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
+                     seq_ids: Sequence[int], logits_rows: Sequence[int], raw: bool = False,
+                     lookup: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int], list[float]]:
+        """`forward` with the greedy pick of `logits_rows` made in the same native call: (states, target
+        ids, their probabilities). Only where `native_step` is set; the lookup's addition and gate go
+        into the same call."""
+        add = boost = None
+        if lookup is not None and self.look is not None:
+            add, boost = self.look.parts(lookup, logits_rows)
+        out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, raw=raw, h_add=add,
+                                              boost=boost)
+        return out, ids, probs

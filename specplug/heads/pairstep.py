@@ -94,7 +94,7 @@ class PairStep:
         raw: h is [n, pre's input width], put through `pre` first. Every row's K/V go into the cache.
         h_add [n, d]: added to the states (after `pre`) before the layer; boost (draft rows [len(rows)]
         int64, -1: none; gate [d]; bias): `gate . out + bias` added to that logit of each asked row
-        before the pick (an Eagle3 head reading the pair lookup)."""
+        before the pick (a head reading the pair lookup, `specplug.heads.lookup`)."""
         assert not raw or self.pre is not None, "raw states need a `pre` linear"
         step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
         c = self.cache

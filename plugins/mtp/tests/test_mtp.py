@@ -1,6 +1,7 @@
 """The MTP speculator and its trainer on a tiny random target."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -274,3 +275,91 @@ def test_draft_step_on_static_steps_next_to_a_static_target(tiny, trained):
     eng = assert_greedy_equal(target, [speculator(spec, "MTP", cost_trim=False)], _ids(target)[:3], max_tokens=24,
                               n_parallel=2)
     assert eng.stats.speculators["MTP"].accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def with_lookup(data, trained, work) -> Path:
+    """The trained head fine-tuned into one that reads the context's pair lookup (`--lookup true`)."""
+    from specplug.heads import HeadFile
+    from specplug.train.finetune import BaseHead
+
+    loop = LoopOptions(steps=40, lr=3e-3, warmup=5, batch_tokens=2048, val_every=40, save_every=10 ** 6,
+                       val_fraction=0.1)
+    base = BaseHead(HeadFile(trained), MTPTrainer)
+    report = train(MTPTrainer, base.options({"lookup": True}), loop, data, work / "lookup.gguf", quiet=True,
+                   restart=True, init=base)
+    # zero-started: before a step it scores what the base head scores (a plain fine-tune's start, same split)
+    plain = train(MTPTrainer, base.options(), dataclasses.replace(loop, steps=1), data, work / "plain-ft.gguf",
+                  quiet=True, restart=True, init=base)
+    assert report["recipe"]["init"]["start"] == plain["recipe"]["init"]["start"]
+    return work / "lookup.gguf"
+
+
+def test_a_head_reading_the_pair_lookup_starts_as_its_base_and_drafts_losslessly(tiny, data, trained, with_lookup):
+    from specplug.heads import HeadFile
+    from specplug.heads.eval import evaluate_head
+
+    h = HeadFile(with_lookup)
+    assert h.meta.config["lookup"] is True and {"lookup.proj", "lookup.gate"} <= set(h.gguf.tensors)
+    assert abs(float(h.tensor("lookup.gate_bias")[0])) > 0  # it learned something about trusting the lookup
+    before, after = (evaluate_head(p, data)["overall"]["top1"][0] for p in (trained, with_lookup))
+    assert after >= before - 0.02, (before, after)
+    target = _target(tiny, "gguf")
+    spec = _mtp(target, with_lookup, stop_below=0.0)
+    assert spec.rt.reads_lookup and not _mtp(target, trained).rt.reads_lookup
+    eng = assert_greedy_equal(target, [speculator(spec, "MTP", cost_trim=False)], _ids(target), max_tokens=40,
+                              n_parallel=3)
+    st = eng.stats.speculators["MTP"]
+    assert st.drafted_tokens > 50 and st.accepted_tokens > 0 and not eng.stats.disabled
+    # the native draft step adds the lookup and its gate in the same call as the Python form does
+    rt = spec.rt
+    assert rt.native_step is not None
+    looks = [int(rt.d2t[3]), -1, int(rt.d2t[7]), int(rt.d2t[9]), int(rt.d2t[11])]
+    check_native_step(rt, lookup=looks)
+    hs = torch.randn(2, rt.cfg.n_embd, generator=torch.Generator().manual_seed(3))
+    rt.cache.seq_rm(0, 0)
+    _, with_gate = rt.forward(hs, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, looks[0]])
+    rt.cache.seq_rm(0, 0)
+    _, without = rt.forward(hs, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, -1])
+    rt.cache.seq_rm(0, 0)
+    assert not torch.equal(with_gate, without)  # the lookup is read
+
+
+def test_the_runtime_reads_the_lookup_as_the_training_module_does(tiny, data, with_lookup, work):
+    """Logits of the runtime form given each row's lookup equal the training form's at every unroll
+    step (f32 weights, torch runtime)."""
+    from specplug.heads import HeadFile
+    from specplug.heads.lookup import sequence_lookups, training_lookups
+    from specplug.train.dataset import TrainData
+    from specplug.train.finetune import BaseHead
+
+    out = work / "lookup-f32.gguf"
+    loop = LoopOptions(steps=5, lr=3e-3, warmup=1, batch_tokens=2048, val_every=5, save_every=10 ** 6, val_fraction=0.1)
+    base = BaseHead(HeadFile(with_lookup), MTPTrainer)
+    train(MTPTrainer, base.options({"weights": "f32"}), loop, data, out, quiet=True, restart=True, init=base)
+    target = _target(tiny, "none")
+    d = TrainData(data, ["final"], 0.1)
+    tr = MTPTrainer(MTPTrainer.Options(draft_vocab=0, lookup=True), d, torch.device("cpu"), init=HeadFile(out))
+    b = d.collate(d.split["val"][:1])
+    n = int(b.valid[0].sum())
+    look, rows = training_lookups(b.tokens, b.valid, tr.t2d)
+    steps = {r: tr.module.logits(o[0], rows[0])
+             for r, o in tr.module.unroll(b.tokens, b.positions, b.taps["final"], 3, look)}
+    toks = b.tokens[0, :n].tolist()
+    L = sequence_lookups(toks)
+    a = next(t for t in range(int(b.dist_start[0]) + 2, n - 3) if L[t] >= 0 and L[t + 1] >= 0)
+    h = b.taps["final"][0, :n]
+    rt_spec = _mtp(target, out)
+    rt = MTPRuntime(rt_spec.head, target_info(target, 1, 512), rt_spec.backend, 1, 512)
+    assert rt.native_step is None  # the torch form
+    h_prev = torch.cat([torch.zeros(1, h.shape[1]), h[:-1]])
+    states, logits = rt.forward(h_prev[:a + 1], toks[:a + 1], list(range(a + 1)), [0] * (a + 1), [a], lookup=L[:a + 1])
+    torch.testing.assert_close(logits[0], steps[0][a], rtol=1e-3, atol=1e-3)
+    prev = states[a:a + 1]
+    for r in (1, 2):
+        prev, logits = rt.forward(prev, [toks[a + r]], [a + r], [0], [0], lookup=[L[a + r]])
+        torch.testing.assert_close(logits[0], steps[r][a + r], rtol=1e-3, atol=1e-3)
+    # and the lookup matters there: without it the logits differ
+    rt.cache.seq_rm(0, 0)
+    _, plain = rt.forward(h_prev[:a + 1], toks[:a + 1], list(range(a + 1)), [0] * (a + 1), [a])
+    assert not torch.allclose(plain[0], steps[0][a], rtol=1e-3, atol=1e-3)

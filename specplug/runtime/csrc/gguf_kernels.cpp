@@ -1068,7 +1068,7 @@ std::vector<torch::Tensor> pair_head_step(
   const bool has_pre = pre_w.size() == 5 && pre_w[0].numel() > 0;
   torch::Tensor h = has_pre ? apply(unpack(pre_w, pre_n), quantize_rows(h_in, c10::nullopt, 0.0), c10::nullopt)
                             : h_in;
-  if (h_add.numel() > 0) {  // a head's extra input per row (Eagle3's pair lookup), added to the state
+  if (h_add.numel() > 0) {  // a head's extra input per row (its pair lookup), added to the state
     TORCH_CHECK(h_add.sizes() == h.sizes() && h_add.scalar_type() == torch::kFloat32, "h_add must be like h");
     h = (h + h_add).contiguous();
   }

@@ -13,14 +13,9 @@ the layer under `blk.` (attention input 2d, no `blk.attn_norm`); `norm`; `lm_hea
 rope_base, layers (the target layers whose inputs are tapped, low to high), lookup.
 
 With `lookup` (an extension of ours, not in EAGLE-3) the head also reads the context's proposal for
-the next token, the token after the last earlier occurrence of the row's last two tokens
-(`specplug.heads.lookup`; L = none where there is none):
-
-    h      = h + lookup.proj(lookup.norm(embed(L)))      before the layer, at every draft step
-    logits[row of L] += lookup.gate . out + lookup.gate_bias   a learned trust in the proposal
-
-`lookup.proj` [d, d], `lookup.norm` [d], `lookup.gate` [1, d], `lookup.gate_bias` [1], all float32,
-zero (the norm: one) when a head without them is fine-tuned into one, so it starts as that head.
+the next token, the token after the last earlier occurrence of the row's last two tokens: its state
+gains a projection of that token's embedding before the layer, and its logit a learned gate
+(`specplug.heads.lookup`, the same parts MTP uses; tensors `lookup.*`).
 """
 from __future__ import annotations
 
@@ -33,14 +28,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write_head
+from specplug.heads.lookup import LOOKUP_NAMES, LookupForward, LookupReader, LookupTrain
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
 from specplug.runtime.static import chain_head_step, embedded, head_steps, token_input
-from specplug.train.distill import invert
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
 METHOD, VERSION = "eagle3", 1
-LOOKUP_NAMES = ("lookup.proj", "lookup.norm", "lookup.gate", "lookup.gate_bias")
 
 
 @dataclass(frozen=True)
@@ -91,10 +85,7 @@ class Eagle3Train(nn.Module):
         self.lm_head = nn.Parameter(head_rows.detach().clone().float())
         self.register_buffer("embed", embed.float(), persistent=False)
         if cfg.lookup:  # zero: the head starts as the one without it
-            self.lookup_proj = nn.Parameter(torch.zeros(d, d))
-            self.lookup_norm = RMSNorm(d, cfg.eps)
-            self.lookup_gate = nn.Parameter(torch.zeros(1, d))
-            self.lookup_gate_bias = nn.Parameter(torch.zeros(1))
+            self.lookup = LookupTrain(d, cfg.eps)
 
     def fuse(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
         return F.linear(torch.cat(list(taps), -1), self.fc)
@@ -105,18 +96,13 @@ class Eagle3Train(nn.Module):
         logits = F.linear(self.norm(out), self.lm_head)
         if lookup_rows is None or not self.cfg.lookup:
             return logits
-        gate = F.linear(out, self.lookup_gate, self.lookup_gate_bias).squeeze(-1)
-        has = lookup_rows >= 0
-        boost = torch.zeros_like(logits).scatter(-1, lookup_rows.clamp(min=0).unsqueeze(-1),
-                                                 (gate * has).unsqueeze(-1))
-        return logits + boost
+        return self.lookup.boost(logits, out, lookup_rows)
 
     def lookup_input(self, lookup: torch.Tensor | None) -> torch.Tensor | float:
         """What the lookup adds to the hidden input: [B, T, d] (zero where there is none)."""
         if lookup is None or not self.cfg.lookup:
             return 0.0
-        e = self.lookup_norm(self.embed[lookup.clamp(min=0)])
-        return F.linear(e, self.lookup_proj) * (lookup >= 0).unsqueeze(-1)
+        return self.lookup.input(self.embed, lookup)
 
     def unroll(self, tokens: torch.Tensor, positions: torch.Tensor, taps: Sequence[torch.Tensor], steps: int,
                lookup: torch.Tensor | None = None):
@@ -142,8 +128,7 @@ class Eagle3Train(nn.Module):
         p = {"fc": self.fc, "blk.input_norm": self.input_norm.weight, "blk.hidden_norm": self.hidden_norm.weight,
              **self.layer.head_params("blk."), "norm": self.norm.weight, "lm_head": self.lm_head}
         if self.cfg.lookup:
-            p.update(zip(LOOKUP_NAMES, (self.lookup_proj, self.lookup_norm.weight, self.lookup_gate,
-                                        self.lookup_gate_bias)))
+            p.update(self.lookup.head_params())
         return p
 
     def head_tensors(self, d2t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -160,7 +145,7 @@ def write_eagle3(path, target_info, cfg: Eagle3Config, tensors: dict[str, torch.
     write_head(path, meta, tensors, quantize=mats if weights == "q8_0" else (), f16=mats if weights == "f16" else ())
 
 
-class Eagle3Runtime:
+class Eagle3Runtime(LookupForward):
     """Inference form on the runtime's building blocks, with its own KV cache of n_seq sequences."""
 
     def __init__(self, head: HeadFile, target, backend: Backend, n_seq: int, max_ctx: int):
@@ -192,14 +177,8 @@ class Eagle3Runtime:
                                           h_first=False, eps=cfg.eps, layer=self.layer, lm=self.lm, lm_eps=cfg.eps,
                                           rope=self.rope, cache=self.cache, backend=backend, d2t=self.d2t,
                                           pre=self.fc)
-        self.reads_lookup = cfg.lookup  # ChainDrafter passes each row's pair lookup (`lookup=`)
-        if cfg.lookup:
-            shapes = {"lookup.proj": (d, d), "lookup.norm": (d,), "lookup.gate": (1, d), "lookup.gate_bias": (1,)}
-            # on the host: drafting computes the lookup's part there and hands it to the step
-            self.look = {k.split(".")[1]: head.tensor(k, sh).float() for k, sh in shapes.items()}
-            self._t2d = invert(d2t.long(), target.vocab_size).tolist()  # a few ids a step: a list beats tensors
-            self._gate = (self.look["gate"].flatten().contiguous(), float(self.look["gate_bias"][0]))
-            self._look_rows: dict[int, torch.Tensor] = {}  # token -> what its lookup adds (a token's row is fixed)
+        if cfg.lookup:  # ChainDrafter passes each row's pair lookup (`lookup=`)
+            self.look = LookupReader(head, self.embed, d2t, target.vocab_size, cfg.eps)
 
     @torch.inference_mode()
     def fuse(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -207,50 +186,8 @@ class Eagle3Runtime:
         dev, dt = self.backend.device, self.backend.dtype
         return self.fc(torch.cat([t.to(dev, dt) for t in taps], -1).contiguous())
 
-    @torch.inference_mode()
-    def forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
-                seq_ids: Sequence[int], logits_rows: Sequence[int], raw: bool = False,
-                lookup: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows (h(t-1) [n, d] — or with `raw` the three taps side by side [n, 3d], fused here —, x_t, t,
-        seq) -> (output states [n, d], logits over the draft vocabulary for `logits_rows`). `lookup`:
-        each row's pair lookup (target ids, -1: none), read by a head made with one (`reads_lookup`)."""
-        if lookup is None or not self.reads_lookup:
-            return self._forward(h_prev, token_ids, positions, seq_ids, logits_rows, raw)
-        add, boost = self._lookup_parts(lookup, logits_rows)
-        if self.native_step is not None:
-            out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True,
-                                                 raw=raw, h_add=add, boost=boost)
-            return out, logits
-        h = self.fuse([h_prev]) if raw else h_prev.to(self.backend.device, self.backend.dtype)
-        out, logits = self._forward((h + add.to(h.device, h.dtype)).contiguous(), token_ids, positions, seq_ids,
-                                    logits_rows)
-        if logits is not None:
-            rows, gate, bias = boost
-            has = torch.nonzero(rows >= 0).flatten()
-            sel = out[torch.as_tensor(list(logits_rows), device=out.device)[has]].float()
-            logits[has, rows[has].to(logits.device)] += (sel @ gate.to(sel.device) + bias).to(logits.dtype)
-        return out, logits
-
-    def _lookup_parts(self, lookup: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, tuple]:
-        """What the pair lookup adds (the training form's `lookup_input` and gate): per row
-        lookup.proj(lookup.norm(embed(L))) [n, d] (zero where there is none), and for the asked rows
-        (their lookup's draft row, -1: none or outside the draft vocabulary; the gate [d]; its bias)."""
-        add = torch.zeros(len(lookup), self.cfg.n_embd)
-        for i, tok in enumerate(lookup):
-            if tok >= 0:
-                add[i] = self._lookup_row(int(tok))
-        rows = torch.tensor([self._t2d[lookup[i]] if lookup[i] >= 0 else -1 for i in logits_rows], dtype=torch.long)
-        return add, (rows, *self._gate)
-
-    def _lookup_row(self, tok: int) -> torch.Tensor:
-        """lookup.proj(lookup.norm(embed(tok))), computed once per token (at most 4096 kept)."""
-        row = self._look_rows.get(tok)
-        if row is None:
-            if len(self._look_rows) >= 4096:
-                self._look_rows.clear()
-            e = rms_norm(self.embed[torch.tensor([tok])].float().cpu(), self.look["norm"], self.cfg.eps)[0]
-            row = self._look_rows[tok] = torch.mv(self.look["proj"], e)
-        return row
+    def _states(self, h: torch.Tensor, raw: bool) -> torch.Tensor:
+        return self.fuse([h]) if raw else h.to(self.backend.device, self.backend.dtype)
 
     def _forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
                  seq_ids: Sequence[int], logits_rows: Sequence[int],
@@ -281,16 +218,3 @@ class Eagle3Runtime:
         x_in = torch.cat([rms_norm(emb, self.input_norm, eps), rms_norm(h, self.hidden_norm, eps)], -1)
         out = self.layer(h, step, 0, attn_in=x_in)
         return out, (self.lm.norm_linear(out, eps).float() if key[0] else None)
-
-    def forward_pick(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
-                     seq_ids: Sequence[int], logits_rows: Sequence[int], raw: bool = False,
-                     lookup: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int], list[float]]:
-        """`forward` with the greedy pick of `logits_rows` made in the same native call: (states, target
-        ids, their probabilities). Only where `native_step` is set; a head reading the lookup adds it
-        and its gate inside the same call."""
-        add = boost = None
-        if lookup is not None and self.reads_lookup:
-            add, boost = self._lookup_parts(lookup, logits_rows)
-        out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, raw=raw, h_add=add,
-                                              boost=boost)
-        return out, ids, probs

@@ -10,13 +10,13 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.heads.lookup import batch_lookups
+from specplug.heads.lookup import LOOKUP_NAMES, training_lookups
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
 from specplug.train.finetune import draft_vocabulary
 from specplug.train.modules import load_head_params
 from specplug.train.target import TargetWeights
-from specplug_eagle3.head import LOOKUP_NAMES, METHOD, Eagle3Config, Eagle3Train, default_layers, write_eagle3
+from specplug_eagle3.head import METHOD, Eagle3Config, Eagle3Train, default_layers, write_eagle3
 
 
 def _parse_layers(spec: str, n_layer: int | None = None) -> tuple[int, ...] | None:
@@ -103,9 +103,7 @@ class Eagle3Trainer:
         vocabulary), for a head that reads them."""
         if not self.opts.lookup:
             return None, None
-        look = batch_lookups(batch.tokens, batch.valid.sum(1).tolist())
-        rows = torch.where(look >= 0, self.t2d[look.clamp(min=0)], -1)
-        return look, rows
+        return training_lookups(batch.tokens, batch.valid, self.t2d)
 
     def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
         idx, p = soft_targets(batch, self.t2d)

@@ -10,7 +10,12 @@ kernels on CPU, torch elsewhere) with its own multi-sequence KV cache.
 
 Head file (method "mtp", version 1): vectors `hnorm`, `enorm`; matrix `proj` [n_embd, 2 n_embd];
 the layer under `blk.` (see `specplug.heads.layer_from_head`); `d2t` [draft vocab] int32 (draft
-row -> target token id). config: n_embd, n_head, n_head_kv, head_dim, n_ff, eps, rope_base.
+row -> target token id). config: n_embd, n_head, n_head_kv, head_dim, n_ff, eps, rope_base, lookup.
+
+With `lookup` (an extension of ours) the head also reads the context's pair lookup, the token after
+the last earlier occurrence of the row's last two tokens: h(t-1) gains a projection of that token's
+embedding before `hnorm`, and the token's logit a learned gate (`specplug.heads.lookup`, the parts
+Eagle3 uses too; tensors `lookup.*`).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.heads import HeadFile, HeadMeta, layer_from_head, write_head
+from specplug.heads.lookup import LookupForward, LookupReader, LookupTrain
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
 from specplug.runtime.static import chain_head_step, embedded, head_steps, token_input
@@ -40,6 +46,7 @@ class MTPConfig:
     n_ff: int
     eps: float
     rope_base: float
+    lookup: bool = False  # the head reads the context's pair lookup (see the module docstring)
 
     @property
     def shape(self) -> LayerShape:
@@ -47,7 +54,7 @@ class MTPConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MTPConfig":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d or k != "lookup"})  # older heads: off
 
 
 def _shift(x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +77,8 @@ class MTPTrain(nn.Module):
         self.register_buffer("embed", embed.float(), persistent=False)
         self.register_buffer("out_norm", out_norm.float(), persistent=False)
         self.register_buffer("head_rows", head_rows.float(), persistent=False)
+        if cfg.lookup:  # zero: the head starts as the one without it
+            self.lookup = LookupTrain(d, cfg.eps)
 
     def step(self, h_prev: torch.Tensor, emb: torch.Tensor, cos, sin, ks: list, vs: list) -> torch.Tensor:
         """One unroll step over all positions: returns the pre-norm output state [B, T, d]."""
@@ -79,32 +88,41 @@ class MTPTrain(nn.Module):
         vs.append(v)
         return self.layer.finish(ttt_attention(q, ks, vs), z)
 
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """[B, T, d] pre-norm states -> [B, T, draft vocab] logits through the target's norm and head."""
+    def logits(self, out: torch.Tensor, lookup_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, d] pre-norm states -> [B, T, draft vocab] logits through the target's norm and head;
+        with `lookup_rows` (each row's lookup draft row, -1: none) the lookup's gate added there."""
         x = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.cfg.eps) * self.out_norm
-        return F.linear(x, self.head_rows)
+        logits = F.linear(x, self.head_rows)
+        if lookup_rows is None or not self.cfg.lookup:
+            return logits
+        return self.lookup.boost(logits, out, lookup_rows)
 
-    def unroll(self, tokens: torch.Tensor, positions: torch.Tensor, h_final: torch.Tensor, steps: int):
+    def unroll(self, tokens: torch.Tensor, positions: torch.Tensor, h_final: torch.Tensor, steps: int,
+               lookup: torch.Tensor | None = None):
         """Yield (r, out [B, T, d]) for r = 0..steps-1: the output states (`logits(out)` predicts
         token t + 1; a trainer takes logits of the rows it scores only).
 
         Step 0 at position t reads [h(t-1), x_t] (the target's states); step r reads the head's
         own step r-1 output at t-1 with x_t: the state it would have drafting r tokens past the
-        anchor t - r.
+        anchor t - r. lookup [B, T]: each row's pair lookup, added to h at every step (a head that reads it).
         """
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
         emb = self.embed[tokens]
+        add = self.lookup.input(self.embed, lookup) if lookup is not None and self.cfg.lookup else 0.0
         ks, vs = [], []
         h_in = _shift(h_final)
         for r in range(steps):
-            out = self.step(h_in, emb, cos, sin, ks, vs)
+            out = self.step(h_in + add, emb, cos, sin, ks, vs)
             yield r, out
             h_in = _shift(out)
 
     def head_params(self) -> dict[str, nn.Parameter]:
         """The trained parameters under their head file names (`load_head_params` fills them from a file)."""
-        return {"hnorm": self.hnorm.weight, "enorm": self.enorm.weight, "proj": self.proj,
-                **self.layer.head_params("blk.")}
+        p = {"hnorm": self.hnorm.weight, "enorm": self.enorm.weight, "proj": self.proj,
+             **self.layer.head_params("blk.")}
+        if self.cfg.lookup:
+            p.update(self.lookup.head_params())
+        return p
 
     def export(self, path, target_info, d2t: torch.Tensor, recipe: dict, weights: str = "q8_0") -> None:
         """Write the head file; `weights`: q8_0 | f16 | f32 for the matrices (vectors stay f32)."""
@@ -115,7 +133,7 @@ class MTPTrain(nn.Module):
                    quantize=mats if weights == "q8_0" else (), f16=mats if weights == "f16" else ())
 
 
-class MTPRuntime:
+class MTPRuntime(LookupForward):
     """Inference form on the runtime's building blocks, with its own KV cache of n_seq sequences."""
 
     def __init__(self, head: HeadFile, target, backend: Backend, n_seq: int, max_ctx: int, full_vocab: bool = False):
@@ -143,12 +161,18 @@ class MTPRuntime:
                                           eps=cfg.eps, layer=self.layer, lm=self.lm, lm_eps=self.target_eps,
                                           rope=self.rope, cache=self.cache, backend=backend, proj=self.proj,
                                           d2t=self.d2t)
+        if cfg.lookup:  # ChainDrafter passes each row's pair lookup (`lookup=`)
+            self.look = LookupReader(head, self.embed, self.d2t, target.vocab_size, cfg.eps)
 
-    @torch.inference_mode()
-    def forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
-                seq_ids: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _states(self, h: torch.Tensor, raw: bool) -> torch.Tensor:
+        return h.to(self.backend.device, self.backend.dtype)
+
+    def _forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
+                 seq_ids: Sequence[int], logits_rows: Sequence[int],
+                 raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows (h(t-1) [n, d], x_t, t, seq) -> (output states [n, d], logits over the draft vocabulary
         for `logits_rows` [len, draft vocab], or None); K/V of every row go into the cache."""
+        assert not raw, "an MTP head's states are the target's final states (no raw form)"
         if self.native_step is not None:
             out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True)
             return out, logits
@@ -172,10 +196,3 @@ class MTPRuntime:
         x_in = torch.cat([rms_norm(h, self.hnorm, eps), rms_norm(emb, self.enorm, eps)], -1)
         out = self.layer(self.proj(x_in), step, 0)
         return out, (self.lm.norm_linear(out, self.target_eps).float() if key[0] else None)
-
-    def forward_pick(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
-                     seq_ids: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, list[int], list[float]]:
-        """`forward` with the greedy pick of `logits_rows` made in the same native call: (states, target
-        ids, their probabilities). Only where `native_step` is set."""
-        out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows)
-        return out, ids, probs

@@ -16,6 +16,7 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
+from specplug.heads.lookup import LOOKUP_NAMES, training_lookups
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
 from specplug.train.finetune import check_config
@@ -34,6 +35,7 @@ class MTPTrainer:
         init_layer: int = -1  # start the block from this target layer (-1 = the last one, -2 = random)
         depth_decay: float = 0.8  # loss weight of unroll step r is depth_decay ** r
         weights: str = "q8_0"  # matrices in the head file: q8_0 | f16 | f32
+        lookup: bool = False  # also read the context's pair lookup (specplug.heads.lookup; drafts cost a little more)
 
         def __post_init__(self):
             if self.unroll < 1 or self.draft_vocab < 0 or not 0 < self.depth_decay <= 1 or self.init_layer < -2:
@@ -52,7 +54,10 @@ class MTPTrainer:
     @classmethod
     def options_of_head(cls, head: HeadFile) -> dict:
         """The options a head fixes (--init): its draft vocabulary; init_layer only matters for a fresh start."""
-        return {"draft_vocab": int(head.shape("d2t")[0]), "init_layer": cls.Options.init_layer}
+        fixed = {"draft_vocab": int(head.shape("d2t")[0]), "init_layer": cls.Options.init_layer}
+        if head.meta.config.get("lookup"):  # a head without it may be fine-tuned into one (--lookup true)
+            fixed["lookup"] = True
+        return fixed
 
     def __init__(self, options: "MTPTrainer.Options", data: TrainData, device: torch.device,
                  init: HeadFile | None = None):
@@ -61,29 +66,41 @@ class MTPTrainer:
         tw = self.target = TargetWeights(data.target)
         cfg = tw.config
         vocab = cfg.vocab_size
-        hc = MTPConfig(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rms_eps, cfg.rope_base)
+        hc = MTPConfig(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rms_eps, cfg.rope_base,
+                       options.lookup)
         if init is not None:  # the base head's vocabulary, not one chosen anew from this data
-            check_config(init, asdict(hc))
+            check_config(init, {k: v for k, v in asdict(hc).items() if k != "lookup"})  # a head may gain the lookup
             self.d2t = init.tensor("d2t").long()
         else:
             self.d2t = draft_vocab(data.answer_tokens("train"), options.draft_vocab or vocab, vocab)
         self.t2d = invert(self.d2t, vocab).to(device)
         self.module = MTPTrain(hc, tw.embeddings(), tw.output_norm(), tw.output_weight(self.d2t.tolist())).to(device)
-        if init is not None:
-            load_head_params(self.module.head_params(), init)
+        params = self.module.head_params()
+        if init is not None:  # a head read without a lookup keeps the new lookup tensors at their start
+            fresh = () if init.meta.config.get("lookup") else LOOKUP_NAMES
+            load_head_params({k: v for k, v in params.items() if k not in fresh}, init)
         elif options.init_layer != -2:
             li = cfg.n_layer - 1 if options.init_layer == -1 else options.init_layer
             self.module.layer.load_target_layer(tw.layer(li))
         answers = data.answer_tokens("val")
         self.coverage = float((self.t2d.cpu()[answers] >= 0).float().mean())
+        if options.lookup:  # learned from zero beside a trained head: at 4x its rate (as Eagle3's)
+            self.lr_scale = {params[n]: 4.0 for n in LOOKUP_NAMES}
+
+    def _lookups(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """Each row's pair lookup and its draft row, for a head that reads them."""
+        if not self.opts.lookup:
+            return None, None
+        return training_lookups(batch.tokens, batch.valid, self.t2d)
 
     def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
         idx, p = soft_targets(batch, self.t2d)
         total, figs = 0.0, {}
         m = self.module
-        for r, out in m.unroll(batch.tokens, batch.positions, batch.taps["final"], self.opts.unroll):
+        look, rows = self._lookups(batch)
+        for r, out in m.unroll(batch.tokens, batch.positions, batch.taps["final"], self.opts.unroll, look):
             mask = step_mask(batch, r)  # logits only for the scored rows: the head is most of the cost
-            logits = m.logits(out[mask])
+            logits = m.logits(out[mask], None if rows is None else rows[mask])
             ce = draft_ce(logits, idx[mask], p[mask])
             total = total + self.opts.depth_decay ** r * ce.sum() / max(1, ce.shape[0])
             with torch.no_grad():
@@ -96,9 +113,12 @@ class MTPTrainer:
         hit = torch.zeros(self.depths)
         tot = torch.zeros(self.depths)
         d2t = self.d2t.to(batch.tokens.device)
-        for r, out in self.module.unroll(batch.tokens, batch.positions, batch.taps["final"], self.opts.unroll):
+        m = self.module
+        look, rows = self._lookups(batch)
+        for r, out in m.unroll(batch.tokens, batch.positions, batch.taps["final"], self.opts.unroll, look):
             mask = step_mask(batch, r)
-            hit[r] = float((d2t[self.module.logits(out[mask]).argmax(-1)] == batch.topk_ids[..., 0][mask]).sum())
+            logits = m.logits(out[mask], None if rows is None else rows[mask])
+            hit[r] = float((d2t[logits.argmax(-1)] == batch.topk_ids[..., 0][mask]).sum())
             tot[r] = float(mask.sum())
         return hit, tot
 
