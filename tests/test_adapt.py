@@ -127,10 +127,10 @@ def test_adapt_can_swap_draft_tokens_for_the_traffics(setup, capsys):
     assert rep["swap_vocab"] == 3 and 0 < rep["draft_vocab_swapped"]["swapped"] <= 3
 
 
-def test_adapt_can_turn_a_pair_head_into_one_that_reads_the_pair_lookup(setup, capsys):
+def test_adapt_can_turn_a_pair_head_into_one_that_reads_the_pair_lookup(setup, capsys, monkeypatch):
     work, tiny, first, mtp, record = setup
-    e3data = make_train_data(tiny, work / "first-e3", repetitive_prompts(40, seed=1), taps="final,0,1,2",
-                             max_tokens=24, shard_prompts=20)
+    e3data = make_train_data(tiny, work / "first-e3", repetitive_prompts(40, seed=1), taps="0,1,2", max_tokens=24,
+                             shard_prompts=20)
     e3 = work / "e3.gguf"
     assert main(["train", "eagle3", "--data", str(e3data), "-o", str(e3), "--steps", "2", "--draft-vocab", "40",
                  "--layers", "0,1,2", *LOOP]) == 0
@@ -141,11 +141,18 @@ def test_adapt_can_turn_a_pair_head_into_one_that_reads_the_pair_lookup(setup, c
         cand = HeadFile(work / f"{name}.adapt" / f"candidate-{name}.gguf")
         assert rep["lookup"] and cand.meta.config["lookup"] is True and "lookup.gate" in cand.gguf.tensors, name
         assert code == (0 if rep["written"] else 1) and cand.meta.recipe["init"]["sha256"] == file_sha256(base)
-    # a method without such a form is refused before any work
-    dflash = work / "dflash.gguf"
-    assert main(["train", "dflash", "--data", str(e3data), "-o", str(dflash), "--steps", "1", "--draft-vocab", "40",
-                 "--taps", "0,1,final", "--block", "4", "--n-layers", "1", *LOOP]) == 0
+    # a trainer without such a form (a third party's) is refused before any work
+    import dataclasses
+
+    import specplug.train.loop
+
+    @dataclasses.dataclass(frozen=True)
+    class NoLookup:
+        width: int = 1
+
+    monkeypatch.setattr(specplug.train.loop, "load_trainer", lambda method: type("T", (), {"Options": NoLookup}))
     capsys.readouterr()
-    assert main(["adapt", "--record", str(record), "--head", str(dflash), "-o", str(work / "x.gguf"), "--lookup"]) == 2
-    assert "a dflash head has no form that reads the context's pair lookup" in capsys.readouterr().err
+    assert main(["adapt", "--record", str(record), "--head", str(mtp), "-o", str(work / "x.gguf"), "--lookup"]) == 2
+    assert "a mtp head has no form that reads the context's pair lookup (its trainer has no `lookup` option" \
+        in capsys.readouterr().err
     assert not (work / "x.adapt").exists()

@@ -64,6 +64,52 @@ def pair_lookup(history: Sequence[int] | np.ndarray) -> int:
     return int(a[hits[-1] + 2]) if len(hits) else NONE
 
 
+def chain_lookup(history: Sequence[int] | np.ndarray, n: int) -> list[int]:
+    """The lookup chained n tokens past the last row of `history` (a block drafter's proposals for
+    positions c+1 .. c+n, c the last row): the first is `pair_lookup(history)`; each next one is the
+    token after the last earlier occurrence of the pair its two predecessors form, searched among the
+    pairs that end before c (as the first's); NONE from the first break on."""
+    a = np.asarray(history)
+    t = len(a) - 1
+    out = [NONE] * n
+    if t < 2:
+        return out
+    first, second = a[:t - 1], a[1:t]  # pairs (a[j-1], a[j]) for j in [1, t - 1]
+    prev, cur = int(a[t - 1]), int(a[t])
+    for i in range(n):
+        hits = np.flatnonzero((first == prev) & (second == cur))
+        if not len(hits):
+            break
+        prev, cur = cur, int(a[hits[-1] + 2])
+        out[i] = cur
+    return out
+
+
+def anchor_chains(tokens: torch.Tensor, lengths: Sequence[int], anchors: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, K, n] `chain_lookup(sequence[:c + 1], n)` for every anchor c of anchors [B, K] (a trainer's
+    blocks), in one pass per sequence."""
+    rows, where = tokens.tolist(), anchors.tolist()
+    out = torch.full((*anchors.shape, n), NONE, dtype=torch.long)
+    for b, length in enumerate(lengths):
+        seq = rows[b][:length]
+        at: dict[int, list[int]] = {}
+        for k, c in enumerate(where[b]):
+            if 0 <= c < length:
+                at.setdefault(c, []).append(k)
+        last: dict[tuple[int, int], int] = {}  # pair -> the last j it ends at, j < t
+        for t in range(1, length):
+            for k in at.get(t, ()):
+                prev, cur = seq[t - 1], seq[t]
+                for i in range(n):
+                    j = last.get((prev, cur))
+                    if j is None:
+                        break
+                    prev, cur = cur, seq[j + 1]
+                    out[b, k, i] = cur
+            last[(seq[t - 1], seq[t])] = t
+    return out.to(tokens.device)
+
+
 # --- what a head adds from its lookup (written once for every pair head: Eagle3, MTP) ---------------------
 #
 #     h      = h + lookup.proj(lookup.norm(embed(L)))           before the head's layer, at every draft step
@@ -155,11 +201,12 @@ class LookupReader:
         return row
 
     @staticmethod
-    def boost_logits(logits: torch.Tensor, out: torch.Tensor, logits_rows: Sequence[int], boost: tuple) -> None:
-        """The boost on logits computed without the native step (in place): out [n, d] all rows' states."""
+    def boost_logits(logits: torch.Tensor, asked: torch.Tensor, boost: tuple) -> None:
+        """The boost on logits computed without the native step (in place): asked [m, d] the states of
+        the rows the logits are of."""
         rows, gate, bias = boost
         has = torch.nonzero(rows >= 0).flatten()
-        sel = out[torch.as_tensor(list(logits_rows), device=out.device)[has]].float()
+        sel = asked[has.to(asked.device)].float()
         logits[has, rows[has].to(logits.device)] += (sel @ gate.to(sel.device) + bias).to(logits.dtype)
 
 
@@ -194,7 +241,7 @@ class LookupForward:
         out, logits = self._forward((h + add.to(h.device, h.dtype)).contiguous(), token_ids, positions, seq_ids,
                                     logits_rows)
         if logits is not None:
-            LookupReader.boost_logits(logits, out, logits_rows, boost)
+            LookupReader.boost_logits(logits, out[torch.as_tensor(list(logits_rows), device=out.device)], boost)
         return out, logits
 
     def forward_pick(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],

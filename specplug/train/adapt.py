@@ -143,10 +143,10 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
         raise SpecplugError(f"-o {out} is the --head file; write the new head beside it (a reload swaps it in)")
     hf = HeadFile(head)
     cls = load_trainer(hf.meta.method)
-    base = BaseHead(hf, cls, swap_vocab=swap_vocab)
     if lookup and "lookup" not in {f.name for f in dataclasses.fields(cls.Options)}:
         raise SpecplugError(f"--lookup: a {hf.meta.method} head has no form that reads the context's pair lookup "
-                            f"(eagle3 and mtp heads have)")
+                            f"(its trainer has no `lookup` option; eagle3, mtp and dflash heads have one)")
+    base = BaseHead(hf, cls, swap_vocab=swap_vocab)
     rec_man = read_tokens_manifest(record)
     mixes = [DataSource.parse(m) for m in (mix or [])]
     topk = 32
@@ -255,7 +255,7 @@ def add_parser(sub) -> None:
                    help="trade up to N of the head's draft tokens that the traffic uses least for the traffic's "
                         "most frequent tokens outside its draft vocabulary (names, figures, identifiers)")
     p.add_argument("--lookup", action="store_true",
-                   help="fine-tune the head into one that also reads the context's pair lookup (Eagle3, MTP; "
+                   help="fine-tune the head into one that also reads the context's pair lookup (Eagle3, MTP, DFlash; "
                         "specplug.heads.lookup): traffic that repeats its prompts' names and figures")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores this process may use)")
     p.add_argument("--quant", default="auto", help="the target's weight path for the rebuild (as in `train data`)")

@@ -1,6 +1,7 @@
 """The DFlash block speculator and its trainer on a tiny random target."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,75 @@ def test_context_and_draft_steps_on_static_steps_next_to_a_static_target(tiny, t
     eng = assert_greedy_equal(target, [speculator(spec, "DFlash", cost_trim=False)], _ids(target, 3), max_tokens=24,
                               n_parallel=2)
     assert eng.stats.speculators["DFlash"].accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def with_lookup(data, trained, work) -> Path:
+    """The trained head fine-tuned into one whose masked rows read the chained pair lookup."""
+    from specplug.heads import HeadFile
+    from specplug.train.finetune import BaseHead
+
+    loop = LoopOptions(steps=40, lr=3e-3, warmup=5, batch_tokens=2048, val_every=40, save_every=10 ** 6,
+                       val_fraction=0.1)
+    base = BaseHead(HeadFile(trained), DFlashTrainer)
+    report = train(DFlashTrainer, base.options({"lookup": True, "weights": "f32"}), loop, data,
+                   work / "lookup.gguf", quiet=True, restart=True, init=base)
+    # zero-started: before a step it scores what the base head scores (a plain fine-tune's start, same split)
+    plain = train(DFlashTrainer, base.options(), dataclasses.replace(loop, steps=1), data,
+                  work / "plain-ft.gguf", quiet=True, restart=True, init=base)
+    assert report["recipe"]["init"]["start"] == plain["recipe"]["init"]["start"]
+    return work / "lookup.gguf"
+
+
+def test_a_head_reading_the_chained_lookup_drafts_losslessly_and_as_trained(tiny, data, trained, with_lookup):
+    """Lossless with parallel sequences; the runtime's block given the chained lookups equals the
+    training module's; the drafter hands each block the chain of its sequence's history."""
+    from specplug.heads import HeadFile
+    from specplug.heads.eval import evaluate_head
+    from specplug.heads.lookup import anchor_chains, chain_lookup, lookup_draft_rows
+    from specplug.train.dataset import TrainData
+
+    h = HeadFile(with_lookup)
+    assert h.meta.config["lookup"] is True and abs(float(h.tensor("lookup.gate_bias")[0])) > 0
+    before, after = (evaluate_head(p, data)["overall"]["top1"][0] for p in (trained, with_lookup))
+    assert after >= before - 0.02, (before, after)
+    target = _target(tiny, "gguf")
+    spec = _dflash(target, with_lookup)
+    assert spec.rt.reads_lookup and not _dflash(target, trained).rt.reads_lookup
+    seen = []
+    real = spec.rt.draft
+
+    def spy(last, starts, seqs, sizes, chains=None):
+        seen.append((list(starts), list(seqs), list(sizes), chains))
+        return real(last, starts, seqs, sizes, chains)
+
+    spec.rt.draft = spy
+    eng = assert_greedy_equal(target, [speculator(spec, "DFlash", cost_trim=False)], _ids(target), max_tokens=40,
+                              n_parallel=3)
+    st = eng.stats.speculators["DFlash"]
+    assert st.drafted_tokens > 50 and st.accepted_tokens > 0 and not eng.stats.disabled
+    assert all(ch is not None and [len(x) for x in ch] == [z - 1 for z in sizes] for _, _, sizes, ch in seen)
+    assert any(x >= 0 for *_, ch in seen for c in ch for x in c)
+
+    # the runtime form (torch, f32 weights) against the training form, at a block whose chain proposes
+    target = _target(tiny, "none")
+    d = TrainData(data, TAPS.split(","), 0.1)
+    tr = DFlashTrainer(DFlashTrainer.Options(taps=TAPS, draft_vocab=200, block=6, n_layers=1, lookup=True), d,
+                       torch.device("cpu"), init=h)
+    b = d.collate(d.split["val"][:1])
+    n = int(b.valid[0].sum())
+    toks = b.tokens[0, :n].tolist()
+    c = next(c for c in range(int(b.dist_start[0]) + 3, n - 6) if chain_lookup(toks[:c + 1], 5)[1] >= 0)
+    chains = anchor_chains(b.tokens, [n], torch.tensor([[c]]), 5)
+    assert chains[0, 0].tolist() == chain_lookup(toks[:c + 1], 5)
+    taps = [b.taps[t] for t in TAPS.split(",")]
+    out = tr.module(b.tokens, taps, torch.tensor([[c]]), chains)[0, 0, 1:]
+    want = tr.module.logits(out, lookup_draft_rows(chains, tr.t2d)[0, 0])
+    spec = _dflash(target, with_lookup)
+    rt = DFlashRuntime(spec.head, target_info(target, 1, 512), spec.rt.backend, 1, 512)
+    rt.add_context(rt.encode([t[0, :c] for t in taps]), range(c), [0] * c)
+    got = rt.draft([toks[c]], [c], [0], [6], [chains[0, 0].tolist()])
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    rt.add_context(rt.encode([t[0, :c] for t in taps]), range(c), [0] * c)
+    plain = rt.draft([toks[c]], [c], [0], [6])  # the same head without its lookups: other logits
+    assert not torch.allclose(plain, want, rtol=1e-3, atol=1e-3)

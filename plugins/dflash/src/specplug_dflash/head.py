@@ -10,7 +10,13 @@ and inference forms sharing one head file.
 One forward drafts B-1 tokens. The target's embedding table and output projection are shared
 (frozen; over a frequency-ranked draft vocabulary); the head file holds `fc` [d, k d], `mask_emb`
 [d], `norm` [d], layers `blk.<l>.` (see `specplug.heads.layer_from_head`) and `d2t` [N] int32.
-config: n_embd, n_layers, n_head, n_head_kv, head_dim, n_ff, eps, rope_base, block, taps.
+config: n_embd, n_layers, n_head, n_head_kv, head_dim, n_ff, eps, rope_base, block, taps, lookup.
+
+With `lookup` (an extension of ours) each masked row c+i also reads what the context proposes there:
+the pair lookup chained from x_c (`specplug.heads.lookup.chain_lookup`: the token after the last
+earlier occurrence of the last two tokens, then of the pair that token makes, ...). The row's input
+gains a projection of that token's embedding and the token's logit a learned gate (the parts Eagle3
+and MTP use; tensors `lookup.*`).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write_head
+from specplug.heads.lookup import NONE, LookupReader, LookupTrain
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step
 from specplug.runtime.static import head_steps
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables
@@ -42,6 +49,7 @@ class DFlashConfig:
     rope_base: float
     block: int  # block size trained (the anchor token + block - 1 drafted positions)
     taps: tuple[str, ...]  # target hidden states fused into the context features
+    lookup: bool = False  # masked rows read the context's chained pair lookup (see the module docstring)
 
     @property
     def shape(self) -> LayerShape:
@@ -49,7 +57,7 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DFlashConfig":
-        kw = {k: d[k] for k in cls.__dataclass_fields__}
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d or k != "lookup"}  # older heads: off
         kw["taps"] = tuple(str(t) for t in kw["taps"])
         return cls(**kw)
 
@@ -67,13 +75,22 @@ class DFlashTrain(nn.Module):
         self.norm = RMSNorm(d, cfg.eps, out_norm)
         self.register_buffer("embed", embed.float(), persistent=False)
         self.register_buffer("head_rows", head_rows.float(), persistent=False)
+        if cfg.lookup:  # zero: the head starts as the one without it
+            self.lookup = LookupTrain(d, cfg.eps)
 
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(out), self.head_rows)
+    def logits(self, out: torch.Tensor, lookup_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft-vocabulary logits of states [..., d]; with `lookup_rows` [...] (each row's lookup draft
+        row, -1: none) the lookup's gate added there."""
+        logits = F.linear(self.norm(out), self.head_rows)
+        if lookup_rows is None or not self.cfg.lookup:
+            return logits
+        return self.lookup.boost(logits, out, lookup_rows)
 
-    def forward(self, tokens: torch.Tensor, taps: Sequence[torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, taps: Sequence[torch.Tensor], anchors: torch.Tensor,
+                chains: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T], taps [B, T, d] each, anchors [B, K] (positions c of the blocks; any value for
-        blocks that do not count) -> block outputs [B, K, block, d] (row 0 is the anchor token's)."""
+        blocks that do not count) -> block outputs [B, K, block, d] (row 0 is the anchor token's).
+        chains [B, K, block - 1]: each block's chained lookups (`anchor_chains`), for a head that reads them."""
         cfg = self.cfg
         Bs, T = tokens.shape
         K, S = anchors.shape[1], cfg.block
@@ -84,7 +101,10 @@ class DFlashTrain(nn.Module):
         pos = (anchors.unsqueeze(-1) + torch.arange(S, device=tokens.device)).reshape(Bs, K * S)  # [B, K*S]
         cos_b, sin_b = rope_tables(pos, D, cfg.rope_base)
         first = self.embed[tokens.gather(1, anchors.clamp(0, T - 1))]  # [B, K, d]
-        x = torch.cat([first.unsqueeze(2), self.mask_emb.expand(Bs, K, S - 1, -1)], 2).reshape(Bs, K * S, -1)
+        masked = self.mask_emb.expand(Bs, K, S - 1, -1)
+        if chains is not None and cfg.lookup:
+            masked = masked + self.lookup.input(self.embed, chains)
+        x = torch.cat([first.unsqueeze(2), masked], 2).reshape(Bs, K * S, -1)
         # context j is visible to a block anchored at a when j < a; block rows see their own block
         ctx_ok = torch.arange(T, device=tokens.device).view(1, 1, T) < anchors.repeat_interleave(S, 1).unsqueeze(-1)
         blk = torch.arange(K * S, device=tokens.device) // S
@@ -105,6 +125,8 @@ class DFlashTrain(nn.Module):
         t = {"fc": self.fc, "mask_emb": self.mask_emb, "norm": self.norm.weight}
         for i, layer in enumerate(self.layers):
             t.update(layer.head_params(f"blk.{i}."))
+        if self.cfg.lookup:
+            t.update(self.lookup.head_params())
         return t
 
     def head_tensors(self, d2t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -145,6 +167,12 @@ class DFlashRuntime:
                                  (self.fc, self.lm, *(m for ly in self.layers for m in ly.linears())))
         self.cache = backend.new_cache(cfg.n_layers, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim,
                                        spare=int(self.static is not None))
+        # the drafter passes each block's chained lookups (`chains=`) when set
+        self.look = LookupReader(head, self.embed, d2t, target.vocab_size, cfg.eps) if cfg.lookup else None
+
+    @property
+    def reads_lookup(self) -> bool:
+        return self.look is not None
 
     def taps_side_by_side(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
         """[n, d] target states per tap -> [n, k d] on the backend's device and dtype."""
@@ -173,10 +201,12 @@ class DFlashRuntime:
 
     @torch.inference_mode()
     def draft(self, last_tokens: Sequence[int], starts: Sequence[int], seq_ids: Sequence[int],
-              sizes: Sequence[int]) -> torch.Tensor:
+              sizes: Sequence[int], chains: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """One forward over a block per sequence ([x_c, m, ...] at positions c .. c+size-1); returns the
         logits over the draft vocabulary of rows 1..size-1 of every block, in order. The block's cells
-        are dropped again: only committed tokens are context."""
+        are dropped again: only committed tokens are context. chains: per block, the chained lookups
+        of its rows 1..size-1 (`chain_lookup`), read by a head made with them (`reads_lookup`; such a
+        head's draft runs eagerly, not on static steps: the gate needs the rows' states)."""
         dev, dt = self.backend.device, self.backend.dtype
         pos, seqs, lims, first, scored = [], [], [], [], []
         for c, s, b in zip(starts, seq_ids, sizes):
@@ -188,7 +218,12 @@ class DFlashRuntime:
         x = self.mask_emb.expand(len(pos), -1).clone()
         emb = self.embed[torch.as_tensor(list(last_tokens), dtype=torch.long, device=self.embed.device)]
         x[torch.tensor(first, device=x.device)] = emb.to(dev, dt)
-        if self.static is not None:
+        boost = None
+        if chains is not None and self.look is not None:
+            row_looks = [tok for ch, b in zip(chains, sizes) for tok in (NONE, *list(ch)[:b - 1])]
+            add, boost = self.look.parts(row_looks, scored)
+            x = x + add.to(dev, dt)
+        if self.static is not None and boost is None:
             (logits,) = self.static(self.cache, pos, seqs, [x], key=("draft",), limits=lims)
             logits = logits[scored]
             for c, s in zip(starts, seq_ids):
@@ -198,7 +233,10 @@ class DFlashRuntime:
         x = step.rows(x)
         for li, layer in enumerate(self.layers):
             x = layer(x, step, li)
-        logits = self.lm.norm_linear(step.select(x, scored), self.cfg.eps).float()
+        asked = step.select(x, scored)
+        logits = self.lm.norm_linear(asked, self.cfg.eps).float()
+        if boost is not None:
+            LookupReader.boost_logits(logits, asked, boost)
         for c, s in zip(starts, seq_ids):
             self.cache.seq_rm(s, c)
         return logits

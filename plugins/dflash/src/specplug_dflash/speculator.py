@@ -27,6 +27,7 @@ import torch
 
 from specplug.errors import ConfigError
 from specplug.heads import Calibrator, DraftLoop, HeadError, HeadFile, StateKeeper, token_table_sha256
+from specplug.heads.lookup import chain_lookup
 from specplug.hooks import hookimpl
 from specplug.runtime.layers import Backend
 from specplug.types import Batch, Draft, DraftRequest, EmbeddingRequest, TargetInfo, Verified
@@ -192,7 +193,10 @@ class DFlash:
         if not live:
             return [None] * len(requests)
         self.read_pending(seqs)
-        logits = self.rt.draft(last, starts, seqs, sizes)  # [sum(size - 1), draft vocab]
+        chains = None
+        if self.rt.reads_lookup:  # each block's rows read the context's chained proposal
+            chains = [chain_lookup(requests[i].tokens, size - 1) for i, size in zip(live, sizes)]
+        logits = self.rt.draft(last, starts, seqs, sizes, chains)  # [sum(size - 1), draft vocab]
         return self.loop.run_block(requests, live, logits, [size - 1 for size in sizes])
 
     @hookimpl

@@ -16,6 +16,7 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
+from specplug.heads.lookup import LOOKUP_NAMES, anchor_chains, lookup_draft_rows
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets
 from specplug.train.finetune import draft_vocabulary
@@ -47,6 +48,7 @@ class DFlashTrainer:
         position_decay: float = 0.8  # loss weight of block position i is position_decay ** (i - 1)
         init_layers: str = "first"  # start the layers from the target's first layers | random
         weights: str = "q8_0"  # matrices in the head file: q8_0 | f16 | f32
+        lookup: bool = False  # masked rows also read the context's chained pair lookup (specplug.heads.lookup)
 
         def __post_init__(self):
             if self.n_layers < 1 or self.block < 2 or self.anchors < 1 or self.draft_vocab < 1 \
@@ -70,7 +72,7 @@ class DFlashTrainer:
         c = head.meta.config
         return {"taps": ",".join(str(t) for t in c.get("taps", [])), "n_layers": int(c.get("n_layers", 0)),
                 "block": int(c.get("block", 0)), "draft_vocab": int(head.shape("d2t")[0]),
-                "init_layers": cls.Options.init_layers}
+                "init_layers": cls.Options.init_layers, **({"lookup": True} if c.get("lookup") else {})}
 
     def __init__(self, options: "DFlashTrainer.Options", data: TrainData, device: torch.device,
                  init: HeadFile | None = None):
@@ -81,18 +83,23 @@ class DFlashTrainer:
         vocab = cfg.vocab_size
         self.tap_names = _taps(options.taps, cfg.n_layer)
         self.cfg = DFlashConfig(cfg.n_embd, options.n_layers, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff,
-                                cfg.rms_eps, cfg.rope_base, options.block, self.tap_names)
-        self.d2t = draft_vocabulary(init, asdict(self.cfg), data, options.draft_vocab, vocab)
+                                cfg.rms_eps, cfg.rope_base, options.block, self.tap_names, options.lookup)
+        shape = {k: v for k, v in asdict(self.cfg).items() if k != "lookup"}  # a head may gain the lookup
+        self.d2t = draft_vocabulary(init, shape, data, options.draft_vocab, vocab)
         self.t2d = invert(self.d2t, vocab).to(device)
         self.module = DFlashTrain(self.cfg, tw.embeddings(), tw.output_norm(),
                                   tw.output_weight(self.d2t.tolist())).to(device)
-        if init is not None:
-            load_head_params(self.module.head_params(), init)
+        params = self.module.head_params()
+        if init is not None:  # a head read without a lookup keeps the new lookup tensors at their start
+            fresh = () if init.meta.config.get("lookup") else LOOKUP_NAMES
+            load_head_params({k: v for k, v in params.items() if k not in fresh}, init)
         elif options.init_layers == "first":
             for i, layer in enumerate(self.module.layers):
                 layer.load_target_layer(tw.layer(min(i, cfg.n_layer - 1)))
         self.coverage = float((self.t2d.cpu()[data.answer_tokens("val")] >= 0).float().mean())
         self.weights = torch.tensor([options.position_decay ** i for i in range(options.block - 1)], device=device)
+        if options.lookup:  # learned from zero beside a trained head: at 4x its rate (as Eagle3's)
+            self.lr_scale = {params[n]: 4.0 for n in LOOKUP_NAMES}
 
     def _anchors(self, batch: SeqBatch, random: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, K] anchor positions in [dist_start + 1, last - 1] and whether each block counts."""
@@ -108,22 +115,28 @@ class DFlashTrainer:
         return a, (span > 0).view(-1, 1).expand(-1, K)
 
     def _run(self, batch: SeqBatch, random: bool):
+        """(masked rows' outputs [B, K, S-1, d], their distribution rows, which count, their lookups'
+        draft rows [B, K, S-1] or None)."""
         anchors, ok = self._anchors(batch, random)
-        out = self.module(batch.tokens, [batch.taps[t] for t in self.tap_names], anchors)  # [B, K, S, d]
         S = self.opts.block
+        chains = look_rows = None
+        if self.opts.lookup:
+            chains = anchor_chains(batch.tokens, batch.valid.sum(1).tolist(), anchors, S - 1)
+            look_rows = lookup_draft_rows(chains, self.t2d)
+        out = self.module(batch.tokens, [batch.taps[t] for t in self.tap_names], anchors, chains)  # [B, K, S, d]
         rows = anchors.unsqueeze(-1) + torch.arange(S - 1, device=anchors.device)  # the distribution rows p(c+i-1)
         T = batch.tokens.shape[1]
         valid = ok.unsqueeze(-1) & batch.has_dist.gather(1, rows.clamp(max=T - 1).flatten(1)).view_as(rows) & (rows < T)
-        return out[:, :, 1:], rows.clamp(max=T - 1), valid
+        return out[:, :, 1:], rows.clamp(max=T - 1), valid, look_rows
 
     def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        out, rows, valid = self._run(batch, random=True)
+        out, rows, valid, look_rows = self._run(batch, random=True)
         idx, p = soft_targets(batch, self.t2d)
         B, K, P = rows.shape
         flat = rows.reshape(B, K * P)
         idx = idx.gather(1, flat.unsqueeze(-1).expand(-1, -1, idx.shape[-1])).view(B, K, P, -1)
         p = p.gather(1, flat.unsqueeze(-1).expand(-1, -1, p.shape[-1])).view(B, K, P, -1)
-        logits = self.module.logits(out[valid])
+        logits = self.module.logits(out[valid], None if look_rows is None else look_rows[valid])
         ce = draft_ce(logits, idx[valid], p[valid])
         w = self.weights.expand(B, K, P)[valid]
         with torch.no_grad():
@@ -133,9 +146,9 @@ class DFlashTrainer:
 
     @torch.no_grad()
     def evaluate(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        out, rows, valid = self._run(batch, random=False)
+        out, rows, valid, look_rows = self._run(batch, random=False)
         B, K, P = rows.shape
-        pred = self.d2t.to(out.device)[self.module.logits(out).argmax(-1)]  # [B, K, P]
+        pred = self.d2t.to(out.device)[self.module.logits(out, look_rows).argmax(-1)]  # [B, K, P]
         greedy = batch.topk_ids[..., 0].gather(1, rows.reshape(B, K * P)).view(B, K, P)
         right = (pred == greedy) & valid
         prefix = torch.cumprod(right.long(), -1).bool()  # positions 1..i all accepted
