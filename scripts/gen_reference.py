@@ -4,7 +4,7 @@ docstrings, for plugin authors.
     .venv/bin/python scripts/gen_reference.py           # rewrite docs/reference.md
     .venv/bin/python scripts/gen_reference.py --check   # exit 1 when docs/reference.md is stale
 
-What is public: `specplug.heads.__all__` and its `masks` module; of `specplug.train` (which exports
+What is public: `specplug.heads.__all__` and its `masks` and `lookup` modules; of `specplug.train` (which exports
 nothing itself) the modules a trainer imports, each with its public names (minus the command-line
 plumbing). tests/test_reference.py fails when the page and the docstrings disagree, so the page
 changes in the same commit as the docstrings.
@@ -26,6 +26,7 @@ PAGE = ROOT / "docs" / "reference.md"
 MODULES = [
     ("specplug.heads", "the head file (GGUF) and the drafting toolkit"),
     ("specplug.heads.masks", "which training rows a chain or parallel head is scored on"),
+    ("specplug.heads.lookup", "the context's pair lookup, and what a head that reads it adds (Eagle3, MTP, DFlash)"),
     ("specplug.train.loop", "the training loop and the `Trainer` contract of `specplug train <type>`"),
     ("specplug.train.dataset", "reading and batching a data set of `specplug train data`"),
     ("specplug.train.target", "the target's frozen weights a head trains against"),

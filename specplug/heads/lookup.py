@@ -13,9 +13,13 @@ Both sides compute it the same way: training over whole recorded sequences (`seq
 `batch_lookups`), drafting per row from the sequence's history (`pair_lookup`). `NONE` where the pair
 has not occurred before.
 
-What a head does with it is written once here, for every pair head (Eagle3, MTP; see below):
-`LookupTrain` (training form, a head module's `lookup`), `LookupReader` (the drafting form, from a head
-file) and `LookupForward` (a runtime's `forward` / `forward_pick` that hand it to the step).
+A block drafter (DFlash) reads the lookup chained over its block instead (`chain_lookup`,
+`anchor_chains`): the proposal for c+1, then for c+2 from the pair that proposal ends, and so on.
+
+What a head does with it is written once here, for every head that reads it (Eagle3, MTP, DFlash;
+see below): `LookupTrain` (training form, a head module's `lookup`), `LookupReader` (the drafting
+form, from a head file) and `LookupForward` (a pair head runtime's `forward` / `forward_pick` that
+hand it to the step).
 """
 from __future__ import annotations
 
@@ -110,7 +114,7 @@ def anchor_chains(tokens: torch.Tensor, lengths: Sequence[int], anchors: torch.T
     return out.to(tokens.device)
 
 
-# --- what a head adds from its lookup (written once for every pair head: Eagle3, MTP) ---------------------
+# --- what a head adds from its lookup (written once for every head that reads it: Eagle3, MTP, DFlash) ----
 #
 #     h      = h + lookup.proj(lookup.norm(embed(L)))           before the head's layer, at every draft step
 #     logits[row of L] += lookup.gate . out + lookup.gate_bias   a learned trust in the proposal
@@ -135,8 +139,9 @@ def training_lookups(tokens: torch.Tensor, valid: torch.Tensor, t2d: torch.Tenso
 
 
 class LookupTrain(torch.nn.Module):
-    """The training form of the lookup's parts (the block above), zero-started. A head module owns one
-    as `lookup` and calls `input` on its state before its layer and `boost` on its logits."""
+    """The training form of what a head adds from its lookup L: `proj(norm(embed(L)))` added to its
+    state before its layer (`input`), and `gate . out + gate_bias` added to L's logit (`boost`); zero-started
+    (the norm at one), so a head fine-tuned into one starts as it was. A head module owns one as `lookup`."""
 
     def __init__(self, d: int, eps: float):
         super().__init__()
@@ -160,6 +165,7 @@ class LookupTrain(torch.nn.Module):
         return logits + add
 
     def head_params(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters under their head file names (`LOOKUP_NAMES`)."""
         return dict(zip(LOOKUP_NAMES, (self.proj, self.norm.weight, self.gate, self.gate_bias)))
 
 
@@ -217,7 +223,7 @@ class LookupForward:
     implements `_forward(h, token_ids, positions, seq_ids, logits_rows, raw)` (its step without the
     lookup) and `_states(h, raw)` (h on its backend, transformed first when raw)."""
 
-    look: LookupReader | None = None
+    look: LookupReader | None = None  # the head's lookup parts; None: it reads no lookup
 
     @property
     def reads_lookup(self) -> bool:
