@@ -60,3 +60,21 @@ def test_the_default_eagle3_head_reads_the_pair_lookup_and_a_plain_one_ships_bes
     plain = HeadFile(heads["smollm2-135m-eagle3-plain.gguf"])  # what llama.cpp can run
     assert not plain.meta.config.get("lookup") and "lookup.gate" not in plain.gguf.tensors
     assert HeadFile(default).meta.recipe["init"]["sha256"] == file_sha256(plain.path)  # fine-tuned from it
+
+
+@pytest.mark.parametrize("name", ["mtp", "dflash"])
+def test_the_shipped_mtp_and_dflash_heads_read_the_pair_lookup(smollm2_gguf, name):
+    if name not in installed_names():
+        pytest.skip(f"specplug-{name} is not installed")
+    import importlib
+
+    from specplug.engine import target_info
+    from specplug.heads import HeadFile
+
+    mod = importlib.import_module(f"specplug_{name}.speculator")
+    head = mod.find_head(target_info(smollm2_gguf, 1, 256))
+    assert head is not None and head.name == f"smollm2-135m-{name}.gguf"
+    h = HeadFile(head)
+    assert h.meta.config["lookup"] is True and "lookup.gate" in h.gguf.tensors
+    assert h.meta.recipe["init"]["start"]["val_top1_per_depth"][0] < h.meta.recipe["final"]["val_top1_per_depth"][0]
+    assert head.stat().st_size <= 16_000_000

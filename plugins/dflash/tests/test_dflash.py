@@ -310,3 +310,33 @@ def test_a_head_reading_the_chained_lookup_drafts_losslessly_and_as_trained(tiny
     rt.add_context(rt.encode([t[0, :c] for t in taps]), range(c), [0] * c)
     plain = rt.draft([toks[c]], [c], [0], [6])  # the same head without its lookups: other logits
     assert not torch.allclose(plain, want, rtol=1e-3, atol=1e-3)
+
+
+def test_a_lookup_head_next_to_a_static_target_drafts_eagerly_and_the_same(tiny, with_lookup):
+    """On a target on the static step, a head reading the chained lookup keeps the static context
+    step but drafts its blocks eagerly (the gate reads the rows' states): the same logits as a runtime
+    without static steps, the same context cells, and greedy output equal to plain."""
+    import dataclasses
+
+    from specplug.runtime.static import StaticOptions
+
+    target = _target(tiny, "none")
+    target.model.use_static(StaticOptions(compile=True, backend="aot_eager", fixed_tokens=8))
+    spec = _dflash(target, with_lookup)
+    info = target_info(target, 2, 512)
+    eager = DFlashRuntime(spec.head, dataclasses.replace(info, static=None), spec.rt.backend, 2, 512)
+    static = DFlashRuntime(spec.head, info, spec.rt.backend, 2, 512)
+    assert static.static is not None and static.reads_lookup
+    taps = [torch.randn(30, target.model.config.n_embd) for _ in range(3)]
+    chains = [[int(spec.rt.d2t[3]), int(spec.rt.d2t[5]), -1, -1, -1], [int(spec.rt.d2t[8]), -1, -1]]
+    got = []
+    for rt in (eager, static):
+        ctx = rt.encode(taps)
+        rt.add_context(ctx[:20], range(20), [0] * 20)
+        rt.add_context(ctx[20:], range(10), [1] * 10)
+        got.append(rt.draft([7, 9], [20, 10], [0, 1], [6, 4], chains))
+        assert rt.cache.valid[0, :20].all() and not rt.cache.valid[0, 20:].any()
+    torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
+    eng = assert_greedy_equal(target, [speculator(spec, "DFlash", cost_trim=False)], _ids(target, 3), max_tokens=24,
+                              n_parallel=2)
+    assert eng.stats.speculators["DFlash"].accepted_tokens > 0
