@@ -26,6 +26,7 @@ from specplug.errors import SpecplugError
 from specplug.metrics import RunStats, SeqStats, SpecStats
 from specplug.plugins import HookCaller
 from specplug.runtime import KVCache, Target
+from specplug.runtime.linear import take_rows
 from specplug.sampling import SamplingParams, sample, target_probs
 from specplug.types import Batch, TargetInfo
 from specplug.verify import Verdict, verify
@@ -577,7 +578,7 @@ def _own(h: torch.Tensor, rows: torch.Tensor | None, n_users: int) -> torch.Tens
     """The rows of hidden state `h` as a tensor of one speculator's own (an index selection is a
     new tensor; the whole of `h` is copied when several speculators receive it)."""
     if rows is not None:
-        return h[rows]
+        return take_rows(h, rows)
     return h.clone() if n_users > 1 else h
 
 

@@ -26,7 +26,7 @@ State per sequence:
   acceptance 34.5% / 31.7% with the prompt read this way, 35.5% / 32.4% with all of it; a first
   draft after a 200-366-token prompt took 14-26 ms reading all of it, 2-3 ms this way.
 
-A head whose runtime sets `reads_lookup` (an Eagle3 head trained with `--lookup true`) also gets,
+A head whose runtime sets `reads_lookup` (an Eagle3 or MTP head trained with `--lookup true`) also gets,
 per row, the context's pair lookup (`specplug.heads.lookup`: the token that followed the last earlier
 occurrence of the row's last two tokens), computed from the sequence's history and, for drafted
 rows, the tokens drafted before them; its `forward` / `forward_pick` take them as `lookup=`.
@@ -48,6 +48,7 @@ from specplug.heads.lookup import pair_lookup
 from specplug.heads.loop import DraftLoop, Picks
 from specplug.heads.state import StateKeeper
 from specplug.hooks import hookimpl
+from specplug.runtime.linear import take_rows
 from specplug.runtime.kv_cache import KVCache
 from specplug.types import Batch, Draft, DraftRequest, TargetInfo, Verified
 
@@ -171,7 +172,7 @@ class ChainDrafter:
         if not live:
             return [None] * len(requests)
         states, picks = self._step(torch.stack(h), tok, pos, seq, last, raw=self.raw_states, lookup=look)
-        states = states[torch.tensor(last, device=states.device)]
+        states = take_rows(states, last)
 
         def advance(depth: int, rows: list[int], tokens: list[int], reqs: list[int]) -> Picks:
             nonlocal states
@@ -183,7 +184,7 @@ class ChainDrafter:
                 for i, t in zip(reqs, tokens):
                     history[i] = np.append(history[i], t)
                     step_look.append(pair_lookup(history[i]))
-            states, picks = self._step(states[torch.tensor(rows, device=states.device)], tokens, positions, ids,
+            states, picks = self._step(take_rows(states, rows), tokens, positions, ids,
                                        list(range(len(rows))), lookup=step_look)
             return picks
 

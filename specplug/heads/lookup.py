@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from specplug.runtime.linear import rms_norm
+from specplug.runtime.linear import rms_norm, take_rows
 
 NONE = -1
 
@@ -247,7 +247,7 @@ class LookupForward:
         out, logits = self._forward((h + add.to(h.device, h.dtype)).contiguous(), token_ids, positions, seq_ids,
                                     logits_rows)
         if logits is not None:
-            LookupReader.boost_logits(logits, out[torch.as_tensor(list(logits_rows), device=out.device)], boost)
+            LookupReader.boost_logits(logits, take_rows(out, logits_rows), boost)
         return out, logits
 
     def forward_pick(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],

@@ -28,6 +28,7 @@ import torch
 from specplug.heads.loop import Picks
 from specplug.heads.parallel import NewestStateDrafter
 from specplug.hooks import hookimpl
+from specplug.runtime.linear import take_rows
 from specplug.types import Draft, DraftRequest
 
 
@@ -58,7 +59,7 @@ class SequentialHeadsDrafter(NewestStateDrafter):
 
         def advance(depth: int, rows: list[int], tokens: list[int], reqs: list[int]) -> Picks:
             nonlocal carry
-            carry, logits = head.advance(depth, carry[torch.tensor(rows, device=carry.device)], tokens)
+            carry, logits = head.advance(depth, take_rows(carry, rows), tokens)
             return loop.pick(logits)
 
         return loop.run(requests, live, loop.pick(logits), advance, [head.depths] * len(live))

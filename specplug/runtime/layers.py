@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from specplug.runtime import native
 from specplug.runtime.kv_cache import RING_SLACK, KVCache
-from specplug.runtime.linear import DenseLinear, Int8Linear, rms_norm
+from specplug.runtime.linear import DenseLinear, Int8Linear, rms_norm, take_rows
 from specplug.runtime.native import QuantLinear
 
 __all__ = ["Backend", "Linear", "LayerShape", "LayerKind", "DecoderLayer", "Rope", "Step", "StaticRows", "rms_norm",
@@ -210,7 +210,7 @@ class Step:
         """Entry-order rows [n, ...] -> the layout the layers compute in."""
         if self.plan is None or self.plan.gather is None:
             return x
-        return x[self.plan.gather]
+        return take_rows(x, self.plan.gather)
 
     def entries(self, x: torch.Tensor) -> torch.Tensor:
         """Layer-layout rows -> entry order [n, ...]."""
@@ -221,9 +221,9 @@ class Step:
         if self.plan is None:
             if entry_rows is None or list(entry_rows) == list(range(self.n)):
                 return x
-            return x[torch.as_tensor(list(entry_rows), dtype=torch.long)]
+            return take_rows(x, entry_rows)
         rows = self.plan.padded_rows(entry_rows)
-        return x if rows is None else x[rows]
+        return x if rows is None else take_rows(x, rows)
 
     def rotate(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         """RoPE on per-head rows [rows, heads, head_dim] (interleaved pairs) at the rows' positions (float32),
@@ -652,7 +652,7 @@ class _Plan:
         """Padded rows [B*T, ...] -> entry order [n, ...]."""
         if self._row_of_entry is None:
             return x
-        return x[torch.tensor(self._row_of_entry, device=x.device)]
+        return take_rows(x, self._row_of_entry)
 
     def padded_rows(self, entry_rows: Sequence[int] | None):
         """Padded-row indices of the given entries (None = all entries)."""

@@ -20,6 +20,17 @@ import torch
 import torch.nn.functional as F
 
 
+def take_rows(x: torch.Tensor, rows) -> torch.Tensor:
+    """Rows `rows` (a sequence of ints or a 1-D int64 tensor) of x, as a new tensor, by `index_select`.
+    Not `x[rows]`: advanced indexing runs on torch's OpenMP threads from about 6 rows of a hidden state,
+    and those threads then spin on the cores the next native kernel call needs (AMD EPYC Zen 4, 2
+    threads: the output head on 6-8 selected rows 0.36-0.43 ms after `x[rows]`, 0.23-0.25 ms after
+    `index_select` or none; docs/results/heads.md, 2026-11-27)."""
+    if not torch.is_tensor(rows):
+        rows = torch.as_tensor(list(rows), dtype=torch.long, device=x.device)
+    return x.index_select(0, rows)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # aten's rms_norm is not fused on CPU and costs ~3x these ops for one row
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
