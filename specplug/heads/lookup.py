@@ -186,14 +186,15 @@ class LookupReader:
         t2d[d2t.long()] = torch.arange(len(d2t))
         self.t2d = t2d.tolist()  # a few ids a step: a list beats tensors
         self._rows: dict[int, torch.Tensor] = {}
+        self._zero = torch.zeros(d)
 
-    def parts(self, lookup: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor, tuple]:
+    def parts(self, lookup: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor | None, tuple | None]:
         """(what each row's lookup adds to its state [n, d], zero where none; the boost of the asked rows:
-        (their lookup's draft row [len(logits_rows)], -1: none; gate [d]; bias)) — `PairStep`'s h_add, boost."""
-        add = torch.zeros(len(lookup), self.d)
-        for i, tok in enumerate(lookup):
-            if tok >= 0:
-                add[i] = self._row(int(tok))
+        (their lookup's draft row [len(logits_rows)], -1: none; gate [d]; bias)) — `PairStep`'s h_add, boost.
+        (None, None) where no row has a lookup: the step is then the head's step without one."""
+        if all(tok < 0 for tok in lookup):
+            return None, None
+        add = torch.stack([self._row(int(tok)) if tok >= 0 else self._zero for tok in lookup])
         rows = torch.tensor([self.t2d[lookup[i]] if lookup[i] >= 0 else NONE for i in logits_rows], dtype=torch.long)
         return add, (rows, *self.gate)
 
@@ -239,6 +240,8 @@ class LookupForward:
         if lookup is None or self.look is None:
             return self._forward(h_prev, token_ids, positions, seq_ids, logits_rows, raw)
         add, boost = self.look.parts(lookup, logits_rows)
+        if add is None:  # no row has one
+            return self._forward(h_prev, token_ids, positions, seq_ids, logits_rows, raw)
         if self.native_step is not None:
             out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True,
                                                  raw=raw, h_add=add, boost=boost)

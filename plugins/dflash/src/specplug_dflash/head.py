@@ -222,7 +222,8 @@ class DFlashRuntime:
         if chains is not None and self.look is not None:
             row_looks = [tok for ch, b in zip(chains, sizes) for tok in (NONE, *list(ch)[:b - 1])]
             add, boost = self.look.parts(row_looks, scored)
-            x = x + add.to(dev, dt)
+            if add is not None:
+                x = x + add.to(dev, dt)
         if self.static is not None and boost is None:
             (logits,) = self.static(self.cache, pos, seqs, [x], key=("draft",), limits=lims)
             logits = logits[scored]
