@@ -465,6 +465,45 @@ def check_native_step(rt, seed: int = 0, lookup: Sequence[int] | None = None) ->
     return diff
 
 
+def check_lookup_step(rt) -> dict:
+    """For the inference form `rt` of a chain head that reads the pair lookup (`rt.reads_lookup`) and has
+    a native step: `check_native_step` with lookups on the rows (one row without), and the lookup is
+    read (a row's logits with a lookup differ from those without). Returns check_native_step's figures."""
+    assert rt.reads_lookup and rt.native_step is not None
+    looks = [int(rt.d2t[3]), -1, int(rt.d2t[7]), int(rt.d2t[9]), int(rt.d2t[11])]
+    diff = check_native_step(rt, lookup=looks)
+    h = torch.randn(2, rt.native_step.norm_a.numel(), generator=torch.Generator().manual_seed(3))
+    rt.cache.seq_rm(0, 0)
+    _, with_gate = rt.forward(h, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, looks[0]])
+    rt.cache.seq_rm(0, 0)
+    _, without = rt.forward(h, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, -1])
+    rt.cache.seq_rm(0, 0)
+    assert not torch.equal(with_gate, without), "the head's logits do not depend on its lookup"
+    return diff
+
+
+def fine_tune_with_lookup(trainer_cls, head: str | Path, data: str | Path, out: Path, steps: int = 40,
+                          **options) -> Path:
+    """Fine-tune a trained head into one that reads the pair lookup (`--lookup true`, lr 3e-3) and check
+    that it starts exactly as the head it came from: its validation figures before the first step equal
+    those of a plain fine-tune's (same data split). `options`: more trainer options. Returns `out`."""
+    import dataclasses as dc
+
+    from specplug.heads import HeadFile
+    from specplug.train.finetune import BaseHead
+    from specplug.train.loop import LoopOptions, train
+
+    loop = LoopOptions(steps=steps, lr=3e-3, warmup=5, batch_tokens=2048, val_every=steps, save_every=10 ** 6,
+                       val_fraction=0.1)
+    base = BaseHead(HeadFile(head), trainer_cls)
+    report = train(trainer_cls, base.options({"lookup": True, **options}), loop, data, out, quiet=True,
+                   restart=True, init=base)
+    plain = train(trainer_cls, base.options(), dc.replace(loop, steps=1), data, out.with_name(f"{out.stem}-plain.gguf"),
+                  quiet=True, restart=True, init=base)
+    assert report["recipe"]["init"]["start"] == plain["recipe"]["init"]["start"], "not zero-started"
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # statistics: is a sample distributed as the target samples?
 

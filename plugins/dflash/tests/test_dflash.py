@@ -1,7 +1,6 @@
 """The DFlash block speculator and its trainer on a tiny random target."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,8 @@ from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
 from specplug.runtime import load_target
-from specplug.testing import (assert_greedy_equal, greedy_outputs, make_engine, make_train_data, repetitive_prompts,
-                              speculator, write_tiny_gguf)
+from specplug.testing import (assert_greedy_equal, fine_tune_with_lookup, greedy_outputs, make_engine,
+                              make_train_data, repetitive_prompts, speculator, write_tiny_gguf)
 from specplug.train.loop import LoopOptions, train
 from specplug.types import Batch, DraftRequest
 from specplug_dflash.head import DFlashRuntime
@@ -207,30 +206,31 @@ def test_bad_heads_are_clear_errors(tiny, trained, work):
         build_speculators(cfg, target_info(_target(other, "gguf"), 1, 256))
 
 
-def test_context_and_draft_steps_on_static_steps_next_to_a_static_target(tiny, trained):
-    """Next to a target on the static step, DFlash's context and block-draft steps run on static
-    steps too (head_steps; the blocks' bidirectional attention as per-row limits on the device),
-    compute what its eager steps compute, leave the same context cells, and greedy output still
-    equals plain."""
+def _beside_a_static_target(tiny: Path, head: Path, lookup: bool) -> None:
+    """A runtime of `head` next to a target on the static step against one without static steps: the
+    same logits for two blocks of two sequences (with chained lookups when `lookup`), the same context
+    cells, and greedy output equal to plain."""
     import dataclasses
 
     from specplug.runtime.static import StaticOptions
 
     target = _target(tiny, "none")
     target.model.use_static(StaticOptions(compile=True, backend="aot_eager", fixed_tokens=8))
-    spec = _dflash(target, trained)
+    spec = _dflash(target, head)
     info = target_info(target, 2, 512)
     eager = DFlashRuntime(spec.head, dataclasses.replace(info, static=None), spec.rt.backend, 2, 512)
     static = DFlashRuntime(spec.head, info, spec.rt.backend, 2, 512)
     assert eager.static is None and static.static is not None and static.cache.spare == 1
-    d = target.model.config.n_embd
-    taps = [torch.randn(30, d) for _ in range(3)]
+    assert static.reads_lookup == lookup
+    d2t = spec.rt.d2t
+    chains = [[int(d2t[3]), int(d2t[5]), -1, -1, -1], [int(d2t[8]), -1, -1]] if lookup else None
+    taps = [torch.randn(30, target.model.config.n_embd) for _ in range(3)]
     got = []
     for rt in (eager, static):
         ctx = rt.encode(taps)
         rt.add_context(ctx[:20], range(20), [0] * 20)
         rt.add_context(ctx[20:], range(10), [1] * 10)
-        got.append(rt.draft([7, 9], [20, 10], [0, 1], [6, 4]))
+        got.append(rt.draft([7, 9], [20, 10], [0, 1], [6, 4], chains))
         assert rt.cache.valid[0, :20].all() and not rt.cache.valid[0, 20:].any()
         assert rt.cache.valid[1, :10].all() and not rt.cache.valid[1, 10:].any()
     torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
@@ -240,22 +240,18 @@ def test_context_and_draft_steps_on_static_steps_next_to_a_static_target(tiny, t
     assert eng.stats.speculators["DFlash"].accepted_tokens > 0
 
 
+def test_context_and_draft_steps_on_static_steps_next_to_a_static_target(tiny, trained):
+    """Next to a target on the static step, DFlash's context and block-draft steps run on static
+    steps too (head_steps; the blocks' bidirectional attention as per-row limits on the device),
+    compute what its eager steps compute, leave the same context cells, and greedy output still
+    equals plain."""
+    _beside_a_static_target(tiny, trained, lookup=False)
+
+
 @pytest.fixture(scope="module")
 def with_lookup(data, trained, work) -> Path:
     """The trained head fine-tuned into one whose masked rows read the chained pair lookup."""
-    from specplug.heads import HeadFile
-    from specplug.train.finetune import BaseHead
-
-    loop = LoopOptions(steps=40, lr=3e-3, warmup=5, batch_tokens=2048, val_every=40, save_every=10 ** 6,
-                       val_fraction=0.1)
-    base = BaseHead(HeadFile(trained), DFlashTrainer)
-    report = train(DFlashTrainer, base.options({"lookup": True, "weights": "f32"}), loop, data,
-                   work / "lookup.gguf", quiet=True, restart=True, init=base)
-    # zero-started: before a step it scores what the base head scores (a plain fine-tune's start, same split)
-    plain = train(DFlashTrainer, base.options(), dataclasses.replace(loop, steps=1), data,
-                  work / "plain-ft.gguf", quiet=True, restart=True, init=base)
-    assert report["recipe"]["init"]["start"] == plain["recipe"]["init"]["start"]
-    return work / "lookup.gguf"
+    return fine_tune_with_lookup(DFlashTrainer, trained, data, work / "lookup.gguf", weights="f32")
 
 
 def test_a_head_reading_the_chained_lookup_drafts_losslessly_and_as_trained(tiny, data, trained, with_lookup):
@@ -316,27 +312,4 @@ def test_a_lookup_head_next_to_a_static_target_drafts_eagerly_and_the_same(tiny,
     """On a target on the static step, a head reading the chained lookup keeps the static context
     step but drafts its blocks eagerly (the gate reads the rows' states): the same logits as a runtime
     without static steps, the same context cells, and greedy output equal to plain."""
-    import dataclasses
-
-    from specplug.runtime.static import StaticOptions
-
-    target = _target(tiny, "none")
-    target.model.use_static(StaticOptions(compile=True, backend="aot_eager", fixed_tokens=8))
-    spec = _dflash(target, with_lookup)
-    info = target_info(target, 2, 512)
-    eager = DFlashRuntime(spec.head, dataclasses.replace(info, static=None), spec.rt.backend, 2, 512)
-    static = DFlashRuntime(spec.head, info, spec.rt.backend, 2, 512)
-    assert static.static is not None and static.reads_lookup
-    taps = [torch.randn(30, target.model.config.n_embd) for _ in range(3)]
-    chains = [[int(spec.rt.d2t[3]), int(spec.rt.d2t[5]), -1, -1, -1], [int(spec.rt.d2t[8]), -1, -1]]
-    got = []
-    for rt in (eager, static):
-        ctx = rt.encode(taps)
-        rt.add_context(ctx[:20], range(20), [0] * 20)
-        rt.add_context(ctx[20:], range(10), [1] * 10)
-        got.append(rt.draft([7, 9], [20, 10], [0, 1], [6, 4], chains))
-        assert rt.cache.valid[0, :20].all() and not rt.cache.valid[0, 20:].any()
-    torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
-    eng = assert_greedy_equal(target, [speculator(spec, "DFlash", cost_trim=False)], _ids(target, 3), max_tokens=24,
-                              n_parallel=2)
-    assert eng.stats.speculators["DFlash"].accepted_tokens > 0
+    _beside_a_static_target(tiny, with_lookup, lookup=True)

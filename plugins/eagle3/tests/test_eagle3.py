@@ -14,8 +14,9 @@ from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
 from specplug.runtime import load_target
-from specplug.testing import (assert_greedy_equal, check_native_step, greedy_outputs, make_engine, make_train_data,
-                              repetitive_prompts, speculator, write_tiny_gguf)
+from specplug.testing import (assert_greedy_equal, check_lookup_step, check_native_step, fine_tune_with_lookup,
+                              greedy_outputs, make_engine, make_train_data, repetitive_prompts, speculator,
+                              write_tiny_gguf)
 from specplug.train.loop import LoopOptions, train
 from specplug.types import Batch, DraftRequest
 from specplug_eagle3.head import Eagle3Runtime
@@ -379,18 +380,7 @@ def test_draft_step_on_static_steps_next_to_a_static_target(tiny, trained):
 @pytest.fixture(scope="module")
 def with_lookup(data, trained, work) -> Path:
     """The trained head fine-tuned into one that reads the context's pair lookup."""
-    from specplug.heads import HeadFile
-    from specplug.train.finetune import BaseHead
-
-    loop = LoopOptions(steps=40, lr=3e-3, warmup=5, batch_tokens=2048, val_every=40, save_every=10 ** 6,
-                       val_fraction=0.1)
-    base = BaseHead(HeadFile(trained), Eagle3Trainer)
-    report = train(Eagle3Trainer, base.options({"lookup": True}), loop, data, work / "lookup.gguf", quiet=True,
-                   restart=True, init=base)
-    # zero-initialised: before a step the head is the one it started from
-    start = report["init"]["val_top1_per_depth"] if "init" in report else None
-    assert start is None or start == report["start"]["val_top1_per_depth"]
-    return work / "lookup.gguf"
+    return fine_tune_with_lookup(Eagle3Trainer, trained, data, work / "lookup.gguf")
 
 
 def test_a_head_reading_the_pair_lookup_starts_as_its_base_and_drafts_losslessly(tiny, data, trained, with_lookup):
@@ -410,17 +400,7 @@ def test_a_head_reading_the_pair_lookup_starts_as_its_base_and_drafts_losslessly
     st = eng.stats.speculators["Eagle3"]
     assert st.drafted_tokens > 50 and st.accepted_tokens > 0 and not eng.stats.disabled
     # the native draft step adds the lookup and its gate in the same call as the Python form does
-    rt = spec.rt
-    assert rt.native_step is not None
-    looks = [int(rt.d2t[3]), -1, int(rt.d2t[7]), int(rt.d2t[9]), int(rt.d2t[11])]
-    check_native_step(rt, lookup=looks)
-    rt.cache.seq_rm(0, 0)
-    h = torch.randn(2, rt.cfg.n_embd, generator=torch.Generator().manual_seed(3))
-    _, with_gate = rt.forward(h, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, looks[0]])
-    rt.cache.seq_rm(0, 0)
-    _, without = rt.forward(h, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, -1])
-    rt.cache.seq_rm(0, 0)
-    assert not torch.equal(with_gate, without)  # the lookup is read
+    check_lookup_step(spec.rt)
 
     from specplug.errors import SpecplugError
     from specplug_eagle3.llamacpp import export_llamacpp
@@ -434,7 +414,7 @@ def test_the_runtime_reads_the_lookup_as_the_training_module_does(tiny, data, wi
     """Logits of the runtime form given each row's lookup equal the training form's at every unroll
     step (f32 weights, torch runtime), and the drafter hands the runtime the lookups of its history."""
     from specplug.heads import HeadFile
-    from specplug.heads.lookup import batch_lookups, pair_lookup, sequence_lookups
+    from specplug.heads.lookup import pair_lookup, sequence_lookups, training_lookups
     from specplug.train.dataset import TrainData
     from specplug.train.finetune import BaseHead
 
@@ -448,8 +428,7 @@ def test_the_runtime_reads_the_lookup_as_the_training_module_does(tiny, data, wi
                        init=HeadFile(out))
     b = d.collate(d.split["val"][:1])
     n = int(b.valid[0].sum())
-    look = batch_lookups(b.tokens, [n])
-    rows = torch.where(look >= 0, tr.t2d[look.clamp(min=0)], -1)
+    look, rows = training_lookups(b.tokens, b.valid, tr.t2d)
     taps = [b.taps[x] for x in LAYERS.split(",")]
     steps = {r: tr.module.logits(o[0], rows[0]) for r, o in tr.module.unroll(b.tokens, b.positions, taps, 3, look)}
     head = _eagle(target, out).head

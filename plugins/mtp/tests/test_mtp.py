@@ -1,7 +1,6 @@
 """The MTP speculator and its trainer on a tiny random target."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,8 @@ from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
 from specplug.runtime import load_target
-from specplug.testing import assert_greedy_equal, check_native_step, greedy_outputs, make_train_data, \
-    repetitive_prompts, speculator, write_tiny_gguf
+from specplug.testing import assert_greedy_equal, check_lookup_step, check_native_step, fine_tune_with_lookup, \
+    greedy_outputs, make_train_data, repetitive_prompts, speculator, write_tiny_gguf
 from specplug.train.loop import LoopOptions, train
 from specplug_mtp.head import MTPRuntime
 from specplug_mtp.speculator import MTP
@@ -280,19 +279,7 @@ def test_draft_step_on_static_steps_next_to_a_static_target(tiny, trained):
 @pytest.fixture(scope="module")
 def with_lookup(data, trained, work) -> Path:
     """The trained head fine-tuned into one that reads the context's pair lookup (`--lookup true`)."""
-    from specplug.heads import HeadFile
-    from specplug.train.finetune import BaseHead
-
-    loop = LoopOptions(steps=40, lr=3e-3, warmup=5, batch_tokens=2048, val_every=40, save_every=10 ** 6,
-                       val_fraction=0.1)
-    base = BaseHead(HeadFile(trained), MTPTrainer)
-    report = train(MTPTrainer, base.options({"lookup": True}), loop, data, work / "lookup.gguf", quiet=True,
-                   restart=True, init=base)
-    # zero-started: before a step it scores what the base head scores (a plain fine-tune's start, same split)
-    plain = train(MTPTrainer, base.options(), dataclasses.replace(loop, steps=1), data, work / "plain-ft.gguf",
-                  quiet=True, restart=True, init=base)
-    assert report["recipe"]["init"]["start"] == plain["recipe"]["init"]["start"]
-    return work / "lookup.gguf"
+    return fine_tune_with_lookup(MTPTrainer, trained, data, work / "lookup.gguf")
 
 
 def test_a_head_reading_the_pair_lookup_starts_as_its_base_and_drafts_losslessly(tiny, data, trained, with_lookup):
@@ -312,17 +299,7 @@ def test_a_head_reading_the_pair_lookup_starts_as_its_base_and_drafts_losslessly
     st = eng.stats.speculators["MTP"]
     assert st.drafted_tokens > 50 and st.accepted_tokens > 0 and not eng.stats.disabled
     # the native draft step adds the lookup and its gate in the same call as the Python form does
-    rt = spec.rt
-    assert rt.native_step is not None
-    looks = [int(rt.d2t[3]), -1, int(rt.d2t[7]), int(rt.d2t[9]), int(rt.d2t[11])]
-    check_native_step(rt, lookup=looks)
-    hs = torch.randn(2, rt.cfg.n_embd, generator=torch.Generator().manual_seed(3))
-    rt.cache.seq_rm(0, 0)
-    _, with_gate = rt.forward(hs, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, looks[0]])
-    rt.cache.seq_rm(0, 0)
-    _, without = rt.forward(hs, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, -1])
-    rt.cache.seq_rm(0, 0)
-    assert not torch.equal(with_gate, without)  # the lookup is read
+    check_lookup_step(spec.rt)
 
 
 def test_the_runtime_reads_the_lookup_as_the_training_module_does(tiny, data, with_lookup, work):
