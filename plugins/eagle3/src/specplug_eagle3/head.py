@@ -196,10 +196,8 @@ class Eagle3Runtime(LookupForward):
             out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True,
                                                  raw=raw)
             return out, logits
-        if raw:
-            h_prev = self.fuse([h_prev])
         dev, dt = self.backend.device, self.backend.dtype
-        h = h_prev.to(dev, dt).contiguous()
+        h = self._states(h_prev, raw).contiguous()
         if self.static is not None:
             return chain_head_step(self.static, self.cache, self.embed, h, token_ids, positions, seq_ids, logits_rows)
         step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
