@@ -182,9 +182,11 @@ class LookupReader:
         self.d, self.eps, self.embed = d, eps, embed
         self.proj, self.norm = t["proj"], t["norm"]
         self.gate = (t["gate"].flatten().contiguous(), float(t["gate_bias"][0]))
-        from specplug.train.distill import invert  # the trainer's map, so both sides agree
-
-        self.t2d = invert(d2t.long(), vocab_size).tolist()  # a few ids a step: a list beats tensors
+        # target id -> draft row as the trainer's `specplug.train.distill.invert` maps it (not imported:
+        # drafting would then import the training data code, a circle through specplug.heads)
+        t2d = torch.full((vocab_size,), NONE, dtype=torch.long)
+        t2d[d2t.long()] = torch.arange(len(d2t))
+        self.t2d = t2d.tolist()  # a few ids a step: a list beats tensors
         self._rows: dict[int, torch.Tensor] = {}
         self._zero = torch.zeros(d)
 
