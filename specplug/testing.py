@@ -479,6 +479,21 @@ def check_lookup_step(rt) -> dict:
     _, without = rt.forward(h, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, -1])
     rt.cache.seq_rm(0, 0)
     assert not torch.equal(with_gate, without), "the head's logits do not depend on its lookup"
+    # the native step's boost alone (its lookup projection zeroed): only the asked row's lookup draft row
+    # moves, by gate . out + bias
+    ns, look = rt.native_step, rt.look
+    ns.head.set_lookup(torch.zeros_like(look.proj), look.norm.contiguous(), look.gate[0], look.gate[1], look.eps,
+                       torch.tensor(look.t2d, dtype=torch.long))
+    try:
+        out, boosted = rt.forward(h, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, looks[0]])
+        rt.cache.seq_rm(0, 0)
+    finally:
+        ns.read_lookup(look)
+    col = look.t2d[looks[0]]
+    moved = (boosted - without)[0]
+    assert torch.count_nonzero(moved) <= 1 and moved[col] != 0, "the boost lands off the lookup's draft row"
+    want = float(out[1] @ look.gate[0] + look.gate[1])
+    assert abs(float(moved[col]) - want) <= 1e-4 * max(1.0, abs(want)), (float(moved[col]), want)
     return diff
 
 

@@ -61,3 +61,32 @@ def test_native_and_torch_blocks_agree():
         layer.store_kv(ctx, Step(range(10), [0] * 10, cache, rope, be), 0)
         outs.append(layer(block, Step(range(10, 14), [0] * 4, cache, rope, be, limits=[13] * 4), 0))
     torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.05)  # 8-bit activations and Q8_0 weights
+
+
+def test_cache_bookkeeping_on_cpu_matches_a_reference():
+    """On CPU the valid map is marked and cleared through its numpy view (mark, seq_rm): the bits, each
+    sequence's end and its dense flag follow a plain reference through writes, holes and rollbacks."""
+    from specplug.runtime.kv_cache import KVCache
+    cache = KVCache(1, 2, 64, 1, 8, torch.float16, torch.device("cpu"))
+    ref = torch.zeros(2, 64, dtype=torch.bool)
+    ops = [("mark", [0] * 10, list(range(10))), ("mark", [1, 1, 0], [0, 1, 10]), ("rm", 0, 4, 6),
+           ("rm", 0, 8, None), ("mark", [0, 0], [4, 5]), ("rm", 1, 1, None), ("mark", [1] * 3, [1, 2, 3]),
+           ("rm", 0, 0, None), ("mark", [0], [30]), ("rm", 1, 2, 3)]
+    for op in ops:
+        if op[0] == "mark":
+            seq, pos = op[1], op[2]
+            for s in set(seq):
+                cache.note_writes(s, [p for q, p in zip(seq, pos) if q == s])
+            cache.mark(seq, pos)
+            ref[seq, pos] = True
+        else:
+            _, s, p0, p1 = op
+            cache.seq_rm(s, p0, p1)
+            ref[s, p0:p1] = False
+        assert torch.equal(cache.valid, ref), op
+        for s in range(2):
+            held = ref[s].nonzero()
+            end = int(held[-1]) + 1 if len(held) else 0
+            assert cache.end[s] == end, (op, s)
+            if cache.dense[s]:
+                assert bool(ref[s, :end].all()), (op, s)

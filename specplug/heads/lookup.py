@@ -222,7 +222,7 @@ class LookupReader:
 class LookupForward:
     """`forward` / `forward_pick` of a pair head's runtime that may read the lookup (mixed into it).
 
-    The runtime sets `look` (a `LookupReader`, or None for a head without one) and `native_step`, and
+    The runtime sets `native_step`, then `read_lookup(LookupReader(...))` for a head that reads one, and
     implements `_forward(h, token_ids, positions, seq_ids, logits_rows, raw)` (its step without the
     lookup) and `_states(h, raw)` (h on its backend, transformed first when raw)."""
 
@@ -233,6 +233,12 @@ class LookupForward:
         """ChainDrafter passes each row's pair lookup (`lookup=`) when set."""
         return self.look is not None
 
+    def read_lookup(self, look: LookupReader) -> None:
+        """Set the head's lookup parts (`look`), also in its native step where it has one."""
+        self.look = look
+        if self.native_step is not None:
+            self.native_step.read_lookup(look)
+
     @torch.inference_mode()
     def forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
                 seq_ids: Sequence[int], logits_rows: Sequence[int], raw: bool = False,
@@ -241,13 +247,13 @@ class LookupForward:
         `logits_rows`); `lookup`: each row's pair lookup (target ids, -1: none), for a head that reads it."""
         if lookup is None or self.look is None:
             return self._forward(h_prev, token_ids, positions, seq_ids, logits_rows, raw)
+        if self.native_step is not None:  # the lookup's parts are computed in the same call
+            out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True,
+                                                 raw=raw, lookup=lookup)
+            return out, logits
         add, boost = self.look.parts(lookup, logits_rows)
         if add is None:  # no row has one
             return self._forward(h_prev, token_ids, positions, seq_ids, logits_rows, raw)
-        if self.native_step is not None:
-            out, _, _, logits = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, want_logits=True,
-                                                 raw=raw, h_add=add, boost=boost)
-            return out, logits
         h = self._states(h_prev, raw)
         out, logits = self._forward((h + add.to(h.device, h.dtype)).contiguous(), token_ids, positions, seq_ids,
                                     logits_rows)
@@ -261,9 +267,6 @@ class LookupForward:
         """`forward` with the greedy pick of `logits_rows` made in the same native call: (states, target
         ids, their probabilities). Only where `native_step` is set; the lookup's addition and gate go
         into the same call."""
-        add = boost = None
-        if lookup is not None and self.look is not None:
-            add, boost = self.look.parts(lookup, logits_rows)
-        out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, raw=raw, h_add=add,
-                                              boost=boost)
+        out, ids, probs, _ = self.native_step(h_prev, token_ids, positions, seq_ids, logits_rows, raw=raw,
+                                              lookup=lookup if self.look is not None else None)
         return out, ids, probs

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from specplug.runtime import native
-from specplug.runtime.layers import Backend, DecoderLayer, Rope, Step
+from specplug.runtime.layers import Backend, DecoderLayer, Rope, note_rows
 from specplug.runtime.kv_cache import KVCache
 from specplug.runtime.model import EMBED_TYPES, embed_blocks
 
@@ -58,12 +58,18 @@ class PairStep:
         self.proj = proj.packed() if proj is not None else (empty, 0)
         self.empty = (empty, 0)
         self.pre = pre.packed() if pre is not None else None
-        self.no_extra = (torch.empty(0), torch.empty(0, dtype=torch.long), torch.empty(0), 0.0)  # h_add, boost
         self.mats = tuple(v for m in layer.linears() for v in m.packed())
         self.lm, self.lm_eps = lm.packed(), float(lm_eps)
         self.d2t = torch.empty(0, dtype=torch.long) if d2t is None else d2t.long().contiguous()
         S = layer.shape
         self.H, self.Hkv, self.scale = S.n_head, S.n_head_kv, S.head_dim ** -0.5
+        # the parts that never change, held by the kernels once: a step passes only its rows (each
+        # step's Python and argument passing were ~0.1 ms of a 0.4 ms step in the engine)
+        cos, sin = rope.cos_sin(cache.max_ctx)
+        self.head = self.k.PairHead(table, table_type, *(self.pre or self.empty), self.norm_a, self.norm_b, h_first,
+                                    self.eps, *self.proj, *self.mats, float(layer.eps), cache.k[0], cache.v[0],
+                                    cache.valid, cos, sin, self.H, self.Hkv, self.scale, *self.lm, self.lm_eps,
+                                    self.d2t)
 
     @classmethod
     def build(cls, *, embed, norm_a: torch.Tensor, norm_b: torch.Tensor, h_first: bool, eps: float,
@@ -84,26 +90,24 @@ class PairStep:
         return cls(blocks[0], blocks[1], norm_a, norm_b, h_first, eps, layer, lm, lm_eps, rope, cache, backend, proj,
                    d2t, pre)
 
+    def read_lookup(self, look) -> None:
+        """Give the step a head's pair-lookup parts (a `specplug.heads.lookup.LookupReader`): `__call__`
+        then takes each row's lookup (`lookup=`) and adds its projection and gate in the same call."""
+        rows = torch.tensor(look.t2d, dtype=torch.long)
+        self.head.set_lookup(look.proj.contiguous(), look.norm.contiguous(), look.gate[0], look.gate[1], look.eps, rows)
+
     @torch.inference_mode()
     def __call__(self, h: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
                  rows: Sequence[int], want_logits: bool = False, raw: bool = False,
-                 h_add: torch.Tensor | None = None, boost: tuple | None = None
-                 ) -> tuple[torch.Tensor, list[int], list[float], torch.Tensor | None]:
+                 lookup: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int], list[float], torch.Tensor | None]:
         """Rows (h(t-1) [n, d], x_t, t, seq) -> (output states [n, d], for each of `rows` the top-1 target
         id and its probability, and with `want_logits` the logits [len(rows), draft vocab]).
         raw: h is [n, pre's input width], put through `pre` first. Every row's K/V go into the cache.
-        h_add [n, d]: added to the states (after `pre`) before the layer; boost (draft rows [len(rows)]
-        int64, -1: none; gate [d]; bias): `gate . out + bias` added to that logit of each asked row
-        before the pick (a head reading the pair lookup, `specplug.heads.lookup`)."""
+        lookup: each row's pair lookup (target ids, -1: none), for a step given `read_lookup`: its
+        projection is added to the row's state (after `pre`) before the layer, and `gate . out + bias`
+        to the logit of its draft row for the asked rows, before the pick."""
         assert not raw or self.pre is not None, "raw states need a `pre` linear"
-        step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
-        c = self.cache
-        out, ids, probs, logits = self.k.pair_head_step(
-            self.table, self.table_type, torch.tensor(list(token_ids), dtype=torch.long), h.float().contiguous(),
-            *(self.pre if raw else self.empty), self.norm_a, self.norm_b, self.h_first, self.eps, *self.proj,
-            *self.mats, None, None, self.layer.eps,
-            c.k[0], c.v[0], step.seq, step.pos, c.valid, step.cos, step.sin, self.H, self.Hkv, self.scale, *self.lm,
-            self.lm_eps, torch.tensor(list(rows), dtype=torch.long), self.d2t, want_logits,
-            *(self.no_extra[:1] if h_add is None else (h_add.float().contiguous(),)),
-            *(self.no_extra[1:] if boost is None else (boost[0], boost[1].float().contiguous(), float(boost[2]))))
-        return out, ids.tolist(), probs.tolist(), (logits if want_logits and len(rows) else None)
+        positions, seq_ids = note_rows(positions, seq_ids, self.cache)
+        out, ids, probs, logits = self.head.step(h.float(), list(token_ids), seq_ids, positions, list(rows),
+                                                 [] if lookup is None else list(lookup), raw, want_logits)
+        return out, ids, probs, (logits if want_logits and len(rows) else None)

@@ -141,7 +141,7 @@ class Rope:
         return self._cos_sin
 
 
-def _note_batch(positions: list[int], seq_ids: list[int], cache: KVCache) -> dict[int, list[int]]:
+def note_batch(positions: list[int], seq_ids: list[int], cache: KVCache) -> dict[int, list[int]]:
     """Check a batch against the cache and record its writes; returns seq -> its entry indices."""
     groups: dict[int, list[int]] = {}
     for i, s in enumerate(seq_ids):
@@ -153,6 +153,18 @@ def _note_batch(positions: list[int], seq_ids: list[int], cache: KVCache) -> dic
         cache._check_seq(s)
         cache.note_writes(s, pos)
     return groups
+
+
+def note_rows(positions: Sequence[int], seq_ids: Sequence[int], cache: KVCache) -> tuple[list[int], list[int]]:
+    """A native forward's rows checked against the cache and recorded in it (their cells marked valid):
+    what `Step` does for the native kernels, for a caller that passes the rows itself (`PairStep`).
+    Returns (positions, seq_ids) as lists of ints."""
+    positions = [int(p) for p in positions]
+    seq_ids = [int(s) for s in seq_ids]
+    assert len(positions) == len(seq_ids) and positions, (len(positions), len(seq_ids))
+    note_batch(positions, seq_ids, cache)
+    cache.mark(seq_ids, positions)
+    return positions, seq_ids
 
 
 class Step:
@@ -180,12 +192,11 @@ class Step:
         self._rope = rope
         self._rotations: dict[int, torch.Tensor] = {}  # id(rope) -> [B*T, 1, D/2] complex (torch backend)
         if self.native:
-            _note_batch(positions, seq_ids, cache)
             if cache.dtype not in (torch.float16, torch.float32) or cache.device.type != "cpu":
                 raise ValueError("the native kernels need a float16 or float32 CPU cache (make it with Backend.new_cache)")
+            note_rows(positions, seq_ids, cache)
             self.seq = torch.tensor(seq_ids, dtype=torch.int32)
             self.pos = torch.tensor(positions, dtype=torch.int32)
-            cache.valid[self.seq.long(), self.pos.long()] = True
             self.cos, self.sin = rope.cos_sin(cache.max_ctx)
             self.limit = None if limits is None else torch.tensor([int(x) for x in limits], dtype=torch.int32)
             self.plan = None
@@ -508,7 +519,7 @@ class _Plan:
 
     def __init__(self, positions: list[int], seq_ids: list[int], cache: KVCache, dev: torch.device,
                  dtype: torch.dtype = torch.float32, limits: Sequence[int] | None = None):
-        groups = _note_batch(positions, seq_ids, cache)
+        groups = note_batch(positions, seq_ids, cache)
         self.cache, self._limits = cache, limits
         self.slots = list(groups)
         self._first_pos = [min(positions[i] for i in g) for g in groups.values()]  # per slot: its lowest row

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 
 from specplug.runtime.kv_cache import KVCache
-from specplug.runtime.layers import StaticRows, _note_batch
+from specplug.runtime.layers import StaticRows, note_batch
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 1-64: n_seq x k; 128-512: prefill chunks
 MIN_CTX_BUCKET = 256
@@ -208,7 +208,7 @@ class StaticSteps:
         """One step of the entries in `groups` (sequence -> its entry indices, at most a step's worth);
         outputs follow the entries' order."""
         entries = [i for g in groups.values() for i in g]
-        _note_batch([positions[i] for i in entries], [s for s, g in groups.items() for _ in g], cache)
+        note_batch([positions[i] for i in entries], [s for s, g in groups.items() for _ in g], cache)
         fixed = self.options.fixed_tokens
         B = row_bucket(cache.n_seq) if fixed else row_bucket(len(groups))
         T = fixed or row_bucket(max(len(g) for g in groups.values()))

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -1148,6 +1149,152 @@ std::vector<torch::Tensor> pair_head_step(
   return {out, ids, probs, want_logits && m > 0 ? logits : torch::empty({0})};
 }
 
+// A pair head's parts that stay the same from step to step (specplug.heads.PairStep), held once,
+// so that a draft step passes only what changes: its rows and, for a head that reads the context's
+// pair lookup (specplug.heads.lookup), each row's lookup. The lookup's addition to a row's state,
+// proj(rms_norm(embed(lookup)) * norm), is computed here and kept per token (it never changes);
+// the asked rows' boost reads the lookup's draft row (t2d). Same arithmetic as pair_head_step.
+class PairHead {
+ public:
+  PairHead(torch::Tensor emb_raw, int64_t emb_type, std::vector<torch::Tensor> pre_w, int64_t pre_n,
+           torch::Tensor norm_a, torch::Tensor norm_b, bool h_first, double pair_eps,
+           std::vector<torch::Tensor> proj_w, int64_t proj_n, std::vector<torch::Tensor> qkv_w, int64_t qkv_n,
+           std::vector<torch::Tensor> o_w, int64_t o_n, std::vector<torch::Tensor> gu_w, int64_t gu_n,
+           std::vector<torch::Tensor> down_w, int64_t down_n, double eps, torch::Tensor kc, torch::Tensor vc,
+           torch::Tensor valid, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t Hkv, double scale,
+           std::vector<torch::Tensor> lm_w, int64_t lm_n, double lm_eps, torch::Tensor d2t)
+      : emb_raw_(emb_raw), emb_type_(emb_type), pre_w_(pre_w), pre_n_(pre_n), norm_a_(norm_a), norm_b_(norm_b),
+        h_first_(h_first), pair_eps_(pair_eps), proj_w_(proj_w), proj_n_(proj_n), qkv_w_(qkv_w), qkv_n_(qkv_n),
+        o_w_(o_w), o_n_(o_n), gu_w_(gu_w), gu_n_(gu_n), down_w_(down_w), down_n_(down_n), eps_(eps), kc_(kc),
+        vc_(vc), valid_(valid), cos_(cos), sin_(sin), H_(H), Hkv_(Hkv), scale_(scale), lm_w_(lm_w), lm_n_(lm_n),
+        lm_eps_(lm_eps), d2t_(d2t) {
+    TORCH_CHECK(norm_a.numel() > 0 && norm_a.numel() % 8 == 0, "the state width must be a multiple of 8");
+  }
+
+  // The lookup's parts: proj [d, d] and norm [d] float32 (its addition), gate [d] float32 and gate_b
+  // (its boost), eps of its norm, t2d [target vocab] int64 (target id -> draft row, -1: none).
+  void set_lookup(torch::Tensor proj, torch::Tensor norm, torch::Tensor gate, double gate_b, double eps,
+                  torch::Tensor t2d) {
+    const int64_t d = norm_a_.numel();
+    TORCH_CHECK(proj.scalar_type() == torch::kFloat32 && proj.is_contiguous() && proj.dim() == 2 &&
+                    proj.size(0) == d && proj.size(1) == d,
+                "lookup proj must be a contiguous float32 [d, d]");
+    TORCH_CHECK(norm.scalar_type() == torch::kFloat32 && norm.is_contiguous() && norm.numel() == d,
+                "lookup norm must be a contiguous float32 [d]");
+    TORCH_CHECK(gate.scalar_type() == torch::kFloat32 && gate.is_contiguous() && gate.numel() == d,
+                "lookup gate must be a contiguous float32 [d]");
+    TORCH_CHECK(t2d.scalar_type() == torch::kInt64 && t2d.is_contiguous() && t2d.dim() == 1, "t2d must be int64 [vocab]");
+    look_proj_ = proj, look_norm_ = norm, gate_ = gate, gate_b_ = gate_b, look_eps_ = eps, t2d_ = t2d;
+    rows_.clear();
+  }
+
+  bool reads_lookup() const { return look_proj_.defined(); }
+
+  // One step: (out [n, d], top-1 target ids of `rows`, their probabilities, logits [m, V] or empty).
+  // lookup: empty, or one target id per row (-1: none), for a head given set_lookup.
+  std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<float>, torch::Tensor> step(
+      const torch::Tensor& h, const std::vector<int64_t>& tokens, const std::vector<int64_t>& seq,
+      const std::vector<int64_t>& pos, const std::vector<int64_t>& rows, const std::vector<int64_t>& lookup,
+      bool raw, bool want_logits) {
+    const int64_t n = (int64_t)tokens.size(), m = (int64_t)rows.size();
+    TORCH_CHECK((int64_t)seq.size() == n && (int64_t)pos.size() == n, "one sequence and position per token");
+    TORCH_CHECK(lookup.empty() || (int64_t)lookup.size() == n, "one lookup per row (or none)");
+    TORCH_CHECK(!raw || (pre_w_.size() == 5 && pre_w_[0].numel() > 0), "raw states need a `pre` linear");
+    auto tok_t = torch::empty({n}, torch::kInt64), rows_t = torch::empty({m}, torch::kInt64);
+    auto seq_t = torch::empty({n}, torch::kInt32), pos_t = torch::empty({n}, torch::kInt32);
+    for (int64_t i = 0; i < n; ++i) {
+      tok_t.data_ptr<int64_t>()[i] = tokens[i];
+      seq_t.data_ptr<int32_t>()[i] = (int32_t)seq[i];
+      pos_t.data_ptr<int32_t>()[i] = (int32_t)pos[i];
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      TORCH_CHECK(rows[r] >= 0 && rows[r] < n, "asked row ", rows[r], " is outside the ", n, " rows");
+      rows_t.data_ptr<int64_t>()[r] = rows[r];
+    }
+    const torch::Tensor none = torch::empty({0});
+    torch::Tensor h_add = none, boost_rows = torch::empty({0}, torch::kInt64), gate = none;
+    bool any = false;
+    for (int64_t t : lookup) any = any || t >= 0;
+    if (any) {
+      TORCH_CHECK(reads_lookup(), "lookups given to a head without the lookup's parts (set_lookup)");
+      const int64_t d = norm_a_.numel(), V = t2d_.numel();
+      h_add = torch::zeros({n, d}, torch::kFloat32);
+      for (int64_t i = 0; i < n; ++i)
+        if (lookup[i] >= 0) {
+          TORCH_CHECK(lookup[i] < V, "lookup ", lookup[i], " is outside the target's ", V, " tokens");
+          const std::vector<float>& a = addition(lookup[i]);
+          std::copy(a.begin(), a.end(), h_add.data_ptr<float>() + i * d);
+        }
+      boost_rows = torch::empty({m}, torch::kInt64);
+      const int64_t* t2d = t2d_.data_ptr<int64_t>();
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t t = lookup[rows[r]];
+        boost_rows.data_ptr<int64_t>()[r] = t >= 0 ? t2d[t] : -1;
+      }
+      gate = gate_;
+    }
+    static const std::vector<torch::Tensor> empty5(5, torch::empty({0}));
+    auto res = pair_head_step(emb_raw_, emb_type_, tok_t, h.contiguous(), raw ? pre_w_ : empty5, raw ? pre_n_ : 0,
+                              norm_a_, norm_b_, h_first_, pair_eps_, proj_w_, proj_n_, qkv_w_, qkv_n_, o_w_, o_n_,
+                              gu_w_, gu_n_, down_w_, down_n_, c10::nullopt, c10::nullopt, eps_, kc_, vc_, seq_t,
+                              pos_t, valid_, cos_, sin_, H_, Hkv_, scale_, lm_w_, lm_n_, lm_eps_, rows_t, d2t_,
+                              want_logits, h_add, boost_rows, gate, any ? gate_b_ : 0.0);
+    std::vector<int64_t> ids(res[1].data_ptr<int64_t>(), res[1].data_ptr<int64_t>() + m);
+    std::vector<float> probs(res[2].data_ptr<float>(), res[2].data_ptr<float>() + m);
+    return {res[0], ids, probs, res[3]};
+  }
+
+ private:
+  // proj @ (rms_norm(embed(t)) * norm) for target token t, kept (a token's addition never changes)
+  const std::vector<float>& addition(int64_t t) {
+    auto it = rows_.find(t);
+    if (it != rows_.end()) return it->second;
+    if (rows_.size() >= 4096) rows_.clear();
+    const int64_t d = norm_a_.numel();
+    std::vector<float> e(d), x(d), y(d);
+    auto id = torch::full({1}, t, torch::kInt64);
+    embed_rows_into(emb_raw_, emb_type_, id, d, e.data());
+    rms_scale_into(e.data(), look_norm_.data_ptr<float>(), d, (float)look_eps_, x.data());
+    const float* P = look_proj_.data_ptr<float>();
+    for (int64_t k = 0; k < d; ++k) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t j = 0; j < d; j += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(P + k * d + j), _mm256_loadu_ps(x.data() + j), acc);
+      y[k] = hsum(acc);
+    }
+    return rows_.emplace(t, std::move(y)).first->second;
+  }
+
+  torch::Tensor emb_raw_;
+  int64_t emb_type_;
+  std::vector<torch::Tensor> pre_w_;
+  int64_t pre_n_;
+  torch::Tensor norm_a_, norm_b_;
+  bool h_first_;
+  double pair_eps_;
+  std::vector<torch::Tensor> proj_w_;
+  int64_t proj_n_;
+  std::vector<torch::Tensor> qkv_w_;
+  int64_t qkv_n_;
+  std::vector<torch::Tensor> o_w_;
+  int64_t o_n_;
+  std::vector<torch::Tensor> gu_w_;
+  int64_t gu_n_;
+  std::vector<torch::Tensor> down_w_;
+  int64_t down_n_;
+  double eps_;
+  torch::Tensor kc_, vc_, valid_, cos_, sin_;
+  int64_t H_, Hkv_;
+  double scale_;
+  std::vector<torch::Tensor> lm_w_;
+  int64_t lm_n_;
+  double lm_eps_;
+  torch::Tensor d2t_;
+  torch::Tensor look_proj_, look_norm_, gate_, t2d_;
+  double gate_b_ = 0.0, look_eps_ = 0.0;
+  std::unordered_map<int64_t, std::vector<float>> rows_;
+};
+
 }  // namespace
 
 // The GIL is released while a kernel runs (none touches Python objects), so other Python threads
@@ -1175,4 +1322,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("embed_rows", &embed_rows, "token embedding rows from the file's blocks", nogil);
   m.def("isa", []() { return std::string(SPECPLUG_VNNI ? "avx512" : "avx2"); }, "the instruction set this build uses");
   m.def("pair_head_step", &pair_head_step, "one draft step of a pair head, top-1 included", nogil);
+  py::class_<PairHead>(m, "PairHead", "a pair head's constant parts, for its draft steps")
+      .def(py::init<torch::Tensor, int64_t, std::vector<torch::Tensor>, int64_t, torch::Tensor, torch::Tensor, bool,
+                    double, std::vector<torch::Tensor>, int64_t, std::vector<torch::Tensor>, int64_t,
+                    std::vector<torch::Tensor>, int64_t, std::vector<torch::Tensor>, int64_t,
+                    std::vector<torch::Tensor>, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
+                    torch::Tensor, torch::Tensor, int64_t, int64_t, double, std::vector<torch::Tensor>, int64_t,
+                    double, torch::Tensor>())
+      .def("set_lookup", &PairHead::set_lookup, "the pair lookup's parts: proj, norm, gate, gate bias, eps, t2d")
+      .def("step", &PairHead::step, "one draft step: (states, top-1 ids, probabilities, logits or empty)", nogil);
 }

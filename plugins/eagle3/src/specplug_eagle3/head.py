@@ -178,7 +178,7 @@ class Eagle3Runtime(LookupForward):
                                           rope=self.rope, cache=self.cache, backend=backend, d2t=self.d2t,
                                           pre=self.fc)
         if cfg.lookup:  # ChainDrafter passes each row's pair lookup (`lookup=`)
-            self.look = LookupReader(head, self.embed, d2t, target.vocab_size, cfg.eps)
+            self.read_lookup(LookupReader(head, self.embed, d2t, target.vocab_size, cfg.eps))
 
     @torch.inference_mode()
     def fuse(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:

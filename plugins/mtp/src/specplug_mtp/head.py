@@ -162,7 +162,7 @@ class MTPRuntime(LookupForward):
                                           rope=self.rope, cache=self.cache, backend=backend, proj=self.proj,
                                           d2t=self.d2t)
         if cfg.lookup:  # ChainDrafter passes each row's pair lookup (`lookup=`)
-            self.look = LookupReader(head, self.embed, self.d2t, target.vocab_size, cfg.eps)
+            self.read_lookup(LookupReader(head, self.embed, self.d2t, target.vocab_size, cfg.eps))
 
     def _states(self, h: torch.Tensor, raw: bool) -> torch.Tensor:
         return h.to(self.backend.device, self.backend.dtype)
