@@ -69,6 +69,14 @@ class ChainHead(Protocol):
     # Optional: `reads_lookup` (True): both take `lookup=` [each row's pair lookup] (see the module docstring).
 
 
+def _rows_of(states: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """states[rows] for ascending `rows`; states itself when they are all of its rows (one sequence
+    drafting: no torch operation per draft step)."""
+    if len(rows) == states.shape[0] and rows[-1] == len(rows) - 1:
+        return states
+    return take_rows(states, rows)
+
+
 @dataclass
 class _SeqState:
     done: int = 0  # head cache cells [0, done) hold exact pairs
@@ -172,7 +180,7 @@ class ChainDrafter:
         if not live:
             return [None] * len(requests)
         states, picks = self._step(torch.stack(h), tok, pos, seq, last, raw=self.raw_states, lookup=look)
-        states = take_rows(states, last)
+        states = _rows_of(states, last)
 
         def advance(depth: int, rows: list[int], tokens: list[int], reqs: list[int]) -> Picks:
             nonlocal states
@@ -184,7 +192,7 @@ class ChainDrafter:
                 for i, t in zip(reqs, tokens):
                     history[i] = np.append(history[i], t)
                     step_look.append(pair_lookup(history[i]))
-            states, picks = self._step(take_rows(states, rows), tokens, positions, ids,
+            states, picks = self._step(_rows_of(states, rows), tokens, positions, ids,
                                        list(range(len(rows))), lookup=step_look)
             return picks
 
