@@ -93,8 +93,8 @@ class PairStep:
     def read_lookup(self, look) -> None:
         """Give the step a head's pair-lookup parts (a `specplug.heads.lookup.LookupReader`): `__call__`
         then takes each row's lookup (`lookup=`) and adds its projection and gate in the same call."""
-        rows = torch.tensor(look.t2d, dtype=torch.long)
-        self.head.set_lookup(look.proj.contiguous(), look.norm.contiguous(), look.gate[0], look.gate[1], look.eps, rows)
+        t2d = torch.tensor(look.t2d, dtype=torch.long)
+        self.head.set_lookup(look.proj.contiguous(), look.norm.contiguous(), look.gate[0], look.gate[1], look.eps, t2d)
 
     @torch.inference_mode()
     def __call__(self, h: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
