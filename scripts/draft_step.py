@@ -6,7 +6,10 @@ For each chain head (the shipped MTP and Eagle3 heads), one sequence with a 200-
 - head, kernel by kernel: the head's forward with the native kernels called one by one from
   Python (its `native_step` switched off), then the greedy pick in torch;
 - head, one call: `forward_pick` (`specplug.heads.PairStep`: embedding, pair norms, fc or proj,
-  the layer, the Q8_0 draft-vocabulary head and the top-1 in one native call).
+  the layer, the Q8_0 draft-vocabulary head and the top-1 in one native call);
+- the whole `draft` hook (`--hook-tokens` tokens, `stop_below: 0`) of a fresh speculator as shipped,
+  after a prompt and 96 tokens the target wrote (so the heads reading the pair lookup find some):
+  the native steps plus the drafter's Python around them (lookups, the stop rule, the cache rollback).
 
 Each figure is the median of --iters timed calls, and the rounds alternate (--rounds); the
 ratios are per round, and their medians are printed. Usage:
@@ -23,6 +26,7 @@ import time
 import torch
 
 from specplug.engine import target_info
+from specplug.types import Batch, DraftRequest
 from specplug.runtime import load_target
 from specplug.machine import describe
 
@@ -36,6 +40,35 @@ def timed(f, iters: int) -> float:
     return statistics.median(ts) * 1e3
 
 
+def hook_call(cls, target, n_tokens: int):
+    """A call of the `draft` hook of a fresh `cls` speculator (as shipped, `stop_below: 0`) drafting
+    n_tokens after a prompt and 96 greedy tokens; each call rolls the head's cache back to the history
+    first (as drafting every step does)."""
+    m = target.model
+    info = target_info(target, 1, 2048)
+    sp = cls(cls.Params(stop_below=0.0), info)
+    text = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+            "experiences and must-see attractions. Describe the islands, the food and the people.")
+    hist = target.tokenizer.encode(text)
+    cache = m.new_cache(1, 2048)
+    out = m.forward(hist, list(range(len(hist))), [0] * len(hist), cache, logits_rows=[len(hist) - 1])
+    for _ in range(96):
+        hist.append(int(out.logits[-1].argmax()))
+        out = m.forward([hist[-1]], [len(hist) - 1], [0], cache, logits_rows=[0])
+    P = len(hist) - 1  # committed rows; the last token is not yet in the target
+    want = sp.request_embeddings(info)
+    taps = set(want.layers) | ({m.config.n_layer} if want.final else set())
+    o = m.forward(hist[:P], list(range(P)), [0] * P, m.new_cache(1, 2048), logits_rows=[P - 1], taps=taps)
+    emb = {li: o.hidden[li] for li in want.layers}
+    if want.final:
+        emb["final"] = o.hidden[m.config.n_layer]
+    batch = Batch(torch.tensor(hist[:P]), torch.arange(P), torch.zeros(P, dtype=torch.long), emb, is_prompt=True)
+    sp.process_batch(batch, sp.encode(batch) if hasattr(sp, "encode") else None)
+    req = DraftRequest(0, hist, n_tokens)
+    sp.draft([req])  # reads the history's rows (catch_up); later calls read none
+    return lambda: sp.draft([req])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -43,6 +76,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--hook-tokens", type=int, default=4)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -82,6 +116,8 @@ def main() -> int:
             sp.rt.forward_pick(h, [5], [P], [0], [0])
         return f
 
+    hooks = {name: hook_call(cls, target, args.hook_tokens) for name, cls in (("mtp", MTP), ("eagle3", Eagle3))}
+
     rows: dict[str, list[float]] = {}
     for r in range(args.rounds):
         step = timed(plain, args.iters)
@@ -93,6 +129,8 @@ def main() -> int:
             rows.setdefault(f"{name} one call ms", []).append(b)
             rows.setdefault(f"{name} kernel by kernel / step", []).append(a / step)
             rows.setdefault(f"{name} one call / step", []).append(b / step)
+            c = timed(hooks[name], args.iters)
+            rows.setdefault(f"{name} draft hook ({args.hook_tokens} tokens) ms", []).append(c)
     report = {"command": "python scripts/draft_step.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         "threads": torch.get_num_threads(), "medians": {k: statistics.median(v) for k, v in rows.items()},
