@@ -26,9 +26,9 @@ import time
 import torch
 
 from specplug.engine import target_info
-from specplug.types import Batch, DraftRequest
-from specplug.runtime import load_target
 from specplug.machine import describe
+from specplug.runtime import load_target
+from specplug.types import Batch, DraftRequest
 
 
 def timed(f, iters: int) -> float:

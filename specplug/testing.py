@@ -483,7 +483,7 @@ def check_lookup_step(rt) -> dict:
     # moves, by gate . out + bias
     ns, look = rt.native_step, rt.look
     ns.head.set_lookup(torch.zeros_like(look.proj), look.norm.contiguous(), look.gate[0], look.gate[1], look.eps,
-                       torch.tensor(look.t2d, dtype=torch.long))
+                       torch.tensor(look.t2d, dtype=torch.long), look.KEEP)
     try:
         out, boosted = rt.forward(h, [5, 6], [0, 1], [0, 0], [1], lookup=[-1, looks[0]])
         rt.cache.seq_rm(0, 0)

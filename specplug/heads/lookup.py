@@ -170,10 +170,11 @@ class LookupTrain(torch.nn.Module):
 
 
 class LookupReader:
-    """The drafting form: reads the lookup's tensors from a head file (kept on the host, where drafting
-    computes its part) and gives, per draft step, what the step adds (`parts`)."""
+    """The drafting form: reads the lookup's tensors from a head file (kept on the host) and gives, per
+    draft step, what the step adds (`parts`) for the torch forms; a native step is given them once
+    (`PairStep.read_lookup`) and computes the same in its call."""
 
-    KEEP = 4096  # token rows kept (a token's projection is fixed)
+    KEEP = 4096  # token rows kept (a token's projection is fixed); a native step keeps as many
 
     def __init__(self, head, embed, d2t: torch.Tensor, vocab_size: int, eps: float):
         d = int(head.meta.config["n_embd"])
@@ -192,7 +193,7 @@ class LookupReader:
 
     def parts(self, lookup: Sequence[int], logits_rows: Sequence[int]) -> tuple[torch.Tensor | None, tuple | None]:
         """(what each row's lookup adds to its state [n, d], zero where none; the boost of the asked rows:
-        (their lookup's draft row [len(logits_rows)], -1: none; gate [d]; bias)) — `PairStep`'s h_add, boost.
+        (their lookup's draft row [len(logits_rows)], -1: none; gate [d]; bias)).
         (None, None) where no row has a lookup: the step is then the head's step without one."""
         if all(tok < 0 for tok in lookup):
             return None, None

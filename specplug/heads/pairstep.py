@@ -1,7 +1,8 @@
 """`PairStep`: a pair head's whole draft step in one native call (the GGUF kernels, CPU).
 
 A pair head (MTP, Eagle3; see `ChainDrafter`) reads, per row, the token x_t at position t and a
-state h(t-1). One draft step for all live rows is, in `pair_head_step` (csrc/gguf_kernels.cpp):
+state h(t-1). One draft step for all live rows is, in `pair_head_step` (csrc/gguf_kernels.cpp, called
+by `PairHead`, which holds the head's fixed parts so that a step passes only its rows):
 
     h    = pre(h) for raw states                       (Eagle3's fc over its three taps: its encode)
     e    = embed(x_t)                                  rows gathered from the file's own blocks
@@ -9,6 +10,9 @@ state h(t-1). One draft step for all live rows is, in `pair_head_step` (csrc/ggu
     MTP-like (proj given):   out = layer(proj(pair))            a standard decoder layer
     Eagle3-like (no proj):   out = layer(h, attention input = pair)
     for the asked rows:      top-1 of lm(lm_norm(out)) (through d2t) and its softmax probability
+
+and, for a head that reads the pair lookup (`read_lookup`), each row's lookup projection added to h
+before the layer and the asked rows' gate on their lookup's logit before the pick (kept per token).
 
 with no torch operator and no Python object per row between the kernels: a drafted token costs
 the head's weight reads and little else. The same call can also return the logits, so a head
@@ -48,28 +52,21 @@ class PairStep:
 
     def __init__(self, table: torch.Tensor, table_type: int, norm_a: torch.Tensor, norm_b: torch.Tensor,
                  h_first: bool, eps: float, layer: DecoderLayer, lm, lm_eps: float, rope: Rope, cache: KVCache,
-                 backend: Backend, proj=None, d2t: torch.Tensor | None = None, pre=None):
-        self.k = native.kernels()
-        self.table, self.table_type = table, table_type
+                 proj=None, d2t: torch.Tensor | None = None, pre=None):
+        self.table, self.cache, self.has_pre = table, cache, pre is not None
         self.norm_a, self.norm_b = norm_a.float().contiguous(), norm_b.float().contiguous()
-        self.h_first, self.eps = h_first, float(eps)
-        self.layer, self.rope, self.cache, self.backend = layer, rope, cache, backend
-        empty = [torch.empty(0)] * 5
-        self.proj = proj.packed() if proj is not None else (empty, 0)
-        self.empty = (empty, 0)
-        self.pre = pre.packed() if pre is not None else None
-        self.mats = tuple(v for m in layer.linears() for v in m.packed())
-        self.lm, self.lm_eps = lm.packed(), float(lm_eps)
-        self.d2t = torch.empty(0, dtype=torch.long) if d2t is None else d2t.long().contiguous()
+        none = ([torch.empty(0)] * 5, 0)  # no such linear
+        mats = tuple(v for m in layer.linears() for v in m.packed())
+        d2t = torch.empty(0, dtype=torch.long) if d2t is None else d2t.long().contiguous()
         S = layer.shape
-        self.H, self.Hkv, self.scale = S.n_head, S.n_head_kv, S.head_dim ** -0.5
+        cos, sin = rope.cos_sin(cache.max_ctx)
         # the parts that never change, held by the kernels once: a step passes only its rows (each
         # step's Python and argument passing were ~0.1 ms of a 0.4 ms step in the engine)
-        cos, sin = rope.cos_sin(cache.max_ctx)
-        self.head = self.k.PairHead(table, table_type, *(self.pre or self.empty), self.norm_a, self.norm_b, h_first,
-                                    self.eps, *self.proj, *self.mats, float(layer.eps), cache.k[0], cache.v[0],
-                                    cache.valid, cos, sin, self.H, self.Hkv, self.scale, *self.lm, self.lm_eps,
-                                    self.d2t)
+        self.head = native.kernels().PairHead(
+            table, table_type, *(pre.packed() if pre is not None else none), self.norm_a, self.norm_b, h_first,
+            float(eps), *(proj.packed() if proj is not None else none), *mats, float(layer.eps), cache.k[0],
+            cache.v[0], cache.valid, cos, sin, S.n_head, S.n_head_kv, S.head_dim ** -0.5, *lm.packed(),
+            float(lm_eps), d2t)
 
     @classmethod
     def build(cls, *, embed, norm_a: torch.Tensor, norm_b: torch.Tensor, h_first: bool, eps: float,
@@ -87,14 +84,14 @@ class PairStep:
         blocks = _embed_blocks(embed)
         if blocks is None:
             return None
-        return cls(blocks[0], blocks[1], norm_a, norm_b, h_first, eps, layer, lm, lm_eps, rope, cache, backend, proj,
-                   d2t, pre)
+        return cls(blocks[0], blocks[1], norm_a, norm_b, h_first, eps, layer, lm, lm_eps, rope, cache, proj, d2t, pre)
 
     def read_lookup(self, look) -> None:
         """Give the step a head's pair-lookup parts (a `specplug.heads.lookup.LookupReader`): `__call__`
         then takes each row's lookup (`lookup=`) and adds its projection and gate in the same call."""
         t2d = torch.tensor(look.t2d, dtype=torch.long)
-        self.head.set_lookup(look.proj.contiguous(), look.norm.contiguous(), look.gate[0], look.gate[1], look.eps, t2d)
+        self.head.set_lookup(look.proj.contiguous(), look.norm.contiguous(), look.gate[0], look.gate[1], look.eps, t2d,
+                             look.KEEP)
 
     @torch.inference_mode()
     def __call__(self, h: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
@@ -106,7 +103,7 @@ class PairStep:
         lookup: each row's pair lookup (target ids, -1: none), for a step given `read_lookup`: its
         projection is added to the row's state (after `pre`) before the layer, and `gate . out + bias`
         to the logit of its draft row for the asked rows, before the pick."""
-        assert not raw or self.pre is not None, "raw states need a `pre` linear"
+        assert not raw or self.has_pre, "raw states need a `pre` linear"
         positions, seq_ids = note_rows(positions, seq_ids, self.cache)
         out, ids, probs, logits = self.head.step(h.float(), list(token_ids), seq_ids, positions, list(rows),
                                                  [] if lookup is None else list(lookup), raw, want_logits)

@@ -91,20 +91,12 @@ class KVCache:
         p1 = self.end[seq] if p1 is None else min(p1, self.end[seq])
         if p0 >= p1:
             return
-        v = self._valid_np
-        if v is None:
-            self.valid[seq, p0:p1] = False
-        else:
-            v[seq, p0:p1] = False
+        v = self.valid if self._valid_np is None else self._valid_np
+        v[seq, p0:p1] = False
         if p1 >= self.end[seq]:
-            if v is None:
-                rest = self.valid[seq, :p0].nonzero()
-                self.end[seq] = int(rest[-1]) + 1 if len(rest) else 0
-                self.dense[seq] = self.dense[seq] or bool(self.valid[seq, : self.end[seq]].all())
-            else:
-                rest = np.flatnonzero(v[seq, :p0])
-                self.end[seq] = int(rest[-1]) + 1 if len(rest) else 0
-                self.dense[seq] = self.dense[seq] or bool(v[seq, : self.end[seq]].all())
+            rest = v[seq, :p0].nonzero() if self._valid_np is None else np.flatnonzero(v[seq, :p0])
+            self.end[seq] = int(rest[-1]) + 1 if len(rest) else 0
+            self.dense[seq] = self.dense[seq] or bool(v[seq, : self.end[seq]].all())
         else:
             self.dense[seq] = False
         if self.end[seq] == 0:

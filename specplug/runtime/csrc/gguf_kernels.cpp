@@ -1172,9 +1172,10 @@ class PairHead {
   }
 
   // The lookup's parts: proj [d, d] and norm [d] float32 (its addition), gate [d] float32 and gate_b
-  // (its boost), eps of its norm, t2d [target vocab] int64 (target id -> draft row, -1: none).
+  // (its boost), eps of its norm, t2d [target vocab] int64 (target id -> draft row, -1: none); keep:
+  // how many tokens' additions are kept (all are dropped when that many are).
   void set_lookup(torch::Tensor proj, torch::Tensor norm, torch::Tensor gate, double gate_b, double eps,
-                  torch::Tensor t2d) {
+                  torch::Tensor t2d, int64_t keep) {
     const int64_t d = norm_a_.numel();
     TORCH_CHECK(proj.scalar_type() == torch::kFloat32 && proj.is_contiguous() && proj.dim() == 2 &&
                     proj.size(0) == d && proj.size(1) == d,
@@ -1184,8 +1185,9 @@ class PairHead {
     TORCH_CHECK(gate.scalar_type() == torch::kFloat32 && gate.is_contiguous() && gate.numel() == d,
                 "lookup gate must be a contiguous float32 [d]");
     TORCH_CHECK(t2d.scalar_type() == torch::kInt64 && t2d.is_contiguous() && t2d.dim() == 1, "t2d must be int64 [vocab]");
-    look_proj_ = proj, look_norm_ = norm, gate_ = gate, gate_b_ = gate_b, look_eps_ = eps, t2d_ = t2d;
-    rows_.clear();
+    TORCH_CHECK(keep >= 1, "keep must be >= 1");
+    look_proj_ = proj, look_norm_ = norm, gate_ = gate, gate_b_ = gate_b, look_eps_ = eps, t2d_ = t2d, keep_ = keep;
+    additions_.clear();
   }
 
   bool reads_lookup() const { return look_proj_.defined(); }
@@ -1247,9 +1249,9 @@ class PairHead {
  private:
   // proj @ (rms_norm(embed(t)) * norm) for target token t, kept (a token's addition never changes)
   const std::vector<float>& addition(int64_t t) {
-    auto it = rows_.find(t);
-    if (it != rows_.end()) return it->second;
-    if (rows_.size() >= 4096) rows_.clear();
+    auto it = additions_.find(t);
+    if (it != additions_.end()) return it->second;
+    if ((int64_t)additions_.size() >= keep_) additions_.clear();
     const int64_t d = norm_a_.numel();
     std::vector<float> e(d), x(d), y(d);
     auto id = torch::full({1}, t, torch::kInt64);
@@ -1262,7 +1264,7 @@ class PairHead {
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(P + k * d + j), _mm256_loadu_ps(x.data() + j), acc);
       y[k] = hsum(acc);
     }
-    return rows_.emplace(t, std::move(y)).first->second;
+    return additions_.emplace(t, std::move(y)).first->second;
   }
 
   torch::Tensor emb_raw_;
@@ -1292,7 +1294,8 @@ class PairHead {
   torch::Tensor d2t_;
   torch::Tensor look_proj_, look_norm_, gate_, t2d_;
   double gate_b_ = 0.0, look_eps_ = 0.0;
-  std::unordered_map<int64_t, std::vector<float>> rows_;
+  int64_t keep_ = 1;
+  std::unordered_map<int64_t, std::vector<float>> additions_;
 };
 
 }  // namespace
@@ -1321,7 +1324,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &LayerStack::forward, "every layer in one call: [x, tapped inputs...]", nogil);
   m.def("embed_rows", &embed_rows, "token embedding rows from the file's blocks", nogil);
   m.def("isa", []() { return std::string(SPECPLUG_VNNI ? "avx512" : "avx2"); }, "the instruction set this build uses");
-  m.def("pair_head_step", &pair_head_step, "one draft step of a pair head, top-1 included", nogil);
   py::class_<PairHead>(m, "PairHead", "a pair head's constant parts, for its draft steps")
       .def(py::init<torch::Tensor, int64_t, std::vector<torch::Tensor>, int64_t, torch::Tensor, torch::Tensor, bool,
                     double, std::vector<torch::Tensor>, int64_t, std::vector<torch::Tensor>, int64_t,
@@ -1329,6 +1331,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
                     torch::Tensor, torch::Tensor, int64_t, int64_t, double, std::vector<torch::Tensor>, int64_t,
                     double, torch::Tensor>())
-      .def("set_lookup", &PairHead::set_lookup, "the pair lookup's parts: proj, norm, gate, gate bias, eps, t2d")
+      .def("set_lookup", &PairHead::set_lookup, "the pair lookup's parts: proj, norm, gate, gate bias, eps, t2d, keep")
       .def("step", &PairHead::step, "one draft step: (states, top-1 ids, probabilities, logits or empty)", nogil);
 }
