@@ -497,6 +497,38 @@ def check_lookup_step(rt) -> dict:
     return diff
 
 
+def drafted_lookups(target, spec, prompts: list[list[int]], max_tokens: int = 20, n_parallel: int = 2,
+                    native: bool = True) -> list[tuple[list[int], list[int], list[int], list[int]]]:
+    """Run `spec` (a chain head that reads the lookup, drafting on every step, made with `catch_up: null`
+    so that it reads every row) through greedy generation and check that every row it hands its head (the prompt's, committed and drafted ones) carries the
+    lookup of its sequence up to that row: `pair_lookup(history, spec.rt.lookup_n)`. native: spy on the
+    native step's path (`forward_pick`), else on the logits path. Returns the rows seen: (tokens,
+    positions, sequences, lookups) per head call."""
+    from specplug.heads.lookup import pair_lookup
+
+    rt, seen = spec.rt, []
+    name = "forward_pick" if native else "forward"
+    real = getattr(rt, name)
+    if not native:
+        rt.native_step = None  # the logits path
+
+    def spy(h, tok, pos, seq, rows, raw=False, lookup=None):
+        seen.append((list(tok), list(pos), list(seq), lookup))
+        return real(h, tok, pos, seq, rows, raw=raw, lookup=lookup)
+
+    setattr(rt, name, spy)
+    greedy_outputs(target, [speculator(spec, "lookup", cost_trim=False)], prompts, max_tokens=max_tokens,
+                   n_parallel=n_parallel)
+    hist: dict[int, list[int]] = {}
+    for tok, pos, seq, lk in seen:
+        assert lk is not None and len(lk) == len(tok)
+        for t, p, s, x in zip(tok, pos, seq, lk):
+            hist[s] = hist.get(s, [])[:p] + [t]
+            assert len(hist[s]) == p + 1 and x == pair_lookup(hist[s], rt.lookup_n), (s, p, x)
+    assert any(x >= 0 for *_, lk in seen for x in lk) and any(p[0] > 0 and len(p) == 1 for _, p, _, _ in seen)
+    return seen
+
+
 def fine_tune_with_lookup(trainer_cls, head: str | Path, data: str | Path, out: Path, steps: int = 40,
                           **options) -> Path:
     """Fine-tune a trained head into one that reads the pair lookup (`--lookup true`, lr 3e-3) and check

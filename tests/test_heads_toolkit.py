@@ -163,3 +163,33 @@ def test_pair_lookup_proposes_what_followed_the_last_occurrence_of_the_last_two_
     look = batch_lookups(batch, [5, 7])
     assert look[0].tolist() == sequence_lookups([5, 6, 7, 5, 6]) + [NONE, NONE]  # padding has none
     assert look[1].tolist() == sequence_lookups([1] * 7)
+
+
+def test_a_longer_lookup_proposes_what_followed_the_last_occurrence_of_the_longest_match():
+    from specplug.heads.lookup import NONE, batch_lookups, pair_lookup, sequence_lookups
+
+    #        0  1  2  3  4  5  6  7  8  9 10
+    toks = [1, 5, 6, 7, 2, 5, 6, 8, 1, 5, 6]
+    # row 10 ends (1, 5, 6): the pair (5, 6) last occurred at 5-6 (then 8), the 3-gram only at 0-2 (then 7)
+    assert pair_lookup(toks) == 8 and pair_lookup(toks, 3) == pair_lookup(toks, 6) == 7
+    assert sequence_lookups(toks)[10] == 8 and sequence_lookups(toks, 3)[10] == 7
+    # without a longer match the pair's proposal stands; a longer one that occurred twice: its last
+    assert sequence_lookups(toks, 3)[6] == sequence_lookups(toks)[6] == 7
+    assert pair_lookup([3, 1, 2, 9, 3, 1, 2, 8, 3, 1, 2], 4) == 8
+    assert pair_lookup([1, 2], 6) == pair_lookup([7, 1, 2, 3], 6) == NONE
+    brute_gen = torch.Generator().manual_seed(1)
+    for length in (2, 30, 200):
+        seq = torch.randint(0, 3, (length,), generator=brute_gen).tolist()
+        for n in (2, 3, 5):
+            want = []
+            for t in range(length):  # the longest m-gram ending at t seen before, its last occurrence
+                best = NONE
+                for m in range(min(n, t + 1), 1, -1):
+                    ends = [j for j in range(m - 1, t) if seq[j - m + 1:j + 1] == seq[t - m + 1:t + 1]]
+                    if ends:
+                        best = seq[ends[-1] + 1]
+                        break
+                want.append(best)
+            assert sequence_lookups(seq, n) == want and [pair_lookup(seq[:t + 1], n) for t in range(length)] == want
+    look = batch_lookups(torch.tensor([toks, toks[::-1]]), [11, 7], 3)
+    assert look[0].tolist() == sequence_lookups(toks, 3) and look[1, :7].tolist() == sequence_lookups(toks[::-1][:7], 3)

@@ -146,6 +146,7 @@ class ChainDrafter:
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft | None]:
         rt, keeper, zeros = self.rt, self.keeper, self.zeros
         reads_lookup = getattr(rt, "reads_lookup", False)
+        n_look = getattr(rt, "lookup_n", 2)
         h, tok, pos, seq, last, live = [], [], [], [], [], []
         look: list[int] | None = [] if reads_lookup else None
         history: dict[int, np.ndarray] = {}  # request -> its tokens, then its drafted ones (lookups)
@@ -166,14 +167,14 @@ class ChainDrafter:
                 pos.append(p)
                 seq.append(r.seq_id)
                 if look is not None:
-                    look.append(pair_lookup(history[i][:p + 1]))
+                    look.append(pair_lookup(history[i][:p + 1], n_look))
             hl = keeper.last[r.seq_id]
             h.append(zeros if hl is None else hl)
             tok.append(r.tokens[-1])
             pos.append(c)
             seq.append(r.seq_id)
             if look is not None:
-                look.append(pair_lookup(history[i]))
+                look.append(pair_lookup(history[i], n_look))
             last.append(len(tok) - 1)
             live.append(i)
             st.pending, st.done = [], c + 1
@@ -191,7 +192,7 @@ class ChainDrafter:
                 step_look = []
                 for i, t in zip(reqs, tokens):
                     history[i] = np.append(history[i], t)
-                    step_look.append(pair_lookup(history[i]))
+                    step_look.append(pair_lookup(history[i], n_look))
             states, picks = self._step(_rows_of(states, rows), tokens, positions, ids,
                                        list(range(len(rows))), lookup=step_look)
             return picks

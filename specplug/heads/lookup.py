@@ -11,7 +11,10 @@ next token on 59% of the answer rows, where the head alone picks it on 34% of th
 
 Both sides compute it the same way: training over whole recorded sequences (`sequence_lookups`,
 `batch_lookups`), drafting per row from the sequence's history (`pair_lookup`). `NONE` where the pair
-has not occurred before.
+has not occurred before. A head made with `lookup_n` = n > 2 (its config; 2 when absent) reads the
+longest match instead: the token after the last earlier occurrence of the longest m-gram ending at
+the row, 2 <= m <= n. On MT-bench's answers (SmolLM2-135M) n = 6 proposes the target's token on 44.9%
+of the rows and another on 11.6%, where the pair proposes it on 41.6% and another on 14.9%.
 
 A block drafter (DFlash) reads the lookup chained over its block instead (`chain_lookup`,
 `anchor_chains`): the proposal for c+1, then for c+2 from the pair that proposal ends, and so on.
@@ -28,44 +31,60 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from specplug.errors import SpecplugError
+from specplug.heads.file import HeadError
 from specplug.runtime.linear import rms_norm, take_rows
 
 NONE = -1
 
 
-def sequence_lookups(tokens: Sequence[int]) -> list[int]:
-    """Per position t of one sequence: the token after the last j < t with (tokens[j-1], tokens[j]) ==
-    (tokens[t-1], tokens[t]), or NONE. One pass, O(len)."""
-    last: dict[tuple[int, int], int] = {}
+def sequence_lookups(tokens: Sequence[int], n: int = 2) -> list[int]:
+    """Per position t of one sequence: the token after the last earlier occurrence of the longest
+    m-gram ending at t (2 <= m <= n) that has occurred before (ending at some j < t), or NONE. n = 2 is
+    the pair lookup: (tokens[t-1], tokens[t]). One pass, O(len * n)."""
+    last: list[dict[tuple[int, ...], int]] = [{} for _ in range(n + 1)]  # m -> m-gram -> the last j it ends at
     out = [NONE] * len(tokens)
     for t in range(1, len(tokens)):
-        key = (tokens[t - 1], tokens[t])
-        j = last.get(key)
-        if j is not None:
-            out[t] = tokens[j + 1]
-        last[key] = t
+        top = min(n, t + 1)
+        for m in range(top, 1, -1):
+            j = last[m].get(tuple(tokens[t - m + 1:t + 1]))
+            if j is not None:
+                out[t] = tokens[j + 1]
+                break
+        for m in range(2, top + 1):
+            last[m][tuple(tokens[t - m + 1:t + 1])] = t
     return out
 
 
-def batch_lookups(tokens: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+def batch_lookups(tokens: torch.Tensor, lengths: Sequence[int], n: int = 2) -> torch.Tensor:
     """[B, T] int64 lookups of a padded batch of sequences (row b's first lengths[b] tokens; NONE after)."""
     out = torch.full(tokens.shape, NONE, dtype=torch.long)
     rows = tokens.tolist()
-    for b, n in enumerate(lengths):
-        out[b, :n] = torch.tensor(sequence_lookups(rows[b][:n]), dtype=torch.long)
+    for b, length in enumerate(lengths):
+        out[b, :length] = torch.tensor(sequence_lookups(rows[b][:length], n), dtype=torch.long)
     return out.to(tokens.device)
 
 
-def pair_lookup(history: Sequence[int] | np.ndarray) -> int:
+def pair_lookup(history: Sequence[int] | np.ndarray, n: int = 2) -> int:
     """The lookup of the last row of `history` (the sequence up to and including the row's token):
-    what `sequence_lookups(history)[-1]` gives, by a vectorised search (drafting: one row at a time)."""
+    what `sequence_lookups(history, n)[-1]` gives, by a vectorised search (drafting: one row at a time).
+    Every m-gram occurrence (m >= 2) is a pair occurrence, so the pairs' hits are extended backwards
+    (up to n tokens) and the last of the longest wins."""
     a = np.asarray(history)
     t = len(a) - 1
     if t < 2:
         return NONE
-    # j in [1, t - 1]: a[j-1] == a[t-1] and a[j] == a[t]; the last one
-    hits = np.flatnonzero((a[:t - 1] == a[t - 1]) & (a[1:t] == a[t]))
-    return int(a[hits[-1] + 2]) if len(hits) else NONE
+    # j in [1, t - 1]: a[j-1] == a[t-1] and a[j] == a[t]
+    ends = np.flatnonzero((a[:t - 1] == a[t - 1]) & (a[1:t] == a[t])) + 1
+    if not len(ends):
+        return NONE
+    for k in range(2, min(n, t + 1)):  # keep the hits that also match a[t - k]: an m = k + 1 gram
+        longer = ends[ends >= k]
+        longer = longer[a[longer - k] == a[t - k]]
+        if not len(longer):
+            break
+        ends = longer
+    return int(a[ends[-1] + 1])
 
 
 def chain_lookup(history: Sequence[int] | np.ndarray, n: int) -> list[int]:
@@ -123,6 +142,23 @@ def anchor_chains(tokens: torch.Tensor, lengths: Sequence[int], anchors: torch.T
 # head file; zero (the norm: one) when a head without them is fine-tuned into one, so it starts as that head.
 
 LOOKUP_NAMES = ("lookup.proj", "lookup.norm", "lookup.gate", "lookup.gate_bias")
+MAX_LOOKUP_N = 16
+
+
+def check_lookup_options(method: str, lookup: bool, n: int) -> None:
+    """A trainer's `lookup` / `lookup_n` options: one error naming what to fix."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_LOOKUP_N:
+        raise SpecplugError(f"{method} options: lookup_n must be an integer in [2, {MAX_LOOKUP_N}], got {n!r}")
+    if n != 2 and not lookup:
+        raise SpecplugError(f"{method} options: lookup_n {n} needs --lookup true (a head without the lookup reads none)")
+
+
+def lookup_n_of(config: dict, where: str = "head") -> int:
+    """The longest m-gram a head's lookup matches (its config's `lookup_n`; 2, the pair, when absent)."""
+    n = config.get("lookup_n", 2)
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_LOOKUP_N:
+        raise ValueError(f"{where}: lookup_n must be an integer in [2, {MAX_LOOKUP_N}], got {n!r}")
+    return n
 
 
 def lookup_draft_rows(lookup: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
@@ -131,10 +167,11 @@ def lookup_draft_rows(lookup: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     return torch.where(lookup >= 0, t2d[lookup.clamp(min=0)], NONE)
 
 
-def training_lookups(tokens: torch.Tensor, valid: torch.Tensor, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A trainer's batch: each row's pair lookup [B, T] (target ids) and its draft row (-1: none or
-    outside the draft vocabulary); valid [B, T] bool marks each sequence's tokens."""
-    look = batch_lookups(tokens, valid.sum(1).tolist())
+def training_lookups(tokens: torch.Tensor, valid: torch.Tensor, t2d: torch.Tensor,
+                     n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trainer's batch: each row's lookup [B, T] (target ids; n: the longest m-gram matched) and its
+    draft row (-1: none or outside the draft vocabulary); valid [B, T] bool marks each sequence's tokens."""
+    look = batch_lookups(tokens, valid.sum(1).tolist(), n)
     return look, lookup_draft_rows(look, t2d)
 
 
@@ -181,6 +218,10 @@ class LookupReader:
         shapes = {"lookup.proj": (d, d), "lookup.norm": (d,), "lookup.gate": (1, d), "lookup.gate_bias": (1,)}
         t = {k.split(".")[1]: head.tensor(k, sh).float() for k, sh in shapes.items()}
         self.d, self.eps, self.embed = d, eps, embed
+        try:
+            self.n = lookup_n_of(head.meta.config, str(head.path))  # the longest m-gram matched (2: the pair)
+        except ValueError as exc:
+            raise HeadError(str(exc)) from None
         self.proj, self.norm = t["proj"], t["norm"]
         self.gate = (t["gate"].flatten().contiguous(), float(t["gate_bias"][0]))
         # target id -> draft row as the trainer's `specplug.train.distill.invert` maps it (not imported:
@@ -233,6 +274,11 @@ class LookupForward:
     def reads_lookup(self) -> bool:
         """ChainDrafter passes each row's pair lookup (`lookup=`) when set."""
         return self.look is not None
+
+    @property
+    def lookup_n(self) -> int:
+        """The longest m-gram the head's lookup matches (`pair_lookup(history, lookup_n)`)."""
+        return self.look.n if self.look is not None else 2
 
     def read_lookup(self, look: LookupReader) -> None:
         """Set the head's lookup parts (`look`), also in its native step where it has one."""

@@ -24,8 +24,9 @@ to N of its tokens that the new data uses least for the data's most frequent tok
 (`swap_vocabulary`): a head adapting to traffic full of names, figures or code identifiers its
 first data never had can draft them. The trainer then sees the base head through `SwappedVocab`.
 
-The other method options default to those in the head's recipe (how it was trained), then to
-the Options defaults; a flag overrides them.
+The other method options default to what the head's config says it reads (`defaults_of_head(cls,
+head)`, optional: {Options field: value}, e.g. the longest n-gram its lookup matches), then to those
+in the head's recipe (how it was trained), then to the Options defaults; a flag overrides them.
 """
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ class BaseHead:
         names = {f.name for f in dataclasses.fields(cls.Options)}
         recipe = {k: v for k, v in self.head.meta.recipe.get("options", {}).items() if k in names}
         try:
-            return cls.Options(**{**recipe, **self.fixed, **given})
+            own = dict(cls.defaults_of_head(self.head)) if hasattr(cls, "defaults_of_head") else {}
+            return cls.Options(**{**recipe, **own, **self.fixed, **given})
         except SpecplugError:
             raise
         except (TypeError, ValueError) as exc:

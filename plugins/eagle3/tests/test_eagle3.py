@@ -14,9 +14,9 @@ from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
 from specplug.runtime import load_target
-from specplug.testing import (assert_greedy_equal, check_lookup_step, check_native_step, fine_tune_with_lookup,
-                              greedy_outputs, make_engine, make_train_data, repetitive_prompts, speculator,
-                              write_tiny_gguf)
+from specplug.testing import (assert_greedy_equal, check_lookup_step, check_native_step, drafted_lookups,
+                              fine_tune_with_lookup, greedy_outputs, make_engine, make_train_data, repetitive_prompts,
+                              speculator, write_tiny_gguf)
 from specplug.train.loop import LoopOptions, train
 from specplug.types import Batch, DraftRequest
 from specplug_eagle3.head import Eagle3Runtime
@@ -414,7 +414,7 @@ def test_the_runtime_reads_the_lookup_as_the_training_module_does(tiny, data, wi
     """Logits of the runtime form given each row's lookup equal the training form's at every unroll
     step (f32 weights, torch runtime), and the drafter hands the runtime the lookups of its history."""
     from specplug.heads import HeadFile
-    from specplug.heads.lookup import pair_lookup, sequence_lookups, training_lookups
+    from specplug.heads.lookup import sequence_lookups, training_lookups
     from specplug.train.dataset import TrainData
     from specplug.train.finetune import BaseHead
 
@@ -447,22 +447,47 @@ def test_the_runtime_reads_the_lookup_as_the_training_module_does(tiny, data, wi
 
     # the drafter: every row it hands the head (the prompt's, committed and drafted ones) carries the
     # lookup of the sequence up to that row, as the head has read it
-    seen = []
-    spec = _eagle(target, out, stop_below=0.0, catch_up=None)  # reads every row
-    real = spec.rt.forward
+    drafted_lookups(target, _eagle(target, out, stop_below=0.0, catch_up=None), _ids(target, 2), native=False)
 
-    def spy(h, tok, pos, seq, rows, raw=False, lookup=None):
-        seen.append((list(tok), list(pos), list(seq), lookup))
-        return real(h, tok, pos, seq, rows, raw=raw, lookup=lookup)
 
-    spec.rt.forward = spy
-    spec.rt.native_step = None  # the logits path (forward_pick calls forward with a lookup too)
-    outs, _ = greedy_outputs(target, [speculator(spec, "Eagle3", cost_trim=False)], _ids(target, 2), max_tokens=20,
-                             n_parallel=2)
-    hist: dict[int, list[int]] = {}
-    for tok, pos, seq, lk in seen:
-        assert lk is not None and len(lk) == len(tok)
-        for t, p, s, x in zip(tok, pos, seq, lk):
-            hist[s] = hist.get(s, [])[:p] + [t]
-            assert len(hist[s]) == p + 1 and x == pair_lookup(hist[s]), (s, p)
-    assert any(x >= 0 for *_, lk in seen for x in lk) and any(p[0] > 0 and len(p) == 1 for _, p, _, _ in seen)
+def test_a_head_matching_longer_ngrams_records_it_and_drafts_with_those_lookups(tiny, data, with_lookup, work):
+    """`--lookup-n 4`: the head's config records it, a fine-tune from it keeps it (its recipe), training
+    reads the longest-match lookups, and the drafter hands the head the same (native step), losslessly."""
+    from specplug.heads import HeadFile
+    from specplug.heads.lookup import sequence_lookups, training_lookups
+    from specplug.train.dataset import TrainData
+    from specplug.train.finetune import BaseHead
+
+    out = work / "lookup-n4.gguf"
+    loop = LoopOptions(steps=3, lr=1e-3, warmup=1, batch_tokens=2048, val_every=3, save_every=10 ** 6, val_fraction=0.1)
+    base = BaseHead(HeadFile(with_lookup), Eagle3Trainer)
+    assert base.options().lookup_n == 2  # heads before the option: the pair
+    train(Eagle3Trainer, base.options({"lookup_n": 4}), loop, data, out, quiet=True, restart=True, init=base)
+    head = HeadFile(out)
+    assert head.meta.config["lookup"] is True and head.meta.config["lookup_n"] == 4
+    assert BaseHead(head, Eagle3Trainer).options().lookup_n == 4
+    d = TrainData(data, LAYERS.split(","), 0.1)
+    tr = Eagle3Trainer(BaseHead(head, Eagle3Trainer).options(), d, torch.device("cpu"), init=head)
+    b = d.collate(d.split["train"][:8])
+    look, _ = tr._lookups(b)
+    for r in range(8):
+        n = int(b.valid[r].sum())
+        assert look[r, :n].tolist() == sequence_lookups(b.tokens[r, :n].tolist(), 4)
+    assert not torch.equal(look, training_lookups(b.tokens, b.valid, tr.t2d)[0]), "n = 4 reads as the pair"
+    target = _target(tiny, "gguf")
+    spec = _eagle(target, out, stop_below=0.0, catch_up=None)
+    assert spec.rt.lookup_n == 4 and spec.rt.native_step is not None
+    drafted_lookups(target, spec, _ids(target, 2))
+    eng = assert_greedy_equal(target, [speculator(_eagle(target, out, stop_below=0.0), "Eagle3", cost_trim=False)],
+                              _ids(target), max_tokens=32, n_parallel=3)
+    assert eng.stats.speculators["Eagle3"].accepted_tokens > 0 and not eng.stats.disabled
+    # a head file whose lookup_n cannot be read is refused, naming the file and the key
+    import dataclasses
+
+    from specplug.heads.file import write_head
+
+    bad = work / "lookup-n-bad.gguf"
+    write_head(bad, dataclasses.replace(head.meta, config={**head.meta.config, "lookup_n": 1}),
+               {k: head.tensor(k) for k in head.gguf.tensors})
+    with pytest.raises(ConfigError, match=r"lookup-n-bad.gguf: lookup_n must be an integer in \[2, 16\], got 1"):
+        _eagle(target, bad)

@@ -11,8 +11,8 @@ from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
 from specplug.runtime import load_target
-from specplug.testing import assert_greedy_equal, check_lookup_step, check_native_step, fine_tune_with_lookup, \
-    greedy_outputs, make_train_data, repetitive_prompts, speculator, write_tiny_gguf
+from specplug.testing import assert_greedy_equal, check_lookup_step, check_native_step, drafted_lookups, \
+    fine_tune_with_lookup, greedy_outputs, make_train_data, repetitive_prompts, speculator, write_tiny_gguf
 from specplug.train.loop import LoopOptions, train
 from specplug_mtp.head import MTPRuntime
 from specplug_mtp.speculator import MTP
@@ -340,3 +340,28 @@ def test_the_runtime_reads_the_lookup_as_the_training_module_does(tiny, data, wi
     rt.cache.seq_rm(0, 0)
     _, plain = rt.forward(h_prev[:a + 1], toks[:a + 1], list(range(a + 1)), [0] * (a + 1), [a])
     assert not torch.allclose(plain[0], steps[0][a], rtol=1e-3, atol=1e-3)
+
+
+def test_a_head_matching_longer_ngrams_records_it_and_drafts_with_those_lookups(tiny, data, with_lookup, work):
+    """`--lookup-n 5` on MTP: recorded in the head's config, and the drafter hands the head the
+    longest-match lookups of its history (native step), losslessly. Options that cannot hold are refused."""
+    from specplug.errors import SpecplugError
+    from specplug.heads import HeadFile
+    from specplug.train.finetune import BaseHead
+
+    out = work / "lookup-n5.gguf"
+    loop = LoopOptions(steps=3, lr=1e-3, warmup=1, batch_tokens=2048, val_every=3, save_every=10 ** 6, val_fraction=0.1)
+    base = BaseHead(HeadFile(with_lookup), MTPTrainer)
+    train(MTPTrainer, base.options({"lookup_n": 5}), loop, data, out, quiet=True, restart=True, init=base)
+    assert HeadFile(out).meta.config["lookup_n"] == 5
+    target = _target(tiny, "gguf")
+    spec = _mtp(target, out, stop_below=0.0, catch_up=None)  # reads every row
+    assert spec.rt.lookup_n == 5 and spec.rt.native_step is not None
+    drafted_lookups(target, spec, _ids(target)[:2])
+    eng = assert_greedy_equal(target, [speculator(_mtp(target, out, stop_below=0.0), "MTP", cost_trim=False)],
+                              _ids(target)[:3], max_tokens=32, n_parallel=3)
+    assert eng.stats.speculators["MTP"].accepted_tokens > 0 and not eng.stats.disabled
+    with pytest.raises(SpecplugError, match="lookup_n 4 needs --lookup true"):
+        MTPTrainer.Options(lookup_n=4)
+    with pytest.raises(SpecplugError, match=r"lookup_n must be an integer in \[2, 16\], got 1"):
+        MTPTrainer.Options(lookup=True, lookup_n=1)

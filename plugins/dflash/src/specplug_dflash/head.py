@@ -169,6 +169,9 @@ class DFlashRuntime:
                                        spare=int(self.static is not None))
         # the drafter passes each block's chained lookups (`chains=`) when set
         self.look = LookupReader(head, self.embed, d2t, target.vocab_size, cfg.eps) if cfg.lookup else None
+        if self.look is not None and self.look.n != 2:
+            raise HeadError(f"{head.path}: lookup_n {self.look.n}: a DFlash block reads the pair lookup chained "
+                            f"(`chain_lookup`), so its lookup_n must be 2")
 
     @property
     def reads_lookup(self) -> bool:

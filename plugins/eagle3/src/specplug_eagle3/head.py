@@ -37,6 +37,9 @@ from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attenti
 METHOD, VERSION = "eagle3", 1
 
 
+OPTIONAL = ("lookup", "lookup_n")  # config keys heads written before them lack
+
+
 @dataclass(frozen=True)
 class Eagle3Config:
     n_embd: int
@@ -48,6 +51,7 @@ class Eagle3Config:
     rope_base: float
     layers: tuple[int, ...]
     lookup: bool = False  # the head reads the context's pair lookup (see the module docstring)
+    lookup_n: int = 2  # ... matching the longest m-gram, 2 <= m <= lookup_n (2: the pair; specplug.heads.lookup)
 
     @property
     def shape(self) -> LayerShape:
@@ -55,7 +59,7 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Eagle3Config":
-        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d or k != "lookup"}  # heads before lookup: off
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d or k not in OPTIONAL}  # older heads: off / 2
         kw["layers"] = tuple(int(x) for x in kw["layers"])
         return cls(**kw)
 

@@ -10,13 +10,13 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.heads.lookup import LOOKUP_NAMES, training_lookups
+from specplug.heads.lookup import LOOKUP_NAMES, check_lookup_options, lookup_n_of, training_lookups
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
 from specplug.train.finetune import draft_vocabulary
 from specplug.train.modules import load_head_params
 from specplug.train.target import TargetWeights
-from specplug_eagle3.head import METHOD, Eagle3Config, Eagle3Train, default_layers, write_eagle3
+from specplug_eagle3.head import METHOD, OPTIONAL, Eagle3Config, Eagle3Train, default_layers, write_eagle3
 
 
 def _parse_layers(spec: str, n_layer: int | None = None) -> tuple[int, ...] | None:
@@ -43,8 +43,10 @@ class Eagle3Trainer:
         depth_decay: float = 0.8  # loss weight of unroll step r is depth_decay ** r
         weights: str = "q8_0"  # matrices in the head file: q8_0 | f16 | f32
         lookup: bool = False  # also read the context's pair lookup (specplug.heads.lookup; drafts cost a little more)
+        lookup_n: int = 2  # the lookup matches the longest m-gram, 2 <= m <= lookup_n (2: the pair)
 
         def __post_init__(self):
+            check_lookup_options(METHOD, self.lookup, self.lookup_n)
             _parse_layers(self.layers)
             if self.unroll < 1 or self.draft_vocab < 1 or not 0 < self.depth_decay <= 1:
                 raise SpecplugError(f"eagle3 options: need unroll >= 1, draft_vocab >= 1, 0 < depth_decay <= 1; got "
@@ -72,6 +74,11 @@ class Eagle3Trainer:
             fixed["lookup"] = True
         return fixed
 
+    @classmethod
+    def defaults_of_head(cls, head: HeadFile) -> dict:
+        """Options the head's config sets unless given: the longest n-gram its lookup matches."""
+        return {"lookup_n": lookup_n_of(head.meta.config, str(head.path))} if head.meta.config.get("lookup") else {}
+
     def __init__(self, options: "Eagle3Trainer.Options", data: TrainData, device: torch.device,
                  init: HeadFile | None = None):
         self.opts, self.data = options, data
@@ -81,8 +88,8 @@ class Eagle3Trainer:
         self.layers = _parse_layers(options.layers, cfg.n_layer)
         vocab = cfg.vocab_size
         self.cfg = Eagle3Config(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rms_eps,
-                                cfg.rope_base, self.layers, options.lookup)
-        shape = {k: v for k, v in asdict(self.cfg).items() if k != "lookup"}  # a head may gain the lookup
+                                cfg.rope_base, self.layers, options.lookup, options.lookup_n)
+        shape = {k: v for k, v in asdict(self.cfg).items() if k not in OPTIONAL}  # a head may gain the lookup
         self.d2t = draft_vocabulary(init, shape, data, options.draft_vocab, vocab)
         self.t2d = invert(self.d2t, vocab).to(device)
         self.module = Eagle3Train(self.cfg, tw.embeddings(), tw.output_norm(),
@@ -103,7 +110,7 @@ class Eagle3Trainer:
         vocabulary), for a head that reads them."""
         if not self.opts.lookup:
             return None, None
-        return training_lookups(batch.tokens, batch.valid, self.t2d)
+        return training_lookups(batch.tokens, batch.valid, self.t2d, self.opts.lookup_n)
 
     def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
         idx, p = soft_targets(batch, self.t2d)

@@ -37,6 +37,9 @@ from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attenti
 METHOD, VERSION = "mtp", 1
 
 
+OPTIONAL = ("lookup", "lookup_n")  # config keys heads written before them lack
+
+
 @dataclass(frozen=True)
 class MTPConfig:
     n_embd: int
@@ -47,6 +50,7 @@ class MTPConfig:
     eps: float
     rope_base: float
     lookup: bool = False  # the head reads the context's pair lookup (see the module docstring)
+    lookup_n: int = 2  # ... matching the longest m-gram, 2 <= m <= lookup_n (2: the pair; specplug.heads.lookup)
 
     @property
     def shape(self) -> LayerShape:
@@ -54,7 +58,7 @@ class MTPConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MTPConfig":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d or k != "lookup"})  # older heads: off
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d or k not in OPTIONAL})  # older heads: off / 2
 
 
 def _shift(x: torch.Tensor) -> torch.Tensor:

@@ -16,13 +16,13 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.heads.lookup import LOOKUP_NAMES, training_lookups
+from specplug.heads.lookup import LOOKUP_NAMES, check_lookup_options, lookup_n_of, training_lookups
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
 from specplug.train.finetune import check_config
 from specplug.train.modules import load_head_params
 from specplug.train.target import TargetWeights, draft_vocab
-from specplug_mtp.head import METHOD, MTPConfig, MTPTrain
+from specplug_mtp.head import METHOD, OPTIONAL, MTPConfig, MTPTrain
 
 
 class MTPTrainer:
@@ -36,8 +36,10 @@ class MTPTrainer:
         depth_decay: float = 0.8  # loss weight of unroll step r is depth_decay ** r
         weights: str = "q8_0"  # matrices in the head file: q8_0 | f16 | f32
         lookup: bool = False  # also read the context's pair lookup (specplug.heads.lookup; drafts cost a little more)
+        lookup_n: int = 2  # the lookup matches the longest m-gram, 2 <= m <= lookup_n (2: the pair)
 
         def __post_init__(self):
+            check_lookup_options(METHOD, self.lookup, self.lookup_n)
             if self.unroll < 1 or self.draft_vocab < 0 or not 0 < self.depth_decay <= 1 or self.init_layer < -2:
                 raise SpecplugError(f"mtp options: need unroll >= 1, draft_vocab >= 0, 0 < depth_decay <= 1, "
                                     f"init_layer >= -2; got {self}")
@@ -59,6 +61,11 @@ class MTPTrainer:
             fixed["lookup"] = True
         return fixed
 
+    @classmethod
+    def defaults_of_head(cls, head: HeadFile) -> dict:
+        """Options the head's config sets unless given: the longest n-gram its lookup matches."""
+        return {"lookup_n": lookup_n_of(head.meta.config, str(head.path))} if head.meta.config.get("lookup") else {}
+
     def __init__(self, options: "MTPTrainer.Options", data: TrainData, device: torch.device,
                  init: HeadFile | None = None):
         self.opts, self.data = options, data
@@ -67,9 +74,9 @@ class MTPTrainer:
         cfg = tw.config
         vocab = cfg.vocab_size
         hc = MTPConfig(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rms_eps, cfg.rope_base,
-                       options.lookup)
+                       options.lookup, options.lookup_n)
         if init is not None:  # the base head's vocabulary, not one chosen anew from this data
-            check_config(init, {k: v for k, v in asdict(hc).items() if k != "lookup"})  # a head may gain the lookup
+            check_config(init, {k: v for k, v in asdict(hc).items() if k not in OPTIONAL})  # a head may gain the lookup
             self.d2t = init.tensor("d2t").long()
         else:
             self.d2t = draft_vocab(data.answer_tokens("train"), options.draft_vocab or vocab, vocab)
@@ -91,7 +98,7 @@ class MTPTrainer:
         """Each row's pair lookup and its draft row, for a head that reads them."""
         if not self.opts.lookup:
             return None, None
-        return training_lookups(batch.tokens, batch.valid, self.t2d)
+        return training_lookups(batch.tokens, batch.valid, self.t2d, self.opts.lookup_n)
 
     def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
         idx, p = soft_targets(batch, self.t2d)
