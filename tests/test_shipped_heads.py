@@ -68,7 +68,7 @@ def test_the_default_eagle3_head_reads_the_lookup_and_a_plain_one_ships_beside_i
 
 
 @pytest.mark.parametrize("name", ["mtp", "dflash"])
-def test_the_shipped_mtp_and_dflash_heads_read_the_pair_lookup(smollm2_gguf, name):
+def test_the_shipped_mtp_and_dflash_heads_read_the_lookup(smollm2_gguf, name):
     if name not in installed_names():
         pytest.skip(f"specplug-{name} is not installed")
     import importlib
@@ -81,5 +81,6 @@ def test_the_shipped_mtp_and_dflash_heads_read_the_pair_lookup(smollm2_gguf, nam
     assert head is not None and head.name == f"smollm2-135m-{name}.gguf"
     h = HeadFile(head)
     assert h.meta.config["lookup"] is True and "lookup.gate" in h.gguf.tensors
+    assert h.meta.config.get("lookup_n", 2) == {"mtp": 6, "dflash": 2}[name]  # MTP: the longest match up to 6
     assert h.meta.recipe["init"]["start"]["val_top1_per_depth"][0] < h.meta.recipe["final"]["val_top1_per_depth"][0]
     assert head.stat().st_size <= 16_000_000
