@@ -17,7 +17,8 @@ the row, 2 <= m <= n. On MT-bench's answers (SmolLM2-135M) n = 6 proposes the ta
 of the rows and another on 11.6%, where the pair proposes it on 41.6% and another on 14.9%.
 
 A block drafter (DFlash) reads the lookup chained over its block instead (`chain_lookup`,
-`anchor_chains`): the proposal for c+1, then for c+2 from the pair that proposal ends, and so on.
+`anchor_chains`): the proposal for c+1, then for c+2 from the pair (or longest m-gram) that proposal
+ends, and so on.
 
 What a head does with it is written once here, for every head that reads it (Eagle3, MTP, DFlash;
 see below): `LookupTrain` (training form, a head module's `lookup`), `LookupReader` (the drafting
@@ -87,30 +88,37 @@ def pair_lookup(history: Sequence[int] | np.ndarray, n: int = 2) -> int:
     return int(a[ends[-1] + 1])
 
 
-def chain_lookup(history: Sequence[int] | np.ndarray, n: int) -> list[int]:
+def chain_lookup(history: Sequence[int] | np.ndarray, n: int, lookup_n: int = 2) -> list[int]:
     """The lookup chained n tokens past the last row of `history` (a block drafter's proposals for
-    positions c+1 .. c+n, c the last row): the first is `pair_lookup(history)`; each next one is the
-    token after the last earlier occurrence of the pair its two predecessors form, searched among the
-    pairs that end before c (as the first's); NONE from the first break on."""
+    positions c+1 .. c+n, c the last row): the first is `pair_lookup(history, lookup_n)`; each next one is
+    the lookup of the history extended by the proposals before it, the m-grams (2 <= m <= lookup_n) that
+    end there matched among those that end before c (as the first's); NONE from the first break on."""
     a = np.asarray(history)
     t = len(a) - 1
     out = [NONE] * n
     if t < 2:
         return out
     first, second = a[:t - 1], a[1:t]  # pairs (a[j-1], a[j]) for j in [1, t - 1]
-    prev, cur = int(a[t - 1]), int(a[t])
+    tail = [int(x) for x in a[max(0, t - lookup_n + 1):]]  # the newest tokens, then the proposals
     for i in range(n):
-        hits = np.flatnonzero((first == prev) & (second == cur))
-        if not len(hits):
+        ends = np.flatnonzero((first == tail[-2]) & (second == tail[-1])) + 1
+        if not len(ends):
             break
-        prev, cur = cur, int(a[hits[-1] + 2])
-        out[i] = cur
+        for k in range(2, min(lookup_n, len(tail))):  # keep the hits that match one token further back
+            longer = ends[ends >= k]
+            longer = longer[a[longer - k] == tail[-1 - k]]
+            if not len(longer):
+                break
+            ends = longer
+        tail.append(int(a[ends[-1] + 1]))
+        out[i] = tail[-1]
     return out
 
 
-def anchor_chains(tokens: torch.Tensor, lengths: Sequence[int], anchors: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, K, n] `chain_lookup(sequence[:c + 1], n)` for every anchor c of anchors [B, K] (a trainer's
-    blocks), in one pass per sequence."""
+def anchor_chains(tokens: torch.Tensor, lengths: Sequence[int], anchors: torch.Tensor, n: int,
+                  lookup_n: int = 2) -> torch.Tensor:
+    """[B, K, n] `chain_lookup(sequence[:c + 1], n, lookup_n)` for every anchor c of anchors [B, K] (a
+    trainer's blocks), in one pass per sequence."""
     rows, where = tokens.tolist(), anchors.tolist()
     out = torch.full((*anchors.shape, n), NONE, dtype=torch.long)
     for b, length in enumerate(lengths):
@@ -119,17 +127,22 @@ def anchor_chains(tokens: torch.Tensor, lengths: Sequence[int], anchors: torch.T
         for k, c in enumerate(where[b]):
             if 0 <= c < length:
                 at.setdefault(c, []).append(k)
-        last: dict[tuple[int, int], int] = {}  # pair -> the last j it ends at, j < t
+        last: list[dict[tuple[int, ...], int]] = [{} for _ in range(lookup_n + 1)]  # m -> m-gram -> last end j < t
         for t in range(1, length):
             for k in at.get(t, ()):
-                prev, cur = seq[t - 1], seq[t]
+                tail = seq[max(0, t - lookup_n + 1):t + 1]
                 for i in range(n):
-                    j = last.get((prev, cur))
+                    j = None
+                    for m in range(min(lookup_n, len(tail)), 1, -1):
+                        j = last[m].get(tuple(tail[-m:]))
+                        if j is not None:
+                            break
                     if j is None:
                         break
-                    prev, cur = cur, seq[j + 1]
-                    out[b, k, i] = cur
-            last[(seq[t - 1], seq[t])] = t
+                    tail.append(seq[j + 1])
+                    out[b, k, i] = seq[j + 1]
+            for m in range(2, min(lookup_n, t + 1) + 1):
+                last[m][tuple(seq[t - m + 1:t + 1])] = t
     return out.to(tokens.device)
 
 

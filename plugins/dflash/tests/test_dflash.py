@@ -313,3 +313,62 @@ def test_a_lookup_head_next_to_a_static_target_drafts_eagerly_and_the_same(tiny,
     step but drafts its blocks eagerly (the gate reads the rows' states): the same logits as a runtime
     without static steps, the same context cells, and greedy output equal to plain."""
     _beside_a_static_target(tiny, with_lookup, lookup=True)
+
+
+def test_a_head_whose_chain_matches_longer_ngrams_records_it_and_drafts_with_those_chains(tiny, data, with_lookup,
+                                                                                          work, monkeypatch):
+    """`--lookup-n 4`: recorded in the head's config and kept by a fine-tune from it; training chains the
+    longest-match lookup (`anchor_chains(..., 4)` equals `chain_lookup(..., 4)` at every anchor, and it
+    is not the pair's chain everywhere); the drafter hands each block the chain of its sequence's
+    history under the head's n; lossless."""
+    from specplug.heads import HeadFile
+    from specplug.heads.lookup import anchor_chains, chain_lookup
+    from specplug.train.finetune import BaseHead
+
+    out = work / "lookup-n4.gguf"
+    loop = LoopOptions(steps=3, lr=1e-3, warmup=1, batch_tokens=2048, val_every=3, save_every=10 ** 6, val_fraction=0.1)
+    base = BaseHead(HeadFile(with_lookup), DFlashTrainer)
+    assert base.options().lookup_n == 2
+    train(DFlashTrainer, base.options({"lookup_n": 4}), loop, data, out, quiet=True, restart=True, init=base)
+    head = HeadFile(out)
+    assert head.meta.config["lookup_n"] == 4 and BaseHead(head, DFlashTrainer).options().lookup_n == 4
+    from specplug.train.dataset import TrainData
+
+    d = TrainData(data, TAPS.split(","), 0.1)
+    b = d.collate(d.split["train"][:6])
+    lengths = b.valid.sum(1).tolist()
+    anchors = torch.stack([torch.arange(0, 60, 3)] * len(lengths))
+    chains = anchor_chains(b.tokens, lengths, anchors, 5, 4)
+    for r, n in enumerate(lengths):
+        toks = b.tokens[r, :n].tolist()
+        for k, c in enumerate(anchors[r].tolist()):
+            if c < n:
+                assert chains[r, k].tolist() == chain_lookup(toks[:c + 1], 5, 4), (r, c)
+    assert not torch.equal(chains, anchor_chains(b.tokens, lengths, anchors, 5)), "n = 4 chains as the pair"
+
+    target = _target(tiny, "gguf")
+    spec = _dflash(target, out)
+    assert spec.rt.lookup_n == 4
+    import specplug_dflash.speculator as drafter
+
+    asked = []
+
+    def chain(history, n, lookup_n=2):
+        asked.append((list(history), n, lookup_n))
+        return chain_lookup(history, n, lookup_n)
+
+    monkeypatch.setattr(drafter, "chain_lookup", chain)
+    seen = []
+    real = spec.rt.draft
+
+    def spy(last, starts, seqs, sizes, chains=None):
+        seen.append(chains)
+        return real(last, starts, seqs, sizes, chains)
+
+    spec.rt.draft = spy
+    eng = assert_greedy_equal(target, [speculator(spec, "DFlash", cost_trim=False)], _ids(target), max_tokens=32,
+                              n_parallel=3)
+    assert eng.stats.speculators["DFlash"].accepted_tokens > 0 and not eng.stats.disabled
+    assert asked and all(n_look == 4 for *_, n_look in asked)
+    # each block's chain is its sequence's history chained under n = 4, in the order the blocks were asked
+    assert [c for chains in seen for c in chains] == [chain_lookup(h, n, 4) for h, n, _ in asked]

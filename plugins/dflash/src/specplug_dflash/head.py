@@ -14,7 +14,8 @@ config: n_embd, n_layers, n_head, n_head_kv, head_dim, n_ff, eps, rope_base, blo
 
 With `lookup` (an extension of ours) each masked row c+i also reads what the context proposes there:
 the pair lookup chained from x_c (`specplug.heads.lookup.chain_lookup`: the token after the last
-earlier occurrence of the last two tokens, then of the pair that token makes, ...). The row's input
+earlier occurrence of the last two tokens, then of the pair that token makes, ...; with `lookup_n` > 2
+of the longest m-gram, m <= lookup_n, each time). The row's input
 gains a projection of that token's embedding and the token's logit a learned gate (the parts Eagle3
 and MTP use; tensors `lookup.*`).
 """
@@ -37,6 +38,9 @@ from specplug.train.modules import RMSNorm, TrainLayer, rope_tables
 METHOD, VERSION = "dflash", 1
 
 
+OPTIONAL = ("lookup", "lookup_n")  # config keys heads written before them lack
+
+
 @dataclass(frozen=True)
 class DFlashConfig:
     n_embd: int
@@ -50,6 +54,7 @@ class DFlashConfig:
     block: int  # block size trained (the anchor token + block - 1 drafted positions)
     taps: tuple[str, ...]  # target hidden states fused into the context features
     lookup: bool = False  # masked rows read the context's chained pair lookup (see the module docstring)
+    lookup_n: int = 2  # ... each link the longest m-gram matched, 2 <= m <= lookup_n (2: the pair)
 
     @property
     def shape(self) -> LayerShape:
@@ -57,7 +62,7 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DFlashConfig":
-        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d or k != "lookup"}  # older heads: off
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d or k not in OPTIONAL}  # older heads: off / 2
         kw["taps"] = tuple(str(t) for t in kw["taps"])
         return cls(**kw)
 
@@ -169,13 +174,15 @@ class DFlashRuntime:
                                        spare=int(self.static is not None))
         # the drafter passes each block's chained lookups (`chains=`) when set
         self.look = LookupReader(head, self.embed, d2t, target.vocab_size, cfg.eps) if cfg.lookup else None
-        if self.look is not None and self.look.n != 2:
-            raise HeadError(f"{head.path}: lookup_n {self.look.n}: a DFlash block reads the pair lookup chained "
-                            f"(`chain_lookup`), so its lookup_n must be 2")
 
     @property
     def reads_lookup(self) -> bool:
         return self.look is not None
+
+    @property
+    def lookup_n(self) -> int:
+        """The longest m-gram each link of the chained lookup matches (`chain_lookup(..., lookup_n)`)."""
+        return self.look.n if self.look is not None else 2
 
     def taps_side_by_side(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
         """[n, d] target states per tap -> [n, k d] on the backend's device and dtype."""

@@ -195,7 +195,7 @@ class DFlash:
         self.read_pending(seqs)
         chains = None
         if self.rt.reads_lookup:  # each block's rows read the context's chained proposal
-            chains = [chain_lookup(requests[i].tokens, size - 1) for i, size in zip(live, sizes)]
+            chains = [chain_lookup(requests[i].tokens, size - 1, self.rt.lookup_n) for i, size in zip(live, sizes)]
         logits = self.rt.draft(last, starts, seqs, sizes, chains)  # [sum(size - 1), draft vocab]
         return self.loop.run_block(requests, live, logits, [size - 1 for size in sizes])
 

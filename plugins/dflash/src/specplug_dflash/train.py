@@ -16,13 +16,13 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.heads.lookup import LOOKUP_NAMES, anchor_chains, lookup_draft_rows
+from specplug.heads.lookup import LOOKUP_NAMES, anchor_chains, check_lookup_options, lookup_draft_rows, lookup_n_of
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets
 from specplug.train.finetune import draft_vocabulary
 from specplug.train.modules import load_head_params
 from specplug.train.target import TargetWeights
-from specplug_dflash.head import METHOD, DFlashConfig, DFlashTrain, write_dflash
+from specplug_dflash.head import METHOD, OPTIONAL, DFlashConfig, DFlashTrain, write_dflash
 
 
 def _taps(spec: str, n_layer: int) -> tuple[str, ...]:
@@ -49,8 +49,10 @@ class DFlashTrainer:
         init_layers: str = "first"  # start the layers from the target's first layers | random
         weights: str = "q8_0"  # matrices in the head file: q8_0 | f16 | f32
         lookup: bool = False  # masked rows also read the context's chained pair lookup (specplug.heads.lookup)
+        lookup_n: int = 2  # each link of the chain matches the longest m-gram, 2 <= m <= lookup_n (2: the pair)
 
         def __post_init__(self):
+            check_lookup_options(METHOD, self.lookup, self.lookup_n)
             if self.n_layers < 1 or self.block < 2 or self.anchors < 1 or self.draft_vocab < 1 \
                     or not 0 < self.position_decay <= 1:
                 raise SpecplugError(f"dflash options: need n_layers >= 1, block >= 2, anchors >= 1, draft_vocab >= 1, "
@@ -74,6 +76,11 @@ class DFlashTrainer:
                 "block": int(c.get("block", 0)), "draft_vocab": int(head.shape("d2t")[0]),
                 "init_layers": cls.Options.init_layers, **({"lookup": True} if c.get("lookup") else {})}
 
+    @classmethod
+    def defaults_of_head(cls, head: HeadFile) -> dict:
+        """Options the head's config sets unless given: the longest n-gram its chained lookup matches."""
+        return {"lookup_n": lookup_n_of(head.meta.config, str(head.path))} if head.meta.config.get("lookup") else {}
+
     def __init__(self, options: "DFlashTrainer.Options", data: TrainData, device: torch.device,
                  init: HeadFile | None = None):
         self.opts, self.data = options, data
@@ -83,8 +90,9 @@ class DFlashTrainer:
         vocab = cfg.vocab_size
         self.tap_names = _taps(options.taps, cfg.n_layer)
         self.cfg = DFlashConfig(cfg.n_embd, options.n_layers, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff,
-                                cfg.rms_eps, cfg.rope_base, options.block, self.tap_names, options.lookup)
-        shape = {k: v for k, v in asdict(self.cfg).items() if k != "lookup"}  # a head may gain the lookup
+                                cfg.rms_eps, cfg.rope_base, options.block, self.tap_names, options.lookup,
+                                options.lookup_n)
+        shape = {k: v for k, v in asdict(self.cfg).items() if k not in OPTIONAL}  # a head may gain the lookup
         self.d2t = draft_vocabulary(init, shape, data, options.draft_vocab, vocab)
         self.t2d = invert(self.d2t, vocab).to(device)
         self.module = DFlashTrain(self.cfg, tw.embeddings(), tw.output_norm(),
@@ -121,7 +129,7 @@ class DFlashTrainer:
         S = self.opts.block
         chains = look_rows = None
         if self.opts.lookup:
-            chains = anchor_chains(batch.tokens, batch.valid.sum(1).tolist(), anchors, S - 1)
+            chains = anchor_chains(batch.tokens, batch.valid.sum(1).tolist(), anchors, S - 1, self.opts.lookup_n)
             look_rows = lookup_draft_rows(chains, self.t2d)
         out = self.module(batch.tokens, [batch.taps[t] for t in self.tap_names], anchors, chains)  # [B, K, S, d]
         rows = anchors.unsqueeze(-1) + torch.arange(S - 1, device=anchors.device)  # the distribution rows p(c+i-1)
