@@ -193,3 +193,30 @@ def test_a_longer_lookup_proposes_what_followed_the_last_occurrence_of_the_longe
             assert sequence_lookups(seq, n) == want and [pair_lookup(seq[:t + 1], n) for t in range(length)] == want
     look = batch_lookups(torch.tensor([toks, toks[::-1]]), [11, 7], 3)
     assert look[0].tolist() == sequence_lookups(toks, 3) and look[1, :7].tolist() == sequence_lookups(toks[::-1][:7], 3)
+
+
+def test_the_chained_lookup_follows_the_longest_match_through_its_own_proposals():
+    from specplug.heads.lookup import NONE, anchor_chains, chain_lookup, sequence_lookups
+
+    gen = torch.Generator().manual_seed(2)
+    for length in (3, 25, 60):
+        seq = torch.randint(0, 3, (length,), generator=gen).tolist()
+        for n in (2, 3, 5):
+            for c in range(length):
+                want, v = [], seq[:c + 1]
+                for _ in range(4):  # the history grows by each proposal; matches end before c
+                    best = None
+                    for m in range(min(n, len(v)), 1, -1):
+                        ends = [j for j in range(m - 1, c) if seq[j - m + 1:j + 1] == v[len(v) - m:]]
+                        if ends:
+                            best = seq[ends[-1] + 1]
+                            break
+                    if best is None or c < 2:
+                        break
+                    v, want = v + [best], want + [best]
+                want += [NONE] * (4 - len(want))
+                assert chain_lookup(seq[:c + 1], 4, n) == want, (seq, n, c)
+                assert want[0] == (sequence_lookups(seq[:c + 1], n)[c] if c >= 2 else NONE)
+            chains = anchor_chains(torch.tensor([seq]), [length], torch.arange(length).view(1, -1), 4, n)
+            assert [chains[0, c].tolist() for c in range(length)] == [chain_lookup(seq[:c + 1], 4, n)
+                                                                     for c in range(length)]
