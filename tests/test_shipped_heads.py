@@ -81,6 +81,6 @@ def test_the_shipped_mtp_and_dflash_heads_read_the_lookup(smollm2_gguf, name):
     assert head is not None and head.name == f"smollm2-135m-{name}.gguf"
     h = HeadFile(head)
     assert h.meta.config["lookup"] is True and "lookup.gate" in h.gguf.tensors
-    assert h.meta.config.get("lookup_n", 2) == {"mtp": 6, "dflash": 2}[name]  # MTP: the longest match up to 6
+    assert h.meta.config["lookup_n"] == 6  # the longest match up to 6 tokens
     assert h.meta.recipe["init"]["start"]["val_top1_per_depth"][0] < h.meta.recipe["final"]["val_top1_per_depth"][0]
     assert head.stat().st_size <= 16_000_000
