@@ -500,10 +500,10 @@ def check_lookup_step(rt) -> dict:
 def drafted_lookups(target, spec, prompts: list[list[int]], max_tokens: int = 20, n_parallel: int = 2,
                     native: bool = True) -> list[tuple[list[int], list[int], list[int], list[int]]]:
     """Run `spec` (a chain head that reads the lookup, drafting on every step, made with `catch_up: null`
-    so that it reads every row) through greedy generation and check that every row it hands its head (the prompt's, committed and drafted ones) carries the
-    lookup of its sequence up to that row: `pair_lookup(history, spec.rt.lookup_n)`. native: spy on the
-    native step's path (`forward_pick`), else on the logits path. Returns the rows seen: (tokens,
-    positions, sequences, lookups) per head call."""
+    so that it reads every row) through greedy generation and check that every row it hands its head
+    (the prompt's, committed and drafted ones) carries the lookup of its sequence up to that row:
+    `pair_lookup(history, spec.rt.lookup_n)`. native: spy on the native step's path (`forward_pick`),
+    else on the logits path. Returns the rows seen: (tokens, positions, sequences, lookups) per head call."""
     from specplug.heads.lookup import pair_lookup
 
     rt, seen = spec.rt, []
