@@ -1,6 +1,7 @@
 """Issues 37/39: a head's first-token hits on a data set (teacher-forced, as `specplug heads eval`),
-split by what the context's pair lookup (`specplug.heads.lookup`) says about the row: it proposes the
-target's next token ("copy_right"), proposes another ("copy_wrong"), or has nothing ("no_bigram").
+split by what the context's lookup (`specplug.heads.lookup`; the head's own `lookup_n`, the pair for a
+head without the lookup) says about the row: it proposes the target's next token ("copy_right"),
+proposes another ("copy_wrong"), or has nothing ("no_bigram").
 Where the head misses copy_right rows a prompt lookup would get, the head cannot copy.
 
     python scripts/lookup_classes.py DATA_DIR HEAD.gguf [HEAD.gguf ...] > out.json
@@ -18,9 +19,10 @@ from specplug.train.finetune import BaseHead
 from specplug.train.loop import build, load_trainer
 
 
-def classes(tokens: list[int]) -> list[int]:
-    """Per position t (predicting tokens[t + 1]): 0 copy right, 1 copy wrong, 2 no earlier pair."""
-    look = sequence_lookups(tokens)
+def classes(tokens: list[int], n: int = 2) -> list[int]:
+    """Per position t (predicting tokens[t + 1]): 0 copy right, 1 copy wrong, 2 no earlier pair (n: the
+    longest m-gram the lookup matches)."""
+    look = sequence_lookups(tokens, n)
     return [2 if look[t] == NONE or t + 1 >= len(tokens) else 0 if look[t] == tokens[t + 1] else 1
             for t in range(len(tokens))]
 
@@ -29,7 +31,9 @@ def run(data_dir: str, head_path: str) -> dict:
     head = HeadFile(head_path)
     cls = load_trainer(head.meta.method)
     base = BaseHead(head, cls)
-    data, trainer = build(cls, base.options({}), Path(data_dir), torch.device("cpu"), val_fraction=1.0, init=base)
+    opts = base.options({})
+    look_n = getattr(opts, "lookup_n", 2)
+    data, trainer = build(cls, opts, Path(data_dir), torch.device("cpu"), val_fraction=1.0, init=base)
     trainer.module.eval()
     hit = torch.zeros(3)
     tot = torch.zeros(3)
@@ -39,7 +43,7 @@ def run(data_dir: str, head_path: str) -> dict:
             b = data.collate(g)
             cl = torch.full(b.tokens.shape, 3, dtype=torch.long)
             for i, (a, n, p, _) in enumerate(g):
-                cl[i, :n] = torch.tensor(classes(b.tokens[i, :n].tolist()))
+                cl[i, :n] = torch.tensor(classes(b.tokens[i, :n].tolist(), look_n))
             look, rows = trainer._lookups(b) if hasattr(trainer, "_lookups") else (None, None)  # eagle3's
             extra = () if look is None else (look,)
             for r, out in trainer.module.unroll(b.tokens, b.positions, trainer._taps(b), 1, *extra):
