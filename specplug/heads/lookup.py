@@ -39,21 +39,54 @@ from specplug.runtime.linear import rms_norm, take_rows
 NONE = -1
 
 
+class _LastEnds:
+    """The one-pass forms' memory: each m-gram seen so far (2 <= m <= n) and the last position it ended at."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.last: list[dict[tuple[int, ...], int]] = [{} for _ in range(n + 1)]
+
+    def find(self, tail: Sequence[int]) -> int | None:
+        """Where the longest m-gram that `tail` ends with last ended, or None."""
+        for m in range(min(self.n, len(tail)), 1, -1):
+            j = self.last[m].get(tuple(tail[-m:]))
+            if j is not None:
+                return j
+        return None
+
+    def add(self, seq: Sequence[int], t: int) -> None:
+        """The m-grams of `seq` that end at t."""
+        for m in range(2, min(self.n, t + 1) + 1):
+            self.last[m][tuple(seq[t - m + 1:t + 1])] = t
+
+
+def _follower(a: np.ndarray, first: np.ndarray, second: np.ndarray, tail: Sequence[int], n: int) -> int:
+    """The token of `a` after the last of the longest earlier matches (2..n tokens) of what `tail` ends
+    with, among the pairs (first[i], second[i]) = (a[i], a[i + 1]) the search may use, or NONE. Every
+    m-gram occurrence (m >= 2) is a pair occurrence, so the pairs' hits are extended backwards."""
+    ends = np.flatnonzero((first == tail[-2]) & (second == tail[-1])) + 1
+    if not len(ends):
+        return NONE
+    for k in range(2, min(n, len(tail))):  # keep the hits that match one token further back
+        longer = ends[ends >= k]
+        longer = longer[a[longer - k] == tail[-1 - k]]
+        if not len(longer):
+            break
+        ends = longer
+    return int(a[ends[-1] + 1])
+
+
 def sequence_lookups(tokens: Sequence[int], n: int = 2) -> list[int]:
     """Per position t of one sequence: the token after the last earlier occurrence of the longest
     m-gram ending at t (2 <= m <= n) that has occurred before (ending at some j < t), or NONE. n = 2 is
     the pair lookup: (tokens[t-1], tokens[t]). One pass, O(len * n)."""
-    last: list[dict[tuple[int, ...], int]] = [{} for _ in range(n + 1)]  # m -> m-gram -> the last j it ends at
+    seen = _LastEnds(n)
     out = [NONE] * len(tokens)
     for t in range(1, len(tokens)):
-        top = min(n, t + 1)
-        for m in range(top, 1, -1):
-            j = last[m].get(tuple(tokens[t - m + 1:t + 1]))
-            if j is not None:
-                out[t] = tokens[j + 1]
-                break
-        for m in range(2, top + 1):
-            last[m][tuple(tokens[t - m + 1:t + 1])] = t
+        j = seen.find(tokens[max(0, t - n + 1):t + 1])
+        if j is not None:
+            out[t] = tokens[j + 1]
+        seen.add(tokens, t)
     return out
 
 
@@ -68,24 +101,12 @@ def batch_lookups(tokens: torch.Tensor, lengths: Sequence[int], n: int = 2) -> t
 
 def pair_lookup(history: Sequence[int] | np.ndarray, n: int = 2) -> int:
     """The lookup of the last row of `history` (the sequence up to and including the row's token):
-    what `sequence_lookups(history, n)[-1]` gives, by a vectorised search (drafting: one row at a time).
-    Every m-gram occurrence (m >= 2) is a pair occurrence, so the pairs' hits are extended backwards
-    (up to n tokens) and the last of the longest wins."""
+    what `sequence_lookups(history, n)[-1]` gives, by a vectorised search (drafting: one row at a time)."""
     a = np.asarray(history)
     t = len(a) - 1
     if t < 2:
         return NONE
-    # j in [1, t - 1]: a[j-1] == a[t-1] and a[j] == a[t]
-    ends = np.flatnonzero((a[:t - 1] == a[t - 1]) & (a[1:t] == a[t])) + 1
-    if not len(ends):
-        return NONE
-    for k in range(2, min(n, t + 1)):  # keep the hits that also match a[t - k]: an m = k + 1 gram
-        longer = ends[ends >= k]
-        longer = longer[a[longer - k] == a[t - k]]
-        if not len(longer):
-            break
-        ends = longer
-    return int(a[ends[-1] + 1])
+    return _follower(a, a[:t - 1], a[1:t], a[max(0, t - n + 1):], n)  # pairs ending at j in [1, t - 1]
 
 
 def chain_lookup(history: Sequence[int] | np.ndarray, n: int, lookup_n: int = 2) -> list[int]:
@@ -101,17 +122,11 @@ def chain_lookup(history: Sequence[int] | np.ndarray, n: int, lookup_n: int = 2)
     first, second = a[:t - 1], a[1:t]  # pairs (a[j-1], a[j]) for j in [1, t - 1]
     tail = [int(x) for x in a[max(0, t - lookup_n + 1):]]  # the newest tokens, then the proposals
     for i in range(n):
-        ends = np.flatnonzero((first == tail[-2]) & (second == tail[-1])) + 1
-        if not len(ends):
+        nxt = _follower(a, first, second, tail, lookup_n)
+        if nxt == NONE:
             break
-        for k in range(2, min(lookup_n, len(tail))):  # keep the hits that match one token further back
-            longer = ends[ends >= k]
-            longer = longer[a[longer - k] == tail[-1 - k]]
-            if not len(longer):
-                break
-            ends = longer
-        tail.append(int(a[ends[-1] + 1]))
-        out[i] = tail[-1]
+        tail.append(nxt)
+        out[i] = nxt
     return out
 
 
@@ -127,22 +142,17 @@ def anchor_chains(tokens: torch.Tensor, lengths: Sequence[int], anchors: torch.T
         for k, c in enumerate(where[b]):
             if 0 <= c < length:
                 at.setdefault(c, []).append(k)
-        last: list[dict[tuple[int, ...], int]] = [{} for _ in range(lookup_n + 1)]  # m -> m-gram -> last end j < t
+        seen = _LastEnds(lookup_n)  # m-grams ending before t
         for t in range(1, length):
             for k in at.get(t, ()):
                 tail = seq[max(0, t - lookup_n + 1):t + 1]
                 for i in range(n):
-                    j = None
-                    for m in range(min(lookup_n, len(tail)), 1, -1):
-                        j = last[m].get(tuple(tail[-m:]))
-                        if j is not None:
-                            break
+                    j = seen.find(tail)
                     if j is None:
                         break
                     tail.append(seq[j + 1])
                     out[b, k, i] = seq[j + 1]
-            for m in range(2, min(lookup_n, t + 1) + 1):
-                last[m][tuple(seq[t - m + 1:t + 1])] = t
+            seen.add(seq, t)
     return out.to(tokens.device)
 
 
@@ -156,22 +166,38 @@ def anchor_chains(tokens: torch.Tensor, lengths: Sequence[int], anchors: torch.T
 
 LOOKUP_NAMES = ("lookup.proj", "lookup.norm", "lookup.gate", "lookup.gate_bias")
 MAX_LOOKUP_N = 16
+LOOKUP_CONFIG_KEYS = ("lookup", "lookup_n")  # head config keys that heads written before them lack (off / 2)
+
+
+def _lookup_n_problem(n) -> str | None:
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_LOOKUP_N:
+        return f"lookup_n must be an integer in [2, {MAX_LOOKUP_N}], got {n!r}"
+    return None
 
 
 def check_lookup_options(method: str, lookup: bool, n: int) -> None:
     """A trainer's `lookup` / `lookup_n` options: one error naming what to fix."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_LOOKUP_N:
-        raise SpecplugError(f"{method} options: lookup_n must be an integer in [2, {MAX_LOOKUP_N}], got {n!r}")
+    problem = _lookup_n_problem(n)
+    if problem:
+        raise SpecplugError(f"{method} options: {problem}")
     if n != 2 and not lookup:
         raise SpecplugError(f"{method} options: lookup_n {n} needs --lookup true (a head without the lookup reads none)")
 
 
-def lookup_n_of(config: dict, where: str = "head") -> int:
-    """The longest m-gram a head's lookup matches (its config's `lookup_n`; 2, the pair, when absent)."""
-    n = config.get("lookup_n", 2)
-    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_LOOKUP_N:
-        raise ValueError(f"{where}: lookup_n must be an integer in [2, {MAX_LOOKUP_N}], got {n!r}")
+def lookup_n_of(head) -> int:
+    """The longest m-gram a head file's lookup matches (its config's `lookup_n`; 2, the pair, when absent);
+    a HeadError naming the file when the value cannot be."""
+    n = head.meta.config.get("lookup_n", 2)
+    problem = _lookup_n_problem(n)
+    if problem:
+        raise HeadError(f"{head.path}: {problem}")
     return n
+
+
+def lookup_defaults(head) -> dict:
+    """A trainer's `defaults_of_head` for the lookup (specplug.train.finetune): the `lookup_n` of a head
+    that reads the lookup, so a fine-tune or `heads eval` reads it as it was made."""
+    return {"lookup_n": lookup_n_of(head)} if head.meta.config.get("lookup") else {}
 
 
 def lookup_draft_rows(lookup: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
@@ -231,10 +257,7 @@ class LookupReader:
         shapes = {"lookup.proj": (d, d), "lookup.norm": (d,), "lookup.gate": (1, d), "lookup.gate_bias": (1,)}
         t = {k.split(".")[1]: head.tensor(k, sh).float() for k, sh in shapes.items()}
         self.d, self.eps, self.embed = d, eps, embed
-        try:
-            self.n = lookup_n_of(head.meta.config, str(head.path))  # the longest m-gram matched (2: the pair)
-        except ValueError as exc:
-            raise HeadError(str(exc)) from None
+        self.n = lookup_n_of(head)  # the longest m-gram matched (2: the pair)
         self.proj, self.norm = t["proj"], t["norm"]
         self.gate = (t["gate"].flatten().contiguous(), float(t["gate_bias"][0]))
         # target id -> draft row as the trainer's `specplug.train.distill.invert` maps it (not imported:

@@ -30,15 +30,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write_head
-from specplug.heads.lookup import NONE, LookupReader, LookupTrain
+from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, NONE, LookupReader, LookupTrain
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step
 from specplug.runtime.static import head_steps
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables
 
 METHOD, VERSION = "dflash", 1
-
-
-OPTIONAL = ("lookup", "lookup_n")  # config keys heads written before them lack
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DFlashConfig":
-        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d or k not in OPTIONAL}  # older heads: off / 2
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d or k not in LOOKUP_CONFIG_KEYS}
         kw["taps"] = tuple(str(t) for t in kw["taps"])
         return cls(**kw)
 

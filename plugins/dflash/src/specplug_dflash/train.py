@@ -16,13 +16,14 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.heads.lookup import LOOKUP_NAMES, anchor_chains, check_lookup_options, lookup_draft_rows, lookup_n_of
+from specplug.heads.lookup import (LOOKUP_CONFIG_KEYS, LOOKUP_NAMES, anchor_chains, check_lookup_options,
+                                   lookup_defaults, lookup_draft_rows)
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets
 from specplug.train.finetune import draft_vocabulary
 from specplug.train.modules import load_head_params
 from specplug.train.target import TargetWeights
-from specplug_dflash.head import METHOD, OPTIONAL, DFlashConfig, DFlashTrain, write_dflash
+from specplug_dflash.head import METHOD, DFlashConfig, DFlashTrain, write_dflash
 
 
 def _taps(spec: str, n_layer: int) -> tuple[str, ...]:
@@ -79,7 +80,7 @@ class DFlashTrainer:
     @classmethod
     def defaults_of_head(cls, head: HeadFile) -> dict:
         """Options the head's config sets unless given: the longest n-gram its chained lookup matches."""
-        return {"lookup_n": lookup_n_of(head.meta.config, str(head.path))} if head.meta.config.get("lookup") else {}
+        return lookup_defaults(head)
 
     def __init__(self, options: "DFlashTrainer.Options", data: TrainData, device: torch.device,
                  init: HeadFile | None = None):
@@ -92,7 +93,7 @@ class DFlashTrainer:
         self.cfg = DFlashConfig(cfg.n_embd, options.n_layers, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff,
                                 cfg.rms_eps, cfg.rope_base, options.block, self.tap_names, options.lookup,
                                 options.lookup_n)
-        shape = {k: v for k, v in asdict(self.cfg).items() if k not in OPTIONAL}  # a head may gain the lookup
+        shape = {k: v for k, v in asdict(self.cfg).items() if k not in LOOKUP_CONFIG_KEYS}  # a head may gain the lookup
         self.d2t = draft_vocabulary(init, shape, data, options.draft_vocab, vocab)
         self.t2d = invert(self.d2t, vocab).to(device)
         self.module = DFlashTrain(self.cfg, tw.embeddings(), tw.output_norm(),

@@ -28,16 +28,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write_head
-from specplug.heads.lookup import LOOKUP_NAMES, LookupForward, LookupReader, LookupTrain
+from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, LOOKUP_NAMES, LookupForward, LookupReader, LookupTrain
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
 from specplug.runtime.static import chain_head_step, embedded, head_steps, token_input
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
 METHOD, VERSION = "eagle3", 1
-
-
-OPTIONAL = ("lookup", "lookup_n")  # config keys heads written before them lack
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Eagle3Config":
-        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d or k not in OPTIONAL}  # older heads: off / 2
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d or k not in LOOKUP_CONFIG_KEYS}
         kw["layers"] = tuple(int(x) for x in kw["layers"])
         return cls(**kw)
 

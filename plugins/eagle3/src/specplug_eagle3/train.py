@@ -10,13 +10,14 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.heads.lookup import LOOKUP_NAMES, check_lookup_options, lookup_n_of, training_lookups
+from specplug.heads.lookup import (LOOKUP_CONFIG_KEYS, LOOKUP_NAMES, check_lookup_options, lookup_defaults,
+                                   training_lookups)
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
 from specplug.train.finetune import draft_vocabulary
 from specplug.train.modules import load_head_params
 from specplug.train.target import TargetWeights
-from specplug_eagle3.head import METHOD, OPTIONAL, Eagle3Config, Eagle3Train, default_layers, write_eagle3
+from specplug_eagle3.head import METHOD, Eagle3Config, Eagle3Train, default_layers, write_eagle3
 
 
 def _parse_layers(spec: str, n_layer: int | None = None) -> tuple[int, ...] | None:
@@ -77,7 +78,7 @@ class Eagle3Trainer:
     @classmethod
     def defaults_of_head(cls, head: HeadFile) -> dict:
         """Options the head's config sets unless given: the longest n-gram its lookup matches."""
-        return {"lookup_n": lookup_n_of(head.meta.config, str(head.path))} if head.meta.config.get("lookup") else {}
+        return lookup_defaults(head)
 
     def __init__(self, options: "Eagle3Trainer.Options", data: TrainData, device: torch.device,
                  init: HeadFile | None = None):
@@ -89,7 +90,7 @@ class Eagle3Trainer:
         vocab = cfg.vocab_size
         self.cfg = Eagle3Config(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rms_eps,
                                 cfg.rope_base, self.layers, options.lookup, options.lookup_n)
-        shape = {k: v for k, v in asdict(self.cfg).items() if k not in OPTIONAL}  # a head may gain the lookup
+        shape = {k: v for k, v in asdict(self.cfg).items() if k not in LOOKUP_CONFIG_KEYS}  # a head may gain the lookup
         self.d2t = draft_vocabulary(init, shape, data, options.draft_vocab, vocab)
         self.t2d = invert(self.d2t, vocab).to(device)
         self.module = Eagle3Train(self.cfg, tw.embeddings(), tw.output_norm(),

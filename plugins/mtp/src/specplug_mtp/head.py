@@ -28,16 +28,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.heads import HeadFile, HeadMeta, layer_from_head, write_head
-from specplug.heads.lookup import LookupForward, LookupReader, LookupTrain
+from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, LookupForward, LookupReader, LookupTrain
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
 from specplug.runtime.static import chain_head_step, embedded, head_steps, token_input
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
 METHOD, VERSION = "mtp", 1
-
-
-OPTIONAL = ("lookup", "lookup_n")  # config keys heads written before them lack
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,8 @@ class MTPConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MTPConfig":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d or k not in OPTIONAL})  # older heads: off / 2
+        # heads written before the lookup keys lack them (off / 2)
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d or k not in LOOKUP_CONFIG_KEYS})
 
 
 def _shift(x: torch.Tensor) -> torch.Tensor:

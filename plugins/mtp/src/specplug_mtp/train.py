@@ -16,13 +16,14 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.heads.lookup import LOOKUP_NAMES, check_lookup_options, lookup_n_of, training_lookups
+from specplug.heads.lookup import (LOOKUP_CONFIG_KEYS, LOOKUP_NAMES, check_lookup_options, lookup_defaults,
+                                   training_lookups)
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
 from specplug.train.finetune import check_config
 from specplug.train.modules import load_head_params
 from specplug.train.target import TargetWeights, draft_vocab
-from specplug_mtp.head import METHOD, OPTIONAL, MTPConfig, MTPTrain
+from specplug_mtp.head import METHOD, MTPConfig, MTPTrain
 
 
 class MTPTrainer:
@@ -64,7 +65,7 @@ class MTPTrainer:
     @classmethod
     def defaults_of_head(cls, head: HeadFile) -> dict:
         """Options the head's config sets unless given: the longest n-gram its lookup matches."""
-        return {"lookup_n": lookup_n_of(head.meta.config, str(head.path))} if head.meta.config.get("lookup") else {}
+        return lookup_defaults(head)
 
     def __init__(self, options: "MTPTrainer.Options", data: TrainData, device: torch.device,
                  init: HeadFile | None = None):
@@ -76,7 +77,8 @@ class MTPTrainer:
         hc = MTPConfig(cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.rms_eps, cfg.rope_base,
                        options.lookup, options.lookup_n)
         if init is not None:  # the base head's vocabulary, not one chosen anew from this data
-            check_config(init, {k: v for k, v in asdict(hc).items() if k not in OPTIONAL})  # a head may gain the lookup
+            # a head may gain the lookup
+            check_config(init, {k: v for k, v in asdict(hc).items() if k not in LOOKUP_CONFIG_KEYS})
             self.d2t = init.tensor("d2t").long()
         else:
             self.d2t = draft_vocab(data.answer_tokens("train"), options.draft_vocab or vocab, vocab)
