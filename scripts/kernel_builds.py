@@ -38,6 +38,36 @@ def load_build(name: str):
     return mod
 
 
+def measure(m, cache, reps: int = 40) -> dict:
+    """One round on model `m` (its cache `cache`, one sequence, >= 528 cells): decode at ctx 128, T(k)
+    = one forward of k rows after 512 tokens (the rows removed again), prefill 512, in ms / tok/s."""
+    def fill(ctx: int) -> None:
+        cache.clear(0)
+        m.forward(list(range(100, 100 + ctx)), list(range(ctx)), [0] * ctx, cache, logits_rows=None)
+
+    def step(ctx: int, k: int):
+        def f():
+            m.forward([7] * k, list(range(ctx, ctx + k)), [0] * k, cache, logits_rows=None)
+            cache.seq_rm(0, ctx)
+        return f
+
+    r = {}
+    fill(128)
+    r["decode128"] = _median_ms(step(128, 1), reps, warmup=3)
+    fill(512)
+    for k in KS:
+        r[f"T{k}"] = _median_ms(step(512, k), reps, warmup=3)
+    r["prefill_tok_s"] = 512 / (_median_ms(lambda: fill(512), 5, warmup=3) / 1e3)
+    return r
+
+
+def round_medians(runs: list[dict]) -> dict:
+    """Medians over rounds of `measure`'s figures, and of each round's T(k)/T(1)."""
+    med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    med.update({f"T{k}/T1": statistics.median(r[f"T{k}"] / r["T1"] for r in runs) for k in KS})
+    return {k: round(v, 3) for k, v in med.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--builds", required=True, help="comma-separated: avx2, avx512 or cached build folders")
@@ -59,37 +89,14 @@ def main() -> None:
             layer._k = k
 
     cache = m.new_cache(1, 2048)
-
-    def timed(fn, n: int) -> float:
-        return _median_ms(fn, n, warmup=3)
-
-    def fill(ctx: int) -> None:
-        cache.clear(0)
-        m.forward(list(range(100, 100 + ctx)), list(range(ctx)), [0] * ctx, cache, logits_rows=None)
-
-    def step(ctx: int, k: int):
-        def f():
-            m.forward([7] * k, list(range(ctx, ctx + k)), [0] * k, cache, logits_rows=None)
-            cache.seq_rm(0, ctx)
-        return f
-
     runs: dict = {}
     for rnd in range(args.rounds):
         for n in (names if rnd % 2 == 0 else names[::-1]):
             use(builds[n])
-            r = {}
-            fill(128)
-            r["decode128"] = timed(step(128, 1), 40)
-            fill(512)
-            for k in KS:
-                r[f"T{k}"] = timed(step(512, k), 40)
-            r["prefill_tok_s"] = 512 / (timed(lambda: fill(512), 5) / 1e3)
-            runs.setdefault(n, []).append(r)
+            runs.setdefault(n, []).append(measure(m, cache))
     medians = {}
     for n in names:
-        med = {key: statistics.median(r[key] for r in runs[n]) for key in runs[n][0]}
-        med.update({f"T{k}/T1": statistics.median(r[f"T{k}"] / r["T1"] for r in runs[n]) for k in KS})
-        medians[n] = {k: round(v, 3) for k, v in med.items()}
+        medians[n] = round_medians(runs[n])
         print(n, json.dumps(medians[n]))
     for n in names[1:]:
         a, b = medians[names[0]], medians[n]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from specplug import machine
+from specplug.runtime import pages
 
 VERIFY_K = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 VERIFY_K_CUDA = VERIFY_K + (48, 64)
@@ -55,12 +56,22 @@ def _fill(model, cache, seq: int, n: int, chunk: int = 256) -> None:
         model.forward(toks[a:b], list(range(a, b)), [seq] * (b - a), cache, logits_rows=[])
 
 
+def _streamed_weights(model) -> list[torch.Tensor]:
+    """The weight tensors a step reads whole: every linear's (tiles and scales on the gguf kernels)."""
+    lins = [lin for layer in model.layers for lin in layer.linears()] + [model.head]
+    names = ("qs", "d", "m", "weight")
+    return [t for lin in lins for t in (getattr(lin, n, None) for n in names) if isinstance(t, torch.Tensor)]
+
+
 def run_bench(model, repeats: int = 20) -> dict:
     """Measure the runtime cost curve; returns the figures as a dict."""
     res: dict = {"model": str(model.path), "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
                  "quant": model.quant, "threads": torch.get_num_threads(), "repeats": repeats,
                  "machine": machine.describe(str(model.device))}
     cuda = model.device.type == "cuda"
+    if not cuda:
+        huge, total = pages.huge_page_bytes(_streamed_weights(model))
+        res["weights_2mb_pages_mb"], res["weights_mb"] = round(huge / 1e6, 1), round(total / 1e6, 1)
     sync = torch.cuda.synchronize if cuda else _no_sync
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -134,6 +145,8 @@ def format_report(res: dict) -> str:
              "  T(k) ms" + " ".join(f"{v:>7.2f}" for v in res["verify_ms"].values()),
              "  T(k)/T1" + " ".join(f"{v:>7.2f}" for v in res["verify_ratio"].values()),
              f"prefill 512: {res['prefill_tok_s']} tok/s",
+             *([f"weights on 2 MB pages: {res['weights_2mb_pages_mb']} of {res['weights_mb']} MB"]
+               if "weights_mb" in res else []),
              f"batch 4 seq x 1 tok: {res['batch4_ms']} ms vs 1 x 1: {res['batch1_ms']} ms -> x{res['batch4_vs_1']}"]
     if "batch16_ms" in res:
         lines.append(f"batch 16 seq x 1 tok: {res['batch16_ms']} ms -> x{res['batch16_vs_1']} of 1 x 1; "

@@ -54,13 +54,28 @@ def describe(device: str | None = None) -> dict:
             "specplug": _version(), "commit": _git_commit()}
     if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    info["pages"] = _pages()
     return info
+
+
+def _pages() -> str:
+    """Which pages the CPU runtime asks for its weights and caches (specplug.runtime.pages)."""
+    from specplug.runtime import pages
+
+    try:
+        on = pages.enabled()
+    except Exception as exc:  # a wrong SPECPLUG_HUGE_PAGES: the loader says so; a report only records it
+        return f"unknown ({exc})"
+    return f"2 MB (THP {pages.thp_mode()})" if on else f"4 KB (THP {pages.thp_mode()}, {pages.ENV}=" \
+        f"{os.environ.get(pages.ENV)})"
 
 
 def line(info: dict) -> str:
     """One line for a report: 'machine: AMD EPYC, 2 cores, 2 threads, kernels avx512; torch ...'."""
     parts = [f"machine: {info.get('cpu')}", f"{info.get('cores')} cores", f"{info.get('threads')} threads",
              f"kernels {info.get('kernel_isa') or 'none'}"]
+    if info.get("pages"):
+        parts.append(f"pages {info['pages']}")
     if info.get("gpu"):
         parts.append(f"GPU {info['gpu']}")
     parts.append(f"torch {info.get('torch')}, specplug {info.get('specplug')} @ {info.get('commit') or '?'}")

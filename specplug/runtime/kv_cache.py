@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from specplug.errors import ContextFullError
+from specplug.runtime import pages
 
 RING_SLACK = 512  # cells past the window a sliding layer's ring keeps (llama.cpp: the ubatch size)
 
@@ -47,14 +48,14 @@ class KVCache:
         slots = n_seq + spare
         if all(c == max_ctx for c in self.cells):
             shape = (n_layer, slots, n_head_kv, max_ctx, head_dim)
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self.k = pages.zeros(shape, dtype, device)  # on 2 MB pages on CPU (specplug.runtime.pages)
+            self.v = pages.zeros(shape, dtype, device)
         else:  # one backing tensor per cell count, each layer a view of its own
             self.k, self.v = [None] * n_layer, [None] * n_layer
             for n in sorted(set(self.cells)):
                 layers = [li for li, c in enumerate(self.cells) if c == n]
                 shape = (len(layers), slots, n_head_kv, n, head_dim)
-                k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+                k, v = pages.zeros(shape, dtype, device), pages.zeros(shape, dtype, device)
                 for j, li in enumerate(layers):
                     self.k[li], self.v[li] = k[j], v[j]
         self.ring = min(self.cells) < max_ctx

@@ -17,7 +17,7 @@ import torch
 
 from specplug.errors import ModelError
 from specplug.runtime.gguf_file import GGUFFile, ModelConfig
-from specplug.runtime import native
+from specplug.runtime import native, pages
 from specplug.runtime.kv_cache import RING_SLACK, KVCache
 from specplug.runtime.layers import Backend, DecoderLayer, LayerKind, LayerShape, Linear, Rope, Step
 from specplug.runtime.linear import int8_available
@@ -215,6 +215,7 @@ class Transformer:
     def __init__(self, gguf: GGUFFile, device: torch.device, dtype: torch.dtype, quant: str):
         self.config = cfg = gguf.config
         self.path = gguf.path
+        pages.enabled()  # a wrong SPECPLUG_HUGE_PAGES is one clear error before anything loads
         self.device, self.dtype = device, dtype
         if quant == "auto":
             quant = _auto_quant(gguf, device, dtype)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from specplug.errors import ModelError
+from specplug.runtime import pages
 
 _SRC = Path(__file__).parent / "csrc" / "gguf_kernels.cpp"
 _lock = threading.Lock()
@@ -309,7 +310,9 @@ class QuantLinear:
 
     def __init__(self, kind: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, out_features: int,
                  bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None):
-        self.kind, self.qs, self.d, self.m = kind, qs, d, m
+        # read every step, streamed: on 2 MB pages where the OS gives them (specplug.runtime.pages)
+        self.kind, self.qs, self.d = kind, pages.place(qs), pages.place(d)
+        self.m = None if m is None else pages.place(m)
         self.out_features = out_features
         # the bias is read a whole tile at a time: pad it to the tiled width
         self.bias = None if bias is None else torch.nn.functional.pad(bias.float(), (0, (-out_features) % 8))
