@@ -48,9 +48,11 @@ def test_a_large_tensor_gets_its_own_2mb_aligned_mapping_and_zeros_are_zeros():
     big = torch.ones(pages.CHUNK // 2 + 4096, dtype=torch.uint8)
     p = pages.place(big)
     assert p.data_ptr() % pages.HUGE == 0 and torch.equal(p, big)
-    z = pages.zeros((3, 2, 1000, 64), torch.float16)
-    assert z.shape == (3, 2, 1000, 64) and z.dtype == torch.float16 and z.data_ptr() % pages.HUGE == 0
+    z = pages.zeros((3, 2, 4000, 64), torch.float16)
+    assert z.shape == (3, 2, 4000, 64) and z.dtype == torch.float16 and z.data_ptr() % pages.HUGE == 0
     assert not z.any()
+    small = pages.zeros((3, 2, 100, 64), torch.float16)  # under one 2 MB page: torch's memory
+    assert small._base is None and not small.any()
 
 
 @huge_available
@@ -70,7 +72,7 @@ def test_a_mapping_is_released_with_its_last_tensor(monkeypatch):
     monkeypatch.delenv(pages.ENV, raising=False)
     if not pages.enabled():
         pytest.skip("no transparent huge pages here")
-    z = pages.zeros((1 << 20,), torch.uint8)
+    z = pages.zeros((4 << 20,), torch.uint8)
     addr = z.data_ptr()
     ref = weakref.ref(z._base)
     assert _mapped(addr)

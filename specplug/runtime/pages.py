@@ -13,7 +13,7 @@ allocator does not ask, so the loader moves what it streams into mappings that d
 
 - `place(t)` copies a CPU tensor into a shared arena of 2 MB-aligned chunks (weights: the quantized
   linears' tiles and scales, set at load, read every step);
-- `zeros(shape, dtype)` gives a zeroed tensor on a mapping of its own (a KV cache).
+- `zeros(shape, dtype)` gives a zeroed tensor on a mapping of its own (a KV cache of 2 MB or more).
 
 Tensors made here are ordinary CPU tensors over an `mmap` object; each keeps its mapping alive, so
 memory is returned when the last tensor of a chunk goes. The values are the same bytes: the kernels
@@ -111,14 +111,15 @@ def place(t: torch.Tensor) -> torch.Tensor:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """torch.zeros(shape, dtype, device), on a mapping of its own asking for 2 MB pages where the
-    device is the CPU and `enabled()` (anonymous pages are zero: nothing is written)."""
+    device is the CPU, `enabled()` and the tensor fills at least one such page (a smaller one would
+    hold a whole 2 MB page once touched); anonymous pages are zero: nothing is written."""
     device = torch.device(device)
     numel = 1
     for n in shape:
         numel *= int(n)
-    if device.type != "cpu" or numel == 0 or not enabled():
-        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < HUGE or not enabled():
+        return torch.zeros(shape, dtype=dtype, device=device)
     whole, off = _mapping(nbytes)
     return whole[off:off + nbytes].view(dtype).view(shape)
 
