@@ -16,16 +16,31 @@ from pathlib import Path
 
 import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 from specplug import machine
+from specplug.bench_runtime import _streamed_weights
 from specplug.runtime import load_target, pages
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_builds import measure, round_medians  # noqa: E402  (the same figures as kernel builds side by side)
 
 
-def streamed(model) -> list:
-    """The tensors a step streams: the linears' tiles and scales."""
-    lins = [lin for layer in model.layers for lin in layer.linears()] + [model.head]
-    return [t for lin in lins for t in (lin.qs, lin.d, lin.m) if t is not None]
+def both_page_sizes(model: str, threads: int) -> dict:
+    """{"4 KB pages": model, "2 MB pages": model}: two copies of the target, the first loaded with
+    SPECPLUG_HUGE_PAGES=0 (the caller's setting of it restored after)."""
+    if not pages.enabled():
+        raise SystemExit(f"2 MB pages are not available here (THP mode {pages.thp_mode()!r}, {pages.ENV}="
+                         f"{os.environ.get(pages.ENV)!r})")
+    before = os.environ.get(pages.ENV)
+    models = {}
+    try:
+        for name, env in (("4 KB pages", "0"), ("2 MB pages", "1")):
+            os.environ[pages.ENV] = env
+            models[name] = load_target(model, device="cpu", quant="gguf", threads=threads).model
+    finally:
+        if before is None:
+            os.environ.pop(pages.ENV)
+        else:
+            os.environ[pages.ENV] = before
+    return models
 
 
 def main() -> None:
@@ -36,15 +51,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if not pages.enabled():
-        raise SystemExit(f"2 MB pages are not available here (THP mode {pages.thp_mode()!r}, {pages.ENV}="
-                         f"{os.environ.get(pages.ENV)!r})")
-    models, caches = {}, {}
-    for name, env in (("4 KB pages", "0"), ("2 MB pages", "1")):
-        os.environ[pages.ENV] = env
-        models[name] = load_target(args.model, device="cpu", quant="gguf", threads=args.threads).model
-        caches[name] = models[name].new_cache(1, 2048)
-    os.environ.pop(pages.ENV)
+    models = both_page_sizes(args.model, args.threads)
+    caches = {name: m.new_cache(1, 2048) for name, m in models.items()}
     names = list(models)
     logits = []
     for n in names:  # same bytes, same bits
@@ -60,7 +68,7 @@ def main() -> None:
     medians, placed = {}, {}
     for n in names:
         medians[n] = round_medians(runs[n])
-        huge, total = pages.huge_page_bytes(streamed(models[n]))
+        huge, total = pages.huge_page_bytes(_streamed_weights(models[n]))
         placed[n] = {"weights_on_2mb_pages_mb": round(huge / 1e6, 1), "weights_mb": round(total / 1e6, 1)}
         print(f"{n}: {json.dumps(medians[n])}  weights on 2 MB pages: {placed[n]['weights_on_2mb_pages_mb']} of "
               f"{placed[n]['weights_mb']} MB")

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 import torch
 
 from specplug import machine
-from specplug.runtime import load_target, pages
+
+sys.path.insert(0, str(Path(__file__).parent))
+from huge_pages_ab import both_page_sizes  # noqa: E402  (two copies of the model, one per page size)
 
 
 def main() -> None:
@@ -32,11 +34,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    models = {}
-    for name, env in (("4 KB pages", "0"), ("2 MB pages", "1")):
-        os.environ[pages.ENV] = env
-        models[name] = load_target(args.model, device="cpu", quant="gguf", threads=args.threads).model
-    os.environ.pop(pages.ENV)
+    models = both_page_sizes(args.model, args.threads)
     g = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {}
     for rnd in range(args.rounds):

@@ -24,6 +24,8 @@ fragmentation: then the tensors work as before, on 4 KB pages).
 """
 from __future__ import annotations
 
+import functools
+import math
 import mmap
 import os
 import sys
@@ -41,6 +43,7 @@ ENV = "SPECPLUG_HUGE_PAGES"
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
+@functools.cache  # read once: every placed tensor asks (`enabled`)
 def thp_mode() -> str | None:
     """The kernel's transparent-huge-page mode ("always", "madvise", "never"), or None where unknown."""
     try:
@@ -114,10 +117,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     device is the CPU, `enabled()` and the tensor fills at least one such page (a smaller one would
     hold a whole 2 MB page once touched); anonymous pages are zero: nothing is written."""
     device = torch.device(device)
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(int(n) for n in shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < HUGE or not enabled():
         return torch.zeros(shape, dtype=dtype, device=device)
     whole, off = _mapping(nbytes)
