@@ -134,6 +134,49 @@ def test_attention_rows_sharing_a_call_equal_each_row_alone(dtype, H, Hkv, D):
         assert torch.equal(together[r:r + 1], alone), r
 
 
+def _reference_attention(q, kc, vc, seq, pos, valid, H, scale):
+    """float64 attention of each row over its sequence's valid positions <= its own."""
+    Hkv, D = kc.shape[1], kc.shape[3]
+    out = torch.empty(len(seq), H * D, dtype=torch.float64)
+    for r, (s, p) in enumerate(zip(seq.tolist(), pos.tolist())):
+        keep = valid[s, :p + 1].nonzero().flatten()
+        for h in range(H):
+            k, v = kc[s, h // (H // Hkv), keep].double(), vc[s, h // (H // Hkv), keep].double()
+            w = torch.softmax(k @ q[r, h * D:(h + 1) * D].double() * scale, 0)
+            out[r, h * D:(h + 1) * D] = w @ v
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_attention_over_many_spans_is_right_and_the_same_on_any_thread_count(dtype):
+    """A row's keys are summed in spans of 128 positions that are then combined; how a call is cut
+    into tasks (spans, query heads per task) follows the thread count, the result must not."""
+    g = torch.Generator().manual_seed(5)
+    H, Hkv, D, ctx = 9, 3, 64, 800
+    kc = torch.randn(2, Hkv, ctx, D, generator=g).to(dtype)
+    vc = torch.randn(2, Hkv, ctx, D, generator=g).to(dtype)
+    valid = torch.rand(2, ctx, generator=g) > 0.1
+    # one row alone, a verification's rows across a span boundary, a long row of another sequence
+    calls = [([0], [300]), ([0, 0, 0, 0, 0], [254, 255, 256, 257, 258]), ([1, 0, 1], [799, 127, 128])]
+    k = native.kernels()
+    before = torch.get_num_threads()
+    try:
+        for seqs, poss in calls:
+            seq, pos = torch.tensor(seqs, dtype=torch.int32), torch.tensor(poss, dtype=torch.int32)
+            valid[seq.long(), pos.long()] = True
+            q = torch.randn(len(seqs), (H + 2 * Hkv) * D, generator=g)
+            outs = []
+            for n in (1, 2, 3, 5):
+                torch.set_num_threads(n)
+                outs.append(k.attention(q, kc, vc, seq, pos, valid, H, 0.125, None))
+            for o in outs[1:]:
+                assert torch.equal(o, outs[0]), (poss, (o - outs[0]).abs().max())
+            ref = _reference_attention(q, kc, vc, seq, pos, valid, H, 0.125)
+            assert torch.allclose(outs[0].double(), ref, atol=2e-5, rtol=1e-4), (outs[0].double() - ref).abs().max()
+    finally:
+        torch.set_num_threads(before)
+
+
 @other_paths
 @pytest.mark.parametrize("isa", OTHER)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -21,8 +21,10 @@
 #include "chunk_pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <unordered_map>
 #include <vector>
 
@@ -609,11 +611,30 @@ void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor
   }
 }
 
-// Cells per block of keys (values): a block's K (V) rows, read by the first of a call's rows of one
-// sequence, serve the others from L1. (Widening a block to float32 once for all the rows was
-// slower than widening as each row loads: 1.2-1.5x at 2-8 rows.)
-constexpr int64_t ATT_BLOCK = 64;
-constexpr int64_t ATT_ROWS = 16;  // rows of one sequence that share a call's reads at most
+// ---- attention ------------------------------------------------------------------------------
+//
+// A row's keys are cut by position into fixed spans of ATT_SPAN ([0, 128), [128, 256), ...; the
+// flash-decoding split). Per span a row gets its scores' max m, the sum l of exp(score - m) and
+// the unnormalized sum of exp(score - m) * V; the spans are then combined in position order. The
+// spans depend on positions only, never on the rows sharing a call, the threads or the order the
+// tasks run in, so a row's result is still a function of its own query and keys (bit for bit).
+// Spans give a call enough tasks to keep both cores busy at one row (one task per query head made
+// 5:4 tasks per thread of SmolLM2's 9 heads before); the query heads that share a K/V head (GQA)
+// go through a span together, and a task's rows go through it a piece at a time, so each K and V
+// row read from memory serves all of them from L1. Against one task per query head: 1.1-1.3x at
+// 512-1024 positions and 1-8 rows, about even at 128 (docs/results/runtime.md).
+constexpr int64_t ATT_SPAN = 128;
+constexpr int64_t ATT_ROWS = 16;  // rows of one sequence in one task at most
+constexpr int ATT_NQ = 4;         // query heads that share a pass over a span's keys at most
+#if defined(__AVX512F__)
+constexpr bool ATT_REGS32 = true;  // 32 vector registers (AVX-512 VL encodes ymm16-31)
+#else
+constexpr bool ATT_REGS32 = false;
+#endif
+// Keys per pass of the scores and 8-lane groups of V per pass, so that the accumulators, the
+// queries (or probabilities) and one loaded vector fit in the registers.
+constexpr int att_keys(int nq) { return ATT_REGS32 || nq <= 2 ? 4 : 2; }
+constexpr int att_vwidth(int nq) { return ATT_REGS32 ? (nq <= 3 ? 8 : 4) : (nq == 1 ? 8 : nq <= 3 ? 4 : 2); }
 
 template <typename V>
 inline void grow(std::vector<V>& v, int64_t n) {
@@ -626,40 +647,74 @@ inline void cell_rows(const T* base, const int32_t* cells, int64_t cnt, int64_t 
   for (int64_t j = 0; j < cnt; ++j) out[j] = base + (int64_t)cells[j] * D;
 }
 
-// Scores of one query head (qv = q * scale, nd registers of 8) against keys kr[0..cnt), stored
-// at sc[j0..j0 + cnt). Keys go 4 at a time with independent accumulators, then one at a time; a
-// lone key's lanes are summed in the same order as a grouped key's ((0+1)+(2+3)) + ((4+5)+(6+7)),
-// so a score is a function of its query and key alone: never of the other rows of the batch, of
-// where a block starts, or of where a row's sliding window starts in a shared list of cells.
-template <int ND, typename E>
-inline void scores_block(const __m256* qv, int64_t nd, const E* const* kr, int64_t j0, int64_t cnt, float* sc) {
-  int64_t j = 0;
-  for (; j + 4 <= cnt; j += 4) {
-    const E *k0 = kr[j], *k1 = kr[j + 1], *k2 = kr[j + 2], *k3 = kr[j + 3];
-    __m256 a0 = _mm256_mul_ps(qv[0], load8(k0)), a1 = _mm256_mul_ps(qv[0], load8(k1));
-    __m256 a2 = _mm256_mul_ps(qv[0], load8(k2)), a3 = _mm256_mul_ps(qv[0], load8(k3));
-    for (int64_t i = 1; i < nd; ++i) {
-      a0 = _mm256_fmadd_ps(qv[i], load8(k0 + 8 * i), a0);
-      a1 = _mm256_fmadd_ps(qv[i], load8(k1 + 8 * i), a1);
-      a2 = _mm256_fmadd_ps(qv[i], load8(k2 + 8 * i), a2);
-      a3 = _mm256_fmadd_ps(qv[i], load8(k3 + 8 * i), a3);
-    }
-    // 4 horizontal sums at once: [a0 a1 a2 a3] -> 4 floats
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    _mm_storeu_ps(sc + j0 + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+// The 8 lanes of a0..a3 summed, each as ((0+1)+(2+3)) + ((4+5)+(6+7)), to out[0..4). Every score
+// is reduced this way whatever shares its call (duplicates fill a group of fewer than 4).
+inline void reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float* out) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+// Scores of NQ query heads (qs: NQ x D scaled values) against the KJ keys kr[0..KJ), to
+// sc[g * ldsc + x]. A score's lanes are a multiply of the first 8 values, then multiply-adds of
+// the next 8s in order, then reduce4: a function of its query and key alone.
+template <int NQ, int KJ, int ND, typename T>
+inline void scores_keys(const float* qs, int64_t nd_rt, const T* const* kr, float* sc, int64_t ldsc) {
+  const int64_t nd = ND > 0 ? ND : nd_rt, D = nd * 8;  // ND > 0: the loop over the head unrolls
+  __m256 a[NQ][KJ];
+  for (int x = 0; x < KJ; ++x) {
+    const __m256 k = load8(kr[x]);
+    for (int g = 0; g < NQ; ++g) a[g][x] = _mm256_mul_ps(_mm256_loadu_ps(qs + g * D), k);
   }
-  for (; j < cnt; ++j) {
-    const E* k = kr[j];
-    __m256 acc = _mm256_mul_ps(qv[0], load8(k));
-    for (int64_t i = 1; i < nd; ++i) acc = _mm256_fmadd_ps(qv[i], load8(k + 8 * i), acc);
-    const __m256 h1 = _mm256_hadd_ps(acc, acc);
-    const __m256 h = _mm256_hadd_ps(h1, h1);
-    sc[j0 + j] = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  for (int64_t i = 1; i < nd; ++i) {
+    __m256 qv[NQ];
+    for (int g = 0; g < NQ; ++g) qv[g] = _mm256_loadu_ps(qs + g * D + 8 * i);
+    for (int x = 0; x < KJ; ++x) {
+      const __m256 k = load8(kr[x] + 8 * i);
+      for (int g = 0; g < NQ; ++g) a[g][x] = _mm256_fmadd_ps(qv[g], k, a[g][x]);
+    }
+  }
+  for (int g = 0; g < NQ; ++g) {
+    float o[4];
+    reduce4(a[g][0], a[g][KJ > 1 ? 1 : 0], a[g][KJ > 2 ? 2 : 0], a[g][KJ > 3 ? 3 : 0], o);
+    for (int x = 0; x < KJ; ++x) sc[g * ldsc + x] = o[x];
   }
 }
 
-// sc[0..n) -> exp(sc - max) in place (the tail up to a multiple of 8 is zeroed); returns 1 / sum.
-inline float softmax_unnormalized(float* sc, int64_t n) {
+// Cache lines of one cache row (K or V) asked for ahead of use: K rows ATT_AHEAD keys ahead into L1,
+// and the span's V rows into L2 while its scores are computed (the caches come from memory: a
+// forward's weights have evicted them since the layer's last call).
+#ifndef ATT_AHEAD
+#define ATT_AHEAD 8
+#endif
+static_assert(ATT_AHEAD >= 0 && ATT_AHEAD <= 64, "ATT_AHEAD: 0..64 keys");
+template <int HINT, typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  const char* p = (const char*)row;
+  for (int64_t b = 0; b < D * (int64_t)sizeof(T); b += 64) _mm_prefetch(p + b, (_mm_hint)HINT);
+}
+
+template <int NQ, int ND, typename T>
+inline void scores_span(const float* qs, int64_t nd, const T* const* kr, const T* const* vr, int64_t cnt,
+                        int64_t avail, float* sc, int64_t ldsc) {
+  constexpr int KJ = att_keys(NQ);
+  const int64_t D = nd * 8;
+  int64_t j = 0;
+  for (; j + KJ <= cnt; j += KJ) {
+    for (int x = 0; x < KJ; ++x) {
+      if (ATT_AHEAD > 0 && j + x + ATT_AHEAD < avail) prefetch_row<_MM_HINT_T0>(kr[j + x + ATT_AHEAD], D);
+      if (ATT_AHEAD > 0 && avail > 0) prefetch_row<_MM_HINT_T1>(vr[j + x], D);
+    }
+    scores_keys<NQ, KJ, ND, T>(qs, nd, kr + j, sc + j, ldsc);
+  }
+  for (; j < cnt; ++j) {
+    if (ATT_AHEAD > 0 && avail > 0) prefetch_row<_MM_HINT_T1>(vr[j], D);
+    scores_keys<NQ, 1, ND, T>(qs, nd, kr + j, sc + j, ldsc);
+  }
+}
+
+// sc[0..n) -> exp(sc - m) in place, m their max (the tail up to a multiple of 8 is zeroed);
+// returns the sum of the exponentials (8 lanes in order, then hsum).
+inline float softmax_span(float* sc, int64_t n, float* m_out) {
   __m256 mx8 = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
@@ -675,59 +730,133 @@ inline float softmax_unnormalized(float* sc, int64_t n) {
     _mm256_storeu_ps(sc + j, e);
     sum8 = _mm256_add_ps(sum8, e);
   }
-  return 1.0f / hsum(sum8);
+  *m_out = mx;
+  return hsum(sum8);
 }
 
-// One query head for R rows of one sequence (a verification's drafted rows), row r over entries
-// [a[r], n[r]) of the sequence's list of cells (a lower limit ends the range earlier, a sliding
-// window starts it later): the softmax-weighted sum of V rows. Every row's arithmetic is the one-row
-// arithmetic in the same order (scores of its own cells, softmax and the V sum per lane in cell
-// order from its first cell); the rows only share the reads of K and V from L1, so a row's result
-// never depends on what shares its call. q[r], o[r]: the head's D values of row r.
+// acc[g * lda + 8 (i0 + w) ...] += p[g * ldp + j] * V_j[8 (i0 + w) ...] over j in order, for W
+// groups of 8 lanes from i0: each lane one multiply-add chain in key order (continued from the
+// value stored in acc, so a span can be summed in pieces with the same bits).
+template <int NQ, int W, typename T>
+inline void pv_lanes(const float* p, int64_t ldp, const T* const* vr, int64_t cnt, int64_t i0, float* acc,
+                     int64_t lda) {
+  __m256 a[NQ][W];
+  for (int g = 0; g < NQ; ++g)
+    for (int w = 0; w < W; ++w) a[g][w] = _mm256_loadu_ps(acc + g * lda + 8 * (i0 + w));
+  for (int64_t j = 0; j < cnt; ++j) {
+    __m256 pj[NQ];
+    for (int g = 0; g < NQ; ++g) pj[g] = _mm256_broadcast_ss(p + g * ldp + j);
+    for (int w = 0; w < W; ++w) {
+      const __m256 v = load8(vr[j] + 8 * (i0 + w));
+      for (int g = 0; g < NQ; ++g) a[g][w] = _mm256_fmadd_ps(pj[g], v, a[g][w]);
+    }
+  }
+  for (int g = 0; g < NQ; ++g)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + g * lda + 8 * (i0 + w), a[g][w]);
+}
+
+// Keys per piece of a span that a task's rows go through together, so that the piece's K (V)
+// rows, read from memory by the first row, serve the others from L1.
+constexpr int64_t ATT_PIECE = 32;
+
+// The rows of one task over one span, for NQ query heads that share a K/V head: row r (q[r]: its
+// first head's D values, the others ldq apart) sees the span's keys kr/vr[a[r]..e[r]) (none when
+// a[r] >= e[r]); each head's partial (acc[0..D), then m, l) goes to part[r] + g * ps. Scores, then
+// per row and head its span softmax, then the V sums; pieces of ATT_PIECE keys at a time for all
+// the rows. `avail`: K rows known from kr[0] (the next span's first keys, prefetched ahead).
+template <int NQ, int ND, typename T>
+void attend_span(int64_t R, const float* const* q, int64_t ldq, int64_t nd_rt, float scale, const T* const* kr,
+                 const T* const* vr, const int64_t* a, const int64_t* e, int64_t avail, float* const* part, int64_t ps,
+                 float* qs, float* sc, int64_t ldsc) {
+  const int64_t nd = ND > 0 ? ND : nd_rt, D = nd * 8;
+  int64_t lo = INT64_MAX, hi = 0, first = -1;
+  for (int64_t r = 0; r < R; ++r) {
+    if (a[r] >= e[r]) continue;
+    lo = std::min(lo, a[r]), hi = std::max(hi, e[r]), first = first < 0 ? r : first;
+    for (int g = 0; g < NQ; ++g)
+      for (int64_t i = 0; i < nd; ++i)
+        _mm256_storeu_ps(qs + (r * NQ + g) * D + 8 * i,
+                         _mm256_mul_ps(_mm256_loadu_ps(q[r] + g * ldq + 8 * i), _mm256_set1_ps(scale)));
+  }
+  if (first < 0) return;
+  for (int64_t b0 = lo; b0 < hi; b0 += ATT_PIECE)
+    for (int64_t r = first; r < R; ++r) {
+      const int64_t s = std::max(b0, a[r]), t = std::min(b0 + ATT_PIECE, e[r]);
+      if (s < t)  // the first row asks for the cache lines ahead; the others find them in L1
+        scores_span<NQ, ND, T>(qs + r * NQ * D, nd, kr + s, vr + s, t - s, r == first ? avail - s : 0,
+                           sc + r * NQ * ldsc + (s - a[r]), ldsc);
+    }
+  constexpr int W = att_vwidth(NQ);
+  for (int64_t r = first; r < R; ++r) {
+    if (a[r] >= e[r]) continue;
+    for (int g = 0; g < NQ; ++g) {
+      float* pg = part[r] + g * ps;
+      pg[D + 1] = softmax_span(sc + (r * NQ + g) * ldsc, e[r] - a[r], pg + D);
+      for (int64_t i = 0; i < D; ++i) pg[i] = 0.0f;
+    }
+  }
+  for (int64_t b0 = lo; b0 < hi; b0 += ATT_PIECE)
+    for (int64_t r = first; r < R; ++r) {
+      const int64_t s = std::max(b0, a[r]), t = std::min(b0 + ATT_PIECE, e[r]);
+      if (s >= t) continue;
+      const float* p = sc + r * NQ * ldsc + (s - a[r]);
+      int64_t i = 0;
+      for (; i + W <= nd; i += W) pv_lanes<NQ, W, T>(p, ldsc, vr + s, t - s, i, part[r], ps);
+      for (; i < nd; ++i) pv_lanes<NQ, 1, T>(p, ldsc, vr + s, t - s, i, part[r], ps);
+    }
+}
+
 template <int ND, typename T>
-void attend_rows(const float* const* q, float* const* o, const int64_t* a, const int64_t* n, int64_t R, const T* K,
-                 const T* V, const int32_t* cells, int64_t nd_rt, float scale, float* sc, int64_t ldsc,
-                 float* accbuf) {
-  const int64_t nd = ND > 0 ? ND : nd_rt;
+void attend_span_nq(int64_t nq, int64_t R, const float* const* q, int64_t ldq, int64_t nd, float scale,
+                    const T* const* kr, const T* const* vr, const int64_t* a, const int64_t* e, int64_t avail,
+                    float* const* part, int64_t ps, float* qs, float* sc, int64_t ldsc) {
+  switch (nq) {
+    case 1: attend_span<1, ND, T>(R, q, ldq, nd, scale, kr, vr, a, e, avail, part, ps, qs, sc, ldsc); break;
+    case 2: attend_span<2, ND, T>(R, q, ldq, nd, scale, kr, vr, a, e, avail, part, ps, qs, sc, ldsc); break;
+    case 3: attend_span<3, ND, T>(R, q, ldq, nd, scale, kr, vr, a, e, avail, part, ps, qs, sc, ldsc); break;
+    default: attend_span<4, ND, T>(R, q, ldq, nd, scale, kr, vr, a, e, avail, part, ps, qs, sc, ldsc); break;
+  }
+}
+
+// attend_span for G query heads, ATT_NQ at a time (q[r], part[r]: the first head's); head_dim 64
+// and 128 with their loops unrolled.
+template <typename T>
+void attend_span_heads(int64_t G, int64_t R, const float* const* q, int64_t ldq, int64_t nd, float scale,
+                       const T* const* kr, const T* const* vr, const int64_t* a, const int64_t* e, int64_t avail,
+                       float* const* part, int64_t ps, float* qs, float* sc, int64_t ldsc) {
+  const float* qg[ATT_ROWS];
+  float* pg[ATT_ROWS];
+  for (int64_t g0 = 0; g0 < G; g0 += ATT_NQ) {
+    for (int64_t r = 0; r < R; ++r) qg[r] = q[r] + g0 * ldq, pg[r] = part[r] + g0 * ps;
+    const int64_t nq = std::min<int64_t>(ATT_NQ, G - g0);
+    switch (nd) {
+      case 8: attend_span_nq<8, T>(nq, R, qg, ldq, nd, scale, kr, vr, a, e, avail, pg, ps, qs, sc, ldsc); break;
+      case 16: attend_span_nq<16, T>(nq, R, qg, ldq, nd, scale, kr, vr, a, e, avail, pg, ps, qs, sc, ldsc); break;
+      default: attend_span_nq<0, T>(nq, R, qg, ldq, nd, scale, kr, vr, a, e, avail, pg, ps, qs, sc, ldsc); break;
+    }
+  }
+}
+
+// One head of one row from its spans' partials (part + s * step, s in position order; l = 0 marks
+// a span the row does not see): m = the spans' max, then acc and l summed with weights
+// exp(m_s - m) in span order, out = acc / l. A row seen in one span gets its acc / l exactly.
+inline void combine_spans(const float* part, int64_t step, int64_t nspan, int64_t nd, float* out) {
   const int64_t D = nd * 8;
-  int64_t amin = n[0], nmax = 0;
-  for (int64_t r = 0; r < R; ++r) amin = std::min(amin, a[r]), nmax = std::max(nmax, n[r]);
-  const T* rows[ATT_BLOCK];
-  __m256 qv[ND > 0 ? ND : 32];
-  for (int64_t c0 = amin; c0 < nmax; c0 += ATT_BLOCK) {
-    const int64_t cnt = std::min(ATT_BLOCK, nmax - c0);
-    cell_rows(K, cells + c0, cnt, D, rows);
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t s = std::max(c0, a[r]), e = std::min(c0 + cnt, n[r]);
-      if (s >= e) continue;
-      for (int64_t i = 0; i < nd; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q[r] + 8 * i), _mm256_set1_ps(scale));
-      scores_block<ND, T>(qv, nd, rows + (s - c0), s - a[r], e - s, sc + r * ldsc);
-    }
+  float m = -INFINITY;
+  for (int64_t s = 0; s < nspan; ++s)
+    if (part[s * step + D + 1] != 0.0f) m = std::max(m, part[s * step + D]);
+  __m256 acc[32];
+  for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_setzero_ps();
+  __m128 l = _mm_setzero_ps();
+  for (int64_t s = 0; s < nspan; ++s) {
+    const float* p = part + s * step;
+    if (p[D + 1] == 0.0f) continue;
+    const __m256 w = exp8(_mm256_set1_ps(p[D] - m));
+    for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(p + 8 * i), w, acc[i]);
+    l = _mm_fmadd_ss(_mm_set_ss(p[D + 1]), _mm256_castps256_ps128(w), l);
   }
-  float inv[ATT_ROWS];
-  for (int64_t r = 0; r < R; ++r) inv[r] = softmax_unnormalized(sc + r * ldsc, n[r] - a[r]);
-  for (int64_t i = 0; i < R * D; ++i) accbuf[i] = 0.0f;
-  __m256 acc[ND > 0 ? ND : 32];
-  for (int64_t c0 = amin; c0 < nmax; c0 += ATT_BLOCK) {
-    const int64_t cnt = std::min(ATT_BLOCK, nmax - c0);
-    cell_rows(V, cells + c0, cnt, D, rows);
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t s = std::max(c0, a[r]), e = std::min(c0 + cnt, n[r]);
-      if (s >= e) continue;
-      float* ar = accbuf + r * D;
-      const float* pr = sc + r * ldsc + (s - a[r]);
-      for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_loadu_ps(ar + 8 * i);
-      for (int64_t j = 0; j < e - s; ++j) {
-        const __m256 pj = _mm256_set1_ps(pr[j]);
-        const T* vr = rows[s - c0 + j];
-        for (int64_t i = 0; i < nd; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(vr + 8 * i), acc[i]);
-      }
-      for (int64_t i = 0; i < nd; ++i) _mm256_storeu_ps(ar + 8 * i, acc[i]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t i = 0; i < nd; ++i)
-      _mm256_storeu_ps(o[r] + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(accbuf + r * D + 8 * i), _mm256_set1_ps(inv[r])));
+  const __m256 inv = _mm256_set1_ps(1.0f / _mm_cvtss_f32(l));
+  for (int64_t i = 0; i < nd; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
 }
 
 template <typename T>
@@ -760,21 +889,10 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const t
 }
 
 template <typename T>
-inline void attend_dispatch(int64_t D, const float* const* q, float* const* o, const int64_t* a, const int64_t* n,
-                            int64_t R, const T* K, const T* V, const int32_t* cells, float scale, float* sc,
-                            int64_t ldsc, float* accbuf) {
-  switch (D) {
-    case 64: attend_rows<8, T>(q, o, a, n, R, K, V, cells, 8, scale, sc, ldsc, accbuf); break;
-    case 128: attend_rows<16, T>(q, o, a, n, R, K, V, cells, 16, scale, sc, ldsc, accbuf); break;
-    default: attend_rows<0, T>(q, o, a, n, R, K, V, cells, D / 8, scale, sc, ldsc, accbuf); break;
-  }
-}
-
-template <typename T>
 torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp, const torch::Tensor& kc,
                              const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
                              double scale, const c10::optional<torch::Tensor>& limit, int64_t window) {
-  const int64_t M = q.size(0), Hkv = kc.size(1), ncell = kc.size(2), D = kc.size(3), G = H / Hkv;
+  const int64_t M = q.size(0), Hkv = kc.size(1), ncell = kc.size(2), D = kc.size(3), G = H / Hkv, nd = D / 8;
   const int64_t ctx = valid.size(1);
   TORCH_CHECK(valid.dim() == 2 && valid.is_contiguous() && window >= 0, "valid must be [n_seq, ctx]; window >= 0");
   auto out = torch::empty({M, H * D}, torch::kFloat32);
@@ -791,26 +909,23 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   const float fscale = (float)scale;
   // the first position row r may see: 0, or the start of its sliding window
   auto first = [&](int64_t r) -> int64_t { return window > 0 ? std::max<int64_t>(0, pp[r] - window + 1) : 0; };
-  int64_t cells_seen = 0;  // an upper bound of the cells all rows attend to (holes not counted off)
-  for (int64_t r = 0; r < M; ++r) cells_seen += lp[r] + 1 - first(r);
-  const int64_t task_work = std::max<int64_t>(1, cells_seen / M * D * 2 * (int64_t)sizeof(T));
-  // Runs of consecutive rows of one sequence (at most ATT_ROWS) share their K/V reads: one task
-  // is one query head of one run (head-major: consecutive tasks reuse one head's K/V from L2).
-  std::vector<int64_t> run_start{0};
+  // Runs of consecutive rows of one sequence (at most ATT_ROWS) share a task's K/V reads.
+  // (The call's bookkeeping lives in the calling thread's buffers across calls: no allocation per
+  // call. The tasks on other threads see it through the pointers taken below.)
+  thread_local std::vector<int64_t> run_start, list_start, span0, nspan, part0;
+  run_start.assign(1, 0);
   for (int64_t r = 1; r < M; ++r)
     if (sp[r] != sp[r - 1] || r - run_start.back() == ATT_ROWS) run_start.push_back(r);
   const int64_t nrun = (int64_t)run_start.size();
   run_start.push_back(M);
-  int64_t rmax = 1;
-  for (int64_t i = 0; i < nrun; ++i) rmax = std::max(rmax, run_start[i + 1] - run_start[i]);
   // Each run's list of the cells its rows see (the valid positions from the lowest first position
   // to the highest limit of its rows; row r sees entries [ra[r], rn[r]) of it), made once here for
-  // all the run's tasks. (Each task made it again before, with a division per cell: up to a fifth
-  // of attention's time, docs/results/runtime.md.)
+  // all the run's tasks, and where each of its spans starts in the list.
   thread_local std::vector<int32_t> cell_list, cpos;
-  thread_local std::vector<int64_t> ra, rn;
-  std::vector<int64_t> list_start(nrun + 1, 0);
+  thread_local std::vector<int64_t> ra, rn, span_at;
+  list_start.assign(nrun, 0), span0.assign(nrun + 1, 0), nspan.assign(nrun, 0);
   cell_list.clear();
+  span_at.clear();
   grow(cpos, ctx);
   grow(ra, M);
   grow(rn, M);
@@ -827,28 +942,100 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
       ra[r] = std::lower_bound(cpos.begin(), cpos.begin() + m, first(r)) - cpos.begin();
       rn[r] = std::upper_bound(cpos.begin(), cpos.begin() + m, lp[r]) - cpos.begin();
     }
+    const int64_t s_lo = bottom / ATT_SPAN;
+    nspan[run] = top / ATT_SPAN - s_lo + 1;
+    span0[run + 1] = span0[run] + nspan[run];
+    for (int64_t s = 0; s < nspan[run]; ++s)
+      span_at.push_back(std::lower_bound(cpos.begin(), cpos.begin() + m, (s_lo + s) * ATT_SPAN) - cpos.begin());
+    span_at.push_back(m);
   }
+  // Tasks: (run, K/V head, spans, query heads): a task goes through one span or all of its run's,
+  // for hs of the G query heads that share the K/V head, writing its rows' partials; the last
+  // task of a (run, K/V head, query heads) to finish combines them (atomic count, acq_rel: the
+  // other tasks' partials are visible to it). How a call is cut changes no bit (a head's
+  // arithmetic is the same whichever heads share its pass, and the spans are fixed), so the cut
+  // follows the work: whole runs when there are enough of them for the threads (prefill), else
+  // one span a task when enough spans hold many keys (long context), else all spans a task and
+  // fewer query heads (short context, where a span of a few keys is not worth a task).
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t ps = D + 8;                       // floats per partial: acc[D], m, l (and padding)
+  part0.assign(nrun * Hkv + 1, 0);  // (run, K/V head) -> its partials' first block
+  int64_t full_spans = 0;                         // spans of at least a quarter of ATT_SPAN keys
+  for (int64_t run = 0; run < nrun; ++run) {
+    const int64_t* at = span_at.data() + span0[run] + run;
+    for (int64_t s = 0; s < nspan[run]; ++s) full_spans += Hkv * (at[s + 1] - at[s] >= ATT_SPAN / 4);
+  }
+  const bool span_tasks = nrun * Hkv < want && full_spans >= want;
+  int64_t hs = G;
+  if (nrun * Hkv < want && !span_tasks)
+    while (hs > 1 && nrun * Hkv * ((G + hs - 1) / hs) < want) hs = (hs + 1) / 2;
+  const int64_t ngs = (G + hs - 1) / hs;
+  struct Task {
+    int64_t grp, s0, s1, g0;
+  };
+  thread_local std::vector<Task> tasks;
+  tasks.clear();
+  for (int64_t run = 0; run < nrun; ++run)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t grp = run * Hkv + h, R = run_start[run + 1] - run_start[run];
+      part0[grp + 1] = part0[grp] + nspan[run] * R;
+      for (int64_t s = 0; s < (span_tasks ? nspan[run] : 1); ++s)
+        for (int64_t g0 = 0; g0 < G; g0 += hs) tasks.push_back({grp, s, span_tasks ? s + 1 : nspan[run], g0});
+    }
+  thread_local std::vector<float> parts;
+  grow(parts, part0[nrun * Hkv] * G * ps);
+  thread_local std::unique_ptr<std::atomic<int32_t>[]> left_buf;
+  thread_local int64_t left_cap = 0;
+  if (left_cap < nrun * Hkv * ngs) left_cap = nrun * Hkv * ngs, left_buf.reset(new std::atomic<int32_t>[left_cap]);
+  std::atomic<int32_t>* left = left_buf.get();
+  for (int64_t grp = 0; grp < nrun * Hkv; ++grp)
+    for (int64_t gi = 0; gi < ngs; ++gi)
+      left[grp * ngs + gi].store((int32_t)(span_tasks ? nspan[grp / Hkv] : 1), std::memory_order_relaxed);
   const int32_t* cells = cell_list.data();
-  const int64_t *rap = ra.data(), *rnp = rn.data();
-  chunk_pool::parallel_for(nrun * H, CHUNK_BYTES / (task_work * M / nrun), [&](int64_t t0, int64_t t1) {
-    // each thread's buffers live across calls (a chunk is often one task: no allocation per task)
-    thread_local std::vector<float> sc, accbuf;
-    grow(sc, rmax * (ctx + 8));
-    grow(accbuf, rmax * D);
+  const int64_t *rap = ra.data(), *rnp = rn.data(), *sat = span_at.data();  // (thread_local: workers see pointers)
+  const int64_t *runs = run_start.data(), *lists = list_start.data(), *spans0 = span0.data(), *nspans = nspan.data(),
+                *parts0 = part0.data();
+  const Task* taskp = tasks.data();
+  float* partp = parts.data();
+  chunk_pool::parallel_for((int64_t)tasks.size(), 1, [&](int64_t t0, int64_t t1) {
+    // each thread's buffers live across calls (no allocation per task)
+    thread_local std::vector<float> qs, sc;
+    const int64_t ldsc = ATT_SPAN + 8;
+    grow(qs, ATT_ROWS * ATT_NQ * D);
+    grow(sc, ATT_ROWS * ATT_NQ * ldsc);
+    const T* kr[ATT_SPAN + 64];  // ATT_AHEAD <= 64
+    const T* vr[ATT_SPAN];
     const float* qr[ATT_ROWS];
-    float* orow[ATT_ROWS];
+    float* pr[ATT_ROWS];
+    int64_t ar[ATT_ROWS], er[ATT_ROWS];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t head = t / nrun, run = t % nrun, h = head / G, r0 = run_start[run], R = run_start[run + 1] - r0;
-      const int64_t s = sp[r0];
-      for (int64_t r = 0; r < R; ++r) {
-        qr[r] = qp + (r0 + r) * ldq + head * D;
-        orow[r] = op + (r0 + r) * H * D + head * D;
+      const Task& task = taskp[t];
+      const int64_t grp = task.grp, g0 = task.g0, gn = std::min(hs, G - g0);
+      const int64_t run = grp / Hkv, h = grp % Hkv;
+      const int64_t r0 = runs[run], R = runs[run + 1] - r0, sq = sp[r0];
+      const int64_t* at = sat + spans0[run] + run;  // the run's nspan + 1 span starts
+      const int32_t* cl = cells + lists[run];
+      for (int64_t r = 0; r < R; ++r) qr[r] = qp + (r0 + r) * ldq + (h * G + g0) * D;
+      for (int64_t s = task.s0; s < task.s1; ++s) {
+        const int64_t e0 = at[s], e1 = at[s + 1];
+        // K rows up to ATT_AHEAD entries past the span (the next span's first keys, to prefetch)
+        const int64_t k_end = std::min(at[nspans[run]], e1 + ATT_AHEAD);
+        cell_rows(kcp + (sq * Hkv + h) * ncell * D, cl + e0, k_end - e0, D, kr);
+        cell_rows(vcp + (sq * Hkv + h) * ncell * D, cl + e0, e1 - e0, D, vr);
+        for (int64_t r = 0; r < R; ++r) {
+          pr[r] = partp + ((parts0[grp] + s * R + r) * G + g0) * ps;
+          ar[r] = std::max(rap[r0 + r], e0) - e0, er[r] = std::min(rnp[r0 + r], e1) - e0;
+          if (ar[r] >= er[r])
+            for (int64_t g = 0; g < gn; ++g) pr[r][g * ps + D + 1] = 0.0f;  // the row does not see this span
+        }
+        attend_span_heads<T>(gn, R, qr, D, nd, fscale, kr, vr, ar, er, k_end - e0, pr, ps, qs.data(), sc.data(),
+                             ldsc);
       }
-      const T* K = kcp + (s * Hkv + h) * ncell * D;
-      const T* V = vcp + (s * Hkv + h) * ncell * D;
-      const int64_t ld = ctx + 8;
-      attend_dispatch<T>(D, qr, orow, rap + r0, rnp + r0, R, K, V, cells + list_start[run], fscale, sc.data(), ld,
-                         accbuf.data());
+      if (left[grp * ngs + g0 / hs].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = g0; g < g0 + gn; ++g)
+          combine_spans(partp + ((parts0[grp] + r) * G + g) * ps, R * G * ps, nspans[run], nd,
+                        op + (r0 + r) * H * D + (h * G + g) * D);
     }
   });
   return out;
