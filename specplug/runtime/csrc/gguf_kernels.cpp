@@ -982,8 +982,11 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
       for (int64_t s = 0; s < (span_tasks ? nspan[run] : 1); ++s)
         for (int64_t g0 = 0; g0 < G; g0 += hs) tasks.push_back({grp, s, span_tasks ? s + 1 : nspan[run], g0});
     }
+  // Partials of tasks that share a (run, K/V head) live in one buffer of the call (few runs: a
+  // verification's); a task that goes through all its spans keeps them in its thread's own (a
+  // prefill's many runs would need a buffer of runs x spans x rows x heads otherwise).
   thread_local std::vector<float> parts;
-  grow(parts, part0[nrun * Hkv] * G * ps);
+  if (span_tasks) grow(parts, part0[nrun * Hkv] * G * ps);
   thread_local std::unique_ptr<std::atomic<int32_t>[]> left_buf;
   thread_local int64_t left_cap = 0;
   if (left_cap < nrun * Hkv * ngs) left_cap = nrun * Hkv * ngs, left_buf.reset(new std::atomic<int32_t>[left_cap]);
@@ -999,7 +1002,7 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   float* partp = parts.data();
   chunk_pool::parallel_for((int64_t)tasks.size(), 1, [&](int64_t t0, int64_t t1) {
     // each thread's buffers live across calls (no allocation per task)
-    thread_local std::vector<float> qs, sc;
+    thread_local std::vector<float> qs, sc, own;
     const int64_t ldsc = ATT_SPAN + 8;
     grow(qs, ATT_ROWS * ATT_NQ * D);
     grow(sc, ATT_ROWS * ATT_NQ * ldsc);
@@ -1016,6 +1019,15 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
       const int64_t* at = sat + spans0[run] + run;  // the run's nspan + 1 span starts
       const int32_t* cl = cells + lists[run];
       for (int64_t r = 0; r < R; ++r) qr[r] = qp + (r0 + r) * ldq + (h * G + g0) * D;
+      // partial (span s, row r, head g0 + g) at base + s * span_step + r * row_step + g * ps
+      float* base;
+      int64_t row_step, span_step;
+      if (span_tasks) {
+        base = partp + (parts0[grp] * G + g0) * ps, row_step = G * ps, span_step = R * G * ps;
+      } else {
+        grow(own, nspans[run] * R * gn * ps);
+        base = own.data(), row_step = gn * ps, span_step = R * gn * ps;
+      }
       for (int64_t s = task.s0; s < task.s1; ++s) {
         const int64_t e0 = at[s], e1 = at[s + 1];
         // K rows up to ATT_AHEAD entries past the span (the next span's first keys, to prefetch)
@@ -1023,7 +1035,7 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
         cell_rows(kcp + (sq * Hkv + h) * ncell * D, cl + e0, k_end - e0, D, kr);
         cell_rows(vcp + (sq * Hkv + h) * ncell * D, cl + e0, e1 - e0, D, vr);
         for (int64_t r = 0; r < R; ++r) {
-          pr[r] = partp + ((parts0[grp] + s * R + r) * G + g0) * ps;
+          pr[r] = base + s * span_step + r * row_step;
           ar[r] = std::max(rap[r0 + r], e0) - e0, er[r] = std::min(rnp[r0 + r], e1) - e0;
           if (ar[r] >= er[r])
             for (int64_t g = 0; g < gn; ++g) pr[r][g * ps + D + 1] = 0.0f;  // the row does not see this span
@@ -1033,9 +1045,9 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
       }
       if (left[grp * ngs + g0 / hs].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
       for (int64_t r = 0; r < R; ++r)
-        for (int64_t g = g0; g < g0 + gn; ++g)
-          combine_spans(partp + ((parts0[grp] + r) * G + g) * ps, R * G * ps, nspans[run], nd,
-                        op + (r0 + r) * H * D + (h * G + g) * D);
+        for (int64_t g = 0; g < gn; ++g)
+          combine_spans(base + r * row_step + g * ps, span_step, nspans[run], nd,
+                        op + (r0 + r) * H * D + (h * G + g0 + g) * D);
     }
   });
   return out;
