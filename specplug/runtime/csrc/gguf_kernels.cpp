@@ -965,7 +965,10 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
     const int64_t* at = span_at.data() + span0[run] + run;
     for (int64_t s = 0; s < nspan[run]; ++s) full_spans += Hkv * (at[s + 1] - at[s] >= ATT_SPAN / 4);
   }
-  const bool span_tasks = nrun * Hkv < want && full_spans >= want;
+  // (span tasks share a buffer of their partials: at most 4 MB of them, else whole runs a task)
+  int64_t span_rows = 0;
+  for (int64_t run = 0; run < nrun; ++run) span_rows += nspan[run] * (run_start[run + 1] - run_start[run]);
+  const bool span_tasks = nrun * Hkv < want && full_spans >= want && span_rows * H * ps <= (int64_t(1) << 20);
   int64_t hs = G;
   if (nrun * Hkv < want && !span_tasks)
     while (hs > 1 && nrun * Hkv * ((G + hs - 1) / hs) < want) hs = (hs + 1) / 2;
