@@ -16,11 +16,9 @@ from pathlib import Path
 import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 from specplug import machine
 from specplug.bench_runtime import _median_ms
-from specplug.runtime import load_target
-from specplug.runtime.native import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_builds import load_build  # noqa: E402
+from kernel_builds import load_build, swappable_model  # noqa: E402
 
 
 def main() -> None:
@@ -35,16 +33,7 @@ def main() -> None:
     a = p.parse_args()
     names = a.builds.split(",")
     builds = {n: load_build(n) for n in names}
-    m = load_target(a.model, device="cpu", quant="gguf", threads=a.threads).model
-    lins = [lin for layer in m.layers for lin in layer.linears()] + [m.head]
-
-    def use(k) -> None:
-        for lin in lins:
-            if isinstance(lin, QuantLinear):
-                lin.k = k
-        for layer in m.layers:
-            layer._k = k
-
+    m, use = swappable_model(a.model, a.threads)
     cache = m.new_cache(1, max(2048, max(a.ctx) + 8))  # as kernel_builds.py: the same cells
     ms: dict = {(n, c): [] for n in names for c in a.ctx}
     for rnd in range(a.rounds):

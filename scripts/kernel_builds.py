@@ -38,6 +38,21 @@ def load_build(name: str):
     return mod
 
 
+def swappable_model(model: str, threads: int):
+    """(the model loaded on the gguf kernels, use(kernels): run its linears and layers on that build
+    from now on), so that builds are timed on one model in one process."""
+    m = load_target(model, device="cpu", quant="gguf", threads=threads).model
+    lins = [lin for layer in m.layers for lin in layer.linears()] + [m.head]
+
+    def use(k) -> None:
+        for lin in lins:
+            if isinstance(lin, QuantLinear):
+                lin.k = k
+        for layer in m.layers:
+            layer._k = k
+    return m, use
+
+
 def measure(m, cache, reps: int = 40) -> dict:
     """One round on model `m` (its cache `cache`, one sequence, >= 528 cells): decode at ctx 128, T(k)
     = one forward of k rows after 512 tokens (the rows removed again), prefill 512, in ms / tok/s."""
@@ -78,16 +93,7 @@ def main() -> None:
     args = p.parse_args()
     names = args.builds.split(",")
     builds = {n: load_build(n) for n in names}
-    m = load_target(args.model, device="cpu", quant="gguf", threads=args.threads).model
-    lins = [lin for layer in m.layers for lin in layer.linears()] + [m.head]
-
-    def use(k) -> None:
-        for lin in lins:
-            if isinstance(lin, QuantLinear):
-                lin.k = k
-        for layer in m.layers:
-            layer._k = k
-
+    m, use = swappable_model(args.model, args.threads)
     cache = m.new_cache(1, 2048)
     runs: dict = {}
     for rnd in range(args.rounds):
