@@ -924,6 +924,8 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   thread_local std::vector<int32_t> cell_list, cpos;
   thread_local std::vector<int64_t> ra, rn, span_at;
   list_start.assign(nrun, 0), span0.assign(nrun + 1, 0), nspan.assign(nrun, 0);
+  int64_t full_spans = 0;  // (run, K/V head, span)s of at least a quarter of ATT_SPAN keys
+  int64_t span_rows = 0;   // (span, row)s of all runs: one K/V head's partials for all its query heads
   cell_list.clear();
   span_at.clear();
   grow(cpos, ctx);
@@ -945,9 +947,13 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
     const int64_t s_lo = bottom / ATT_SPAN;
     nspan[run] = top / ATT_SPAN - s_lo + 1;
     span0[run + 1] = span0[run] + nspan[run];
-    for (int64_t s = 0; s < nspan[run]; ++s)
-      span_at.push_back(std::lower_bound(cpos.begin(), cpos.begin() + m, (s_lo + s) * ATT_SPAN) - cpos.begin());
-    span_at.push_back(m);
+    for (int64_t s = 0; s <= nspan[run]; ++s) {  // the spans' starts, then the list's end
+      const int64_t at =
+          s < nspan[run] ? std::lower_bound(cpos.begin(), cpos.begin() + m, (s_lo + s) * ATT_SPAN) - cpos.begin() : m;
+      if (s > 0) full_spans += Hkv * (at - span_at.back() >= ATT_SPAN / 4);
+      span_at.push_back(at);
+    }
+    span_rows += nspan[run] * R;
   }
   // Tasks: (run, K/V head, spans, query heads): a task goes through one span or all of its run's,
   // for hs of the G query heads that share the K/V head, writing its rows' partials; the last
@@ -960,14 +966,7 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   const int64_t want = 4 * at::get_num_threads();
   const int64_t ps = D + 8;                       // floats per partial: acc[D], m, l (and padding)
   part0.assign(nrun * Hkv + 1, 0);  // (run, K/V head) -> its partials' first block
-  int64_t full_spans = 0;                         // spans of at least a quarter of ATT_SPAN keys
-  for (int64_t run = 0; run < nrun; ++run) {
-    const int64_t* at = span_at.data() + span0[run] + run;
-    for (int64_t s = 0; s < nspan[run]; ++s) full_spans += Hkv * (at[s + 1] - at[s] >= ATT_SPAN / 4);
-  }
   // (span tasks share a buffer of their partials: at most 4 MB of them, else whole runs a task)
-  int64_t span_rows = 0;
-  for (int64_t run = 0; run < nrun; ++run) span_rows += nspan[run] * (run_start[run + 1] - run_start[run]);
   const bool span_tasks = nrun * Hkv < want && full_spans >= want && span_rows * H * ps <= (int64_t(1) << 20);
   int64_t hs = G;
   if (nrun * Hkv < want && !span_tasks)
