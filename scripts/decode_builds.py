@@ -18,7 +18,7 @@ from specplug import machine
 from specplug.bench_runtime import _median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_builds import load_build, swappable_model  # noqa: E402
+from kernel_builds import fill, load_build, step, swappable_model  # noqa: E402
 
 
 def main() -> None:
@@ -40,13 +40,8 @@ def main() -> None:
         for n in (names if rnd % 2 == 0 else names[::-1]):
             use(builds[n])
             for c in a.ctx:
-                cache.clear(0)
-                m.forward(list(range(100, 100 + c)), list(range(c)), [0] * c, cache, logits_rows=None)
-
-                def step(c=c) -> None:
-                    m.forward([7], [c], [0], cache, logits_rows=None)
-                    cache.seq_rm(0, c)
-                ms[(n, c)].append(_median_ms(step, a.reps, warmup=3))
+                fill(m, cache, c)
+                ms[(n, c)].append(_median_ms(step(m, cache, c, 1), a.reps, warmup=3))
     print(f"# {machine.line(machine.describe('cpu'))}; medians of {a.rounds} alternated rounds x {a.reps}")
     rows = []
     for c in a.ctx:

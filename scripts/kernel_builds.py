@@ -53,26 +53,30 @@ def swappable_model(model: str, threads: int):
     return m, use
 
 
+def fill(m, cache, ctx: int) -> None:
+    """Sequence 0 of `cache` holds `ctx` tokens of context, prefilled in one forward."""
+    cache.clear(0)
+    m.forward(list(range(100, 100 + ctx)), list(range(ctx)), [0] * ctx, cache, logits_rows=None)
+
+
+def step(m, cache, ctx: int, k: int):
+    """A callable: one forward of k rows after the `ctx` tokens `fill` left, the rows removed again."""
+    def f():
+        m.forward([7] * k, list(range(ctx, ctx + k)), [0] * k, cache, logits_rows=None)
+        cache.seq_rm(0, ctx)
+    return f
+
+
 def measure(m, cache, reps: int = 40) -> dict:
     """One round on model `m` (its cache `cache`, one sequence, >= 528 cells): decode at ctx 128, T(k)
     = one forward of k rows after 512 tokens (the rows removed again), prefill 512, in ms / tok/s."""
-    def fill(ctx: int) -> None:
-        cache.clear(0)
-        m.forward(list(range(100, 100 + ctx)), list(range(ctx)), [0] * ctx, cache, logits_rows=None)
-
-    def step(ctx: int, k: int):
-        def f():
-            m.forward([7] * k, list(range(ctx, ctx + k)), [0] * k, cache, logits_rows=None)
-            cache.seq_rm(0, ctx)
-        return f
-
     r = {}
-    fill(128)
-    r["decode128"] = _median_ms(step(128, 1), reps, warmup=3)
-    fill(512)
+    fill(m, cache, 128)
+    r["decode128"] = _median_ms(step(m, cache, 128, 1), reps, warmup=3)
+    fill(m, cache, 512)
     for k in KS:
-        r[f"T{k}"] = _median_ms(step(512, k), reps, warmup=3)
-    r["prefill_tok_s"] = 512 / (_median_ms(lambda: fill(512), 5, warmup=3) / 1e3)
+        r[f"T{k}"] = _median_ms(step(m, cache, 512, k), reps, warmup=3)
+    r["prefill_tok_s"] = 512 / (_median_ms(lambda: fill(m, cache, 512), 5, warmup=3) / 1e3)
     return r
 
 
