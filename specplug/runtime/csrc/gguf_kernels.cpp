@@ -417,6 +417,118 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
+// Two neighbouring tiles at once on 512-bit registers (AVX-512 builds): the low half of a register
+// holds tile t's 4 bytes of 8 columns, the high half the same bytes of tile t + 1, so one instruction
+// does what two did on 256 bits, and an activation value is broadcast to 16 lanes. Each lane does
+// exactly the integer and float operations of tile<> in the same order, so the two give the same
+// bits. Where the 512-bit units are separate (Intel's server cores: Cascade Lake measured 2.7x the
+// multiply-adds a second of vpdpbusd on 256 bits, scripts/isa_peak.py) this is the faster schedule;
+// where they are 256-bit pairs (Zen 4) it halves the instructions at the same multiply-add rate.
+// -DSPECPLUG_ZMM=0 turns it off.
+#if SPECPLUG_VNNI && defined(__AVX512BW__)
+#ifndef SPECPLUG_ZMM
+#define SPECPLUG_ZMM 1
+#endif
+#else
+#undef SPECPLUG_ZMM
+#define SPECPLUG_ZMM 0
+#endif
+
+// One row is bound by the weights' stream, not by the multiply-adds: there the pairs were slower
+// (Cascade Lake, decode 0.93-0.96x, scripts/decode_builds.py), so calls of fewer rows than this stay
+// on 256 bits.
+#ifndef ZMM_ROWS
+#define ZMM_ROWS 2
+#endif
+
+#if SPECPLUG_ZMM
+// 32 bytes at p (tile t) and the 32 at p + tb (tile t + 1) as one register.
+inline __m512i load_pair(const uint8_t* p, int64_t tb) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)),
+                            _mm256_loadu_si256((const __m256i*)(p + tb)), 1);
+}
+// 8 scales at p (tile t) and the 8 at p + step (tile t + 1) as 16 floats.
+inline __m512 scales16(const uint16_t* p, int64_t step) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p)),
+                                                 _mm_loadu_si128((const __m128i*)(p + step)), 1));
+}
+inline __m512 scales16(const float* p, int64_t step) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(p))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(p + step)), 1));
+}
+inline __m512i bcast_x(const Act& a, int64_t r, int64_t b, int j) {
+  return _mm512_set1_epi32(((const int32_t*)(a.q + r * a.K + b * QK))[j]);
+}
+
+// The block dots of tile pairs (q4_1_block_dot, q8_0_block_dot, u8_block_dot, q6_block_dot on 16
+// columns). 512-bit AVX-512 has no vpsignb: the weights' signs move onto the activations by a
+// masked negation (where w == 0, |w| is 0 and the activation's sign does not matter).
+template <int R>
+inline void q4_1_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t r0, int64_t b, __m512i* s) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+  for (int p = 0; p < 4; ++p) {
+    const __m512i raw = load_pair(blk + p * 32, tb);
+    const __m512i lo = _mm512_and_si512(raw, m4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+    for (int r = 0; r < R; ++r) {
+      s[r] = _mm512_dpbusd_epi32(s[r], lo, bcast_x(a, r0 + r, b, p));
+      s[r] = _mm512_dpbusd_epi32(s[r], hi, bcast_x(a, r0 + r, b, p + 4));
+    }
+  }
+}
+
+template <int R, bool SIGNED>
+inline void bytes_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t r0, int64_t b, __m512i* lo,
+                           __m512i* hi) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero;
+  for (int j = 0; j < 8; ++j) {
+    const __m512i w = load_pair(blk + j * 32, tb);
+    const __m512i aw = SIGNED ? _mm512_abs_epi8(w) : w;
+    const __mmask64 neg = SIGNED ? _mm512_movepi8_mask(w) : 0;
+    for (int r = 0; r < R; ++r) {
+      __m512i x = bcast_x(a, r0 + r, b, j);
+      if (SIGNED) x = _mm512_mask_sub_epi8(x, neg, zero, x);
+      __m512i& acc = j < 4 ? lo[r] : hi[r];
+      acc = _mm512_dpbusd_epi32(acc, aw, x);
+    }
+  }
+}
+
+// R rows x 16 columns of tiles t and t + 1 (tb bytes apart; their scales sstep, offsets mstep
+// elements apart): tile<R, KIND> on both at once.
+template <int R, int KIND>
+inline void tile_pair(const uint8_t* qs, int64_t tb, const typename KindOf<KIND>::S* wd, int64_t sstep,
+                      const typename KindOf<KIND>::S* wm, int64_t mstep, const Act& a, int64_t r0, __m512* out) {
+  using KO = KindOf<KIND>;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = qs + b * KO::bytes;
+    const __m512 dw = scales16(wd + b * NC * KO::nsc, sstep);
+    __m512i s32[R], s_hi[R];
+    if constexpr (KIND == KQ4_1 || KIND == KQ4_K) {
+      q4_1_pair_dot<R>(blk, tb, a, r0, b, s32);
+    } else {
+      bytes_pair_dot<R, KIND != KQ5_K>(blk, tb, a, r0, b, s32, s_hi);
+      if constexpr (KO::nsc == 1)  // one scale a block: the two halves are one sum
+        for (int r = 0; r < R; ++r) s32[r] = _mm512_add_epi32(s32[r], s_hi[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t rb = (r0 + r) * a.nb + b;
+      const __m512 dx = _mm512_set1_ps(a.d[rb]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[r]), _mm512_mul_ps(dw, dx), acc[r]);
+      if constexpr (KO::m) acc[r] = _mm512_fmadd_ps(scales16(wm + b * NC, mstep), _mm512_set1_ps(a.s[rb]), acc[r]);
+      if constexpr (KO::nsc == 2)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_hi[r]), _mm512_mul_ps(scales16(wd + b * NC * 2 + NC, sstep), dx),
+                                 acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+#endif
+
 // y[M, N] = x @ W.T (+ bias) (+ residual), W given as tiles (see the tile kernels).
 template <int KIND>
 torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Tensor& qs, const torch::Tensor& wd,
@@ -452,54 +564,87 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
   float* yp = y.data_ptr<float>();
   const int64_t scale_bytes = nb * NC * (int64_t)sizeof(S) * NSC;  // a tile's d (and as many of m)
   const int64_t tile_work = (tile_bytes + scale_bytes * (wmp ? 2 : 1)) * ((M + RT - 1) / RT);
-  chunk_pool::parallel_for(ntile, CHUNK_BYTES / tile_work, [&](int64_t t0, int64_t t1) {
-    __m256 out[4];
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* tq = qsp + t * tile_bytes;
-      const S* td = wdp + t * nb * NC * NSC;
-      const S* tm = wmp ? wmp + t * nb * NC : nullptr;
-      // With one row a tile's compute is short and the weight stream sets the pace: on the AVX2
-      // machine this was tuned on (Zen 3) asking for a later tile while this one computes saved 8%
-      // at one row (and cost 7% at 4). On the AVX-512 one (Zen 4) its hardware prefetchers do
-      // better alone: without the software prefetch one row is 7% (2 threads) to 11% (1 thread)
-      // faster, and two rows 16% faster than with it. Past the chunk's end too: a thread's next
-      // chunk is usually the next one of its share.
-      if (PREFETCH_TILES > 0 && M <= PREFETCH_ROWS && t + PREFETCH_TILES < ntile) {
-        const char* nq = (const char*)(tq + PREFETCH_TILES * tile_bytes);
-        for (int64_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(nq + off, _MM_HINT_T0);
-        const char* nd = (const char*)(td + PREFETCH_TILES * nb * NC * NSC);
-        for (int64_t off = 0; off < scale_bytes; off += 64) _mm_prefetch(nd + off, _MM_HINT_T0);
-        if (tm) {
-          const char* nm = (const char*)(tm + PREFETCH_TILES * nb * NC);
-          for (int64_t off = 0; off < scale_bytes; off += 64) _mm_prefetch(nm + off, _MM_HINT_T0);
-        }
-      }
-      const __m256 bv = bp ? _mm256_loadu_ps(bp + t * NC) : _mm256_setzero_ps();
-      for (int64_t r0 = 0; r0 < M; r0 += RT) {
-        const int64_t R = std::min<int64_t>(RT, M - r0);
-        switch (R) {
-          case 4: tile<4, KIND>(tq, td, tm, a, r0, out); break;
-          case 3: tile<3, KIND>(tq, td, tm, a, r0, out); break;
-          case 2: tile<2, KIND>(tq, td, tm, a, r0, out); break;
-          default: tile<1, KIND>(tq, td, tm, a, r0, out); break;
-        }
-        const int64_t nc = std::min<int64_t>(NC, n_out - t * NC);  // the last tile may be partial
-        for (int64_t r = 0; r < R; ++r) {
-          __m256 v = out[r];
-          if (bp) v = _mm256_add_ps(v, bv);
-          float* yr = yp + (r0 + r) * n_out + t * NC;
-          const float* rr = rp ? rp + (r0 + r) * ldr + t * NC : nullptr;
-          if (nc == NC) {
-            if (rr) v = _mm256_add_ps(_mm256_loadu_ps(rr), v);
-            _mm256_storeu_ps(yr, v);
-          } else {
-            float tmp[NC];
-            _mm256_storeu_ps(tmp, v);
-            for (int64_t c = 0; c < nc; ++c) yr[c] = rr ? rr[c] + tmp[c] : tmp[c];
-          }
-        }
+  // a row's 8 columns of tile t: + bias, + residual, stored (the last tile may be partial)
+  auto put = [&](int64_t t, int64_t row, __m256 v) {
+    const int64_t nc = std::min<int64_t>(NC, n_out - t * NC);
+    if (bp) v = _mm256_add_ps(v, _mm256_loadu_ps(bp + t * NC));
+    float* yr = yp + row * n_out + t * NC;
+    const float* rr = rp ? rp + row * ldr + t * NC : nullptr;
+    if (nc == NC) {
+      if (rr) v = _mm256_add_ps(_mm256_loadu_ps(rr), v);
+      _mm256_storeu_ps(yr, v);
+    } else {
+      float tmp[NC];
+      _mm256_storeu_ps(tmp, v);
+      for (int64_t c = 0; c < nc; ++c) yr[c] = rr ? rr[c] + tmp[c] : tmp[c];
+    }
+  };
+  // one tile's 8 columns for every row, RT rows a pass
+  auto one_tile = [&](int64_t t) {
+    const uint8_t* tq = qsp + t * tile_bytes;
+    const S* td = wdp + t * nb * NC * NSC;
+    const S* tm = wmp ? wmp + t * nb * NC : nullptr;
+    // With one row a tile's compute is short and the weight stream sets the pace: on the AVX2
+    // machine this was tuned on (Zen 3) asking for a later tile while this one computes saved 8%
+    // at one row (and cost 7% at 4). On the AVX-512 one (Zen 4) its hardware prefetchers do
+    // better alone: without the software prefetch one row is 7% (2 threads) to 11% (1 thread)
+    // faster, and two rows 16% faster than with it. Past the chunk's end too: a thread's next
+    // chunk is usually the next one of its share.
+    if (PREFETCH_TILES > 0 && M <= PREFETCH_ROWS && t + PREFETCH_TILES < ntile) {
+      const char* nq = (const char*)(tq + PREFETCH_TILES * tile_bytes);
+      for (int64_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(nq + off, _MM_HINT_T0);
+      const char* nd = (const char*)(td + PREFETCH_TILES * nb * NC * NSC);
+      for (int64_t off = 0; off < scale_bytes; off += 64) _mm_prefetch(nd + off, _MM_HINT_T0);
+      if (tm) {
+        const char* nm = (const char*)(tm + PREFETCH_TILES * nb * NC);
+        for (int64_t off = 0; off < scale_bytes; off += 64) _mm_prefetch(nm + off, _MM_HINT_T0);
       }
     }
+    __m256 out[RT];
+    for (int64_t r0 = 0; r0 < M; r0 += RT) {
+      const int64_t R = std::min<int64_t>(RT, M - r0);
+      switch (R) {
+        case 4: tile<4, KIND>(tq, td, tm, a, r0, out); break;
+        case 3: tile<3, KIND>(tq, td, tm, a, r0, out); break;
+        case 2: tile<2, KIND>(tq, td, tm, a, r0, out); break;
+        default: tile<1, KIND>(tq, td, tm, a, r0, out); break;
+      }
+      for (int64_t r = 0; r < R; ++r) put(t, r0 + r, out[r]);
+    }
+  };
+#if SPECPLUG_ZMM
+  // tiles t and t + 1 together (tile_pair), the same values as one_tile on each
+  auto tile_pairs = [&](int64_t t) {
+    const uint8_t* tq = qsp + t * tile_bytes;
+    const S* td = wdp + t * nb * NC * NSC;
+    const S* tm = wmp ? wmp + t * nb * NC : nullptr;
+    const int64_t sstep = nb * NC * NSC, mstep = nb * NC;
+    __m512 out[RT];
+    for (int64_t r0 = 0; r0 < M; r0 += RT) {
+      const int64_t R = std::min<int64_t>(RT, M - r0);
+      switch (R) {
+        case 4: tile_pair<4, KIND>(tq, tile_bytes, td, sstep, tm, mstep, a, r0, out); break;
+        case 3: tile_pair<3, KIND>(tq, tile_bytes, td, sstep, tm, mstep, a, r0, out); break;
+        case 2: tile_pair<2, KIND>(tq, tile_bytes, td, sstep, tm, mstep, a, r0, out); break;
+        default: tile_pair<1, KIND>(tq, tile_bytes, td, sstep, tm, mstep, a, r0, out); break;
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        put(t, r0 + r, _mm512_castps512_ps256(out[r]));
+        put(t + 1, r0 + r, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out[r]), 1)));
+      }
+    }
+  };
+  const int64_t grain = std::max<int64_t>(2, (CHUNK_BYTES / tile_work + 1) & ~int64_t(1));  // whole pairs
+#else
+  const int64_t grain = CHUNK_BYTES / tile_work;
+#endif
+  chunk_pool::parallel_for(ntile, grain, [&](int64_t t0, int64_t t1) {
+    int64_t t = t0;
+#if SPECPLUG_ZMM
+    if (M >= ZMM_ROWS)
+      for (; t + 1 < t1; t += 2) tile_pairs(t);
+#endif
+    for (; t < t1; ++t) one_tile(t);
   });
   return y;
 }
