@@ -900,6 +900,34 @@ inline void pv_lanes(const float* p, int64_t ldp, const T* const* vr, int64_t cn
     for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + g * lda + 8 * (i0 + w), a[g][w]);
 }
 
+#if defined(__AVX512F__) && !defined(ATT_NO_ZMM)
+// pv_lanes on 512-bit registers, two 8-lane groups in one (W even): each lane the same multiply-add
+// chain in key order, so the same bits.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+template <int NQ, int W, typename T>
+inline void pv_lanes16(const float* p, int64_t ldp, const T* const* vr, int64_t cnt, int64_t i0, float* acc,
+                       int64_t lda) {
+  constexpr int W2 = W / 2;
+  __m512 a[NQ][W2];
+  for (int g = 0; g < NQ; ++g)
+    for (int w = 0; w < W2; ++w) a[g][w] = _mm512_loadu_ps(acc + g * lda + 8 * (i0 + 2 * w));
+  for (int64_t j = 0; j < cnt; ++j) {
+    __m512 pj[NQ];
+    for (int g = 0; g < NQ; ++g) pj[g] = _mm512_set1_ps(p[g * ldp + j]);
+    for (int w = 0; w < W2; ++w) {
+      const __m512 v = load16(vr[j] + 8 * (i0 + 2 * w));
+      for (int g = 0; g < NQ; ++g) a[g][w] = _mm512_fmadd_ps(pj[g], v, a[g][w]);
+    }
+  }
+  for (int g = 0; g < NQ; ++g)
+    for (int w = 0; w < W2; ++w) _mm512_storeu_ps(acc + g * lda + 8 * (i0 + 2 * w), a[g][w]);
+}
+#define ATT_ZMM 1
+#else
+#define ATT_ZMM 0
+#endif
+
 // Keys per piece of a span that a task's rows go through together, so that the piece's K (V)
 // rows, read from memory by the first row, serve the others from L1.
 constexpr int64_t ATT_PIECE = 32;
@@ -946,6 +974,10 @@ void attend_span(int64_t R, const float* const* q, int64_t ldq, int64_t nd_rt, f
       if (s >= t) continue;
       const float* p = sc + r * NQ * ldsc + (s - a[r]);
       int64_t i = 0;
+#if ATT_ZMM
+      if constexpr (W % 2 == 0)
+        for (; i + W <= nd; i += W) pv_lanes16<NQ, W, T>(p, ldsc, vr + s, t - s, i, part[r], ps);
+#endif
       for (; i + W <= nd; i += W) pv_lanes<NQ, W, T>(p, ldsc, vr + s, t - s, i, part[r], ps);
       for (; i < nd; ++i) pv_lanes<NQ, 1, T>(p, ldsc, vr + s, t - s, i, part[r], ps);
     }
