@@ -646,7 +646,8 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
       }
     }
   };
-  const int64_t grain = std::max<int64_t>(2, (CHUNK_BYTES / tile_work + 1) & ~int64_t(1));  // whole pairs
+  const int64_t grain = M >= ZMM_ROWS ? std::max<int64_t>(2, (CHUNK_BYTES / tile_work + 1) & ~int64_t(1))  // whole pairs
+                                      : CHUNK_BYTES / tile_work;
 #else
   const int64_t grain = CHUNK_BYTES / tile_work;
 #endif
