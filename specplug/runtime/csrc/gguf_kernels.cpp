@@ -5,7 +5,8 @@
 // values (Q8 with one float scale per block), and dotted in integers with the weights as
 // stored in the file (Q4_1 or Q8_0); one float multiply-add per block applies the scales.
 // Weights are re-laid out at load into tiles of 8 output columns so that one 256-bit
-// register holds 4 consecutive weights of 8 columns and the activations are broadcast.
+// register holds 4 consecutive weights of 8 columns and the activations are broadcast
+// (AVX-512 builds put two neighbouring tiles in one 512-bit register for calls of 2 rows or more).
 //
 // Every kernel is batch-invariant: a row's result depends only on that row (and for
 // attention on that row's keys), never on how many rows share the call or on the thread
@@ -840,9 +841,11 @@ inline void scores_keys(const float* qs, int64_t nd_rt, const T* const* kr, floa
 
 // Cache lines of one cache row (K or V) asked for ahead of use: K rows ATT_AHEAD keys ahead into L1,
 // and the span's V rows into L2 while its scores are computed (the caches come from memory: a
-// forward's weights have evicted them since the layer's last call).
+// forward's weights have evicted them since the layer's last call). 0, 8, 16 and 32 keys read the
+// same on the Zen 4; on the Cascade Lake 32 was 1.10-1.17x faster than 8 at 1-2 rows after 512-1024
+// positions (30 layers, 14 rounds, docs/results/runtime.md), its memory being farther away.
 #ifndef ATT_AHEAD
-#define ATT_AHEAD 8
+#define ATT_AHEAD 32
 #endif
 static_assert(ATT_AHEAD >= 0 && ATT_AHEAD <= 64, "ATT_AHEAD: 0..64 keys");
 template <int HINT, typename T>
