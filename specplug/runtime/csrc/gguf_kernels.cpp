@@ -581,7 +581,14 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
   }
   float* yp = y.data_ptr<float>();
   const int64_t scale_bytes = nb * NC * (int64_t)sizeof(S) * NSC;  // a tile's d (and as many of m)
-  const int64_t tile_work = (tile_bytes + scale_bytes * (wmp ? 2 : 1)) * ((M + RT - 1) / RT);
+#if SPECPLUG_ZMM
+  const bool pairs = M >= ZMM_ROWS;  // tile_pairs below, ZMM_RT rows a pass; else one_tile, RT
+  const int64_t rows_a_pass = pairs ? ZMM_RT : RT;
+#else
+  const int64_t rows_a_pass = RT;
+#endif
+  // the bytes a tile costs: its weights and scales, read once a pass over the rows
+  const int64_t tile_work = (tile_bytes + scale_bytes * (wmp ? 2 : 1)) * ((M + rows_a_pass - 1) / rows_a_pass);
   // a row's 8 columns of tile t: + bias, + residual, stored (the last tile may be partial)
   auto put = [&](int64_t t, int64_t row, __m256 v) {
     const int64_t nc = std::min<int64_t>(NC, n_out - t * NC);
@@ -647,15 +654,15 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
       }
     }
   };
-  const int64_t grain = M >= ZMM_ROWS ? std::max<int64_t>(2, (CHUNK_BYTES / tile_work + 1) & ~int64_t(1))  // whole pairs
-                                      : CHUNK_BYTES / tile_work;
+  const int64_t grain = pairs ? std::max<int64_t>(2, (CHUNK_BYTES / tile_work + 1) & ~int64_t(1))  // whole pairs
+                              : CHUNK_BYTES / tile_work;
 #else
   const int64_t grain = CHUNK_BYTES / tile_work;
 #endif
   chunk_pool::parallel_for(ntile, grain, [&](int64_t t0, int64_t t1) {
     int64_t t = t0;
 #if SPECPLUG_ZMM
-    if (M >= ZMM_ROWS)
+    if (pairs)
       for (; t + 1 < t1; t += 2) tile_pairs(t);
 #endif
     for (; t < t1; ++t) one_tile(t);
