@@ -89,18 +89,30 @@ def _q4_1_linear(n: int, k: int, seed: int):
     return native.QuantLinear.from_blocks(raw.reshape(n, -1), "Q4_1", (n, k))
 
 
+def _q8_0_linear(n: int, k: int, seed: int):
+    """Every byte value as a weight, -128 included (the VNNI paths offset signed weights by 128)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 32, 34), dtype=np.uint8)
+    raw[:, :, 0:2] = np.frombuffer(np.float16(0.011).tobytes(), np.uint8)
+    raw[:, 0, 2:] = np.arange(0, 256, 8, dtype=np.uint8)[None]  # 0x80 = -128 among them
+    return native.QuantLinear.from_blocks(raw.reshape(n, -1), "Q8_0", (n, k))
+
+
 @other_paths
 @pytest.mark.parametrize("isa", OTHER)
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q8_0 every byte"])
 def test_linears_are_bit_identical_to_avx2(isa, kind):
     g = torch.Generator().manual_seed(3)
     # 100 outputs: 13 tiles, the partial last one alone; 92: 12, the partial last one in a pair with
     # the one before it (AVX-512 builds compute two tiles at a time on 512-bit registers)
     for n, rows in [(100, r) for r in (1, 2, 3, 4, 5, 9, 16)] + [(92, 2), (92, 7)]:
         k = 192
-        lin = _q4_1_linear(n, k, 3) if kind == "Q4_1" else native.QuantLinear.from_float(torch.randn(n, k, generator=g))
+        lin = (_q4_1_linear(n, k, 3) if kind == "Q4_1" else _q8_0_linear(n, k, 3) if kind == "Q8_0 every byte"
+               else native.QuantLinear.from_float(torch.randn(n, k, generator=g)))
         lin.bias = torch.nn.functional.pad(torch.randn(n, generator=g), (0, (-n) % 8))
         x = torch.randn(rows, k, generator=g) * 3
+        x[:, 0] = 40.0  # the row's largest: its quantized value 127 ...
+        x[0, 1] = -40.0  # ... and -127
         res = torch.randn(rows, n, generator=g)
         outs = []
         for path in ("avx2", isa):

@@ -246,7 +246,24 @@ struct Act {
   const float* d;
   const float* s;
   int64_t K, nb;
+  // Signed weights (Q8_0, Q6_K) on VNNI: -128 times the sum of each half (16 values) of each row's
+  // block, [M, nb, 2] (offset_sums); the block dots' starting values, see q8_0_block_dot.
+  const int32_t* off = nullptr;
 };
+
+// Act.off for the rows of q [M, K].
+inline std::vector<int32_t> offset_sums(const int8_t* q, int64_t M, int64_t K) {
+  const int64_t nh = K / (QK / 2);
+  std::vector<int32_t> off(M * nh);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t h = 0; h < nh; ++h) {
+      const int8_t* x = q + r * K + h * (QK / 2);
+      int32_t sum = 0;
+      for (int i = 0; i < QK / 2; ++i) sum += x[i];
+      off[r * nh + h] = -128 * sum;
+    }
+  return off;
+}
 
 // The integer part of one weight block against R activation rows: s[r] = the 8 columns' exact
 // int32 dot products. Two ways, one result: AVX-512 VNNI multiplies unsigned by signed bytes and
@@ -299,13 +316,28 @@ inline void q4_1_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t
 #endif
 }
 
-// Q8_0: byte c*4+i of load j holds w[c][4j+i]. The weights' signs move onto the activations so
-// that the unsigned-by-signed multiply sees |w|.
+// Q8_0: byte c*4+i of load j holds w[c][4j+i]. The multiply takes unsigned weights. With VNNI
+// they are offset, w + 128 (w ^ 0x80), and each dot starts at -128 sum(x) (Act.off): one operation
+// a load for every row together. AVX2's vpmaddubsw would saturate 16-bit pairs of (w + 128) x: there
+// the weights' signs move onto the activations instead (|w| times x sign(w)), for each row. Exact
+// integers either way: the same s.
 template <int R>
 inline void q8_0_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* s) {
-#if !SPECPLUG_VNNI
+#if SPECPLUG_VNNI
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
+  for (int r = 0; r < R; ++r) {
+    const int32_t* o = a.off + ((r0 + r) * a.nb + b) * 2;
+    s[r] = _mm256_set1_epi32(o[0] + o[1]);
+  }
+  for (int j = 0; j < 8; ++j) {
+    const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + j * 32)), flip);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
+      s[r] = _mm256_dpbusd_epi32(s[r], wu, _mm256_set1_epi32(xr[j]));
+    }
+  }
+#else
   const __m256i ones = _mm256_set1_epi16(1);
-#endif
   for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
   for (int j = 0; j < 8; ++j) {
     const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
@@ -313,13 +345,10 @@ inline void q8_0_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
       const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w);
-#if SPECPLUG_VNNI
-      s[r] = _mm256_dpbusd_epi32(s[r], aw, xs);
-#else
       s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
-#endif
     }
   }
+#endif
 }
 
 // Unsigned bytes (Q5_K's 5-bit values 0..31): byte c*4+i of load j holds w[c][4j+i]. A maddubs
@@ -344,12 +373,26 @@ inline void u8_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b
 }
 
 // Signed bytes in two halves of 16 values (Q6_K's sub-blocks, each with its own scale): lo[r] sums
-// loads 0-3 (values 0..15 of each column), hi[r] loads 4-7.
+// loads 0-3 (values 0..15 of each column), hi[r] loads 4-7. Signs as in q8_0_block_dot.
 template <int R>
 inline void q6_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* lo, __m256i* hi) {
-#if !SPECPLUG_VNNI
+#if SPECPLUG_VNNI
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
+  for (int r = 0; r < R; ++r) {
+    const int32_t* o = a.off + ((r0 + r) * a.nb + b) * 2;
+    lo[r] = _mm256_set1_epi32(o[0]);
+    hi[r] = _mm256_set1_epi32(o[1]);
+  }
+  for (int j = 0; j < 8; ++j) {
+    const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + j * 32)), flip);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
+      __m256i& acc = j < 4 ? lo[r] : hi[r];
+      acc = _mm256_dpbusd_epi32(acc, wu, _mm256_set1_epi32(xr[j]));
+    }
+  }
+#else
   const __m256i ones = _mm256_set1_epi16(1);
-#endif
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
   for (int j = 0; j < 8; ++j) {
     const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
@@ -358,13 +401,10 @@ inline void q6_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b
       const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
       const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w);
       __m256i& acc = j < 4 ? lo[r] : hi[r];
-#if SPECPLUG_VNNI
-      acc = _mm256_dpbusd_epi32(acc, aw, xs);
-#else
       acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
-#endif
     }
   }
+#endif
 }
 
 // 8 scales of a tile's block as floats: float16 (Q4_1, Q8_0 as stored) or float32 (the K-quants'
@@ -468,8 +508,7 @@ inline __m512i bcast_x(const Act& a, int64_t r, int64_t b, int j) {
 }
 
 // The block dots of tile pairs (q4_1_block_dot, q8_0_block_dot, u8_block_dot, q6_block_dot on 16
-// columns). 512-bit AVX-512 has no vpsignb: the weights' signs move onto the activations by a
-// masked negation (where w == 0, |w| is 0 and the activation's sign does not matter).
+// columns). Signed weights offset by 128 as in q8_0_block_dot.
 template <int R>
 inline void q4_1_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t r0, int64_t b, __m512i* s) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -485,20 +524,27 @@ inline void q4_1_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t 
   }
 }
 
-template <int R, bool SIGNED>
+// HALVES: values 0..15 of each column summed into lo[r], 16..31 into hi[r] (Q6_K's two scales);
+// else the whole block into lo[r] (hi unused: 8 rows' sums then fit the registers beside the rest).
+template <int R, bool SIGNED, bool HALVES>
 inline void bytes_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t r0, int64_t b, __m512i* lo,
                            __m512i* hi) {
-  const __m512i zero = _mm512_setzero_si512();
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero;
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  for (int r = 0; r < R; ++r) {
+    const int32_t* o = SIGNED ? a.off + ((r0 + r) * a.nb + b) * 2 : nullptr;
+    if (HALVES) {
+      lo[r] = SIGNED ? _mm512_set1_epi32(o[0]) : _mm512_setzero_si512();
+      hi[r] = SIGNED ? _mm512_set1_epi32(o[1]) : _mm512_setzero_si512();
+    } else {
+      lo[r] = SIGNED ? _mm512_set1_epi32(o[0] + o[1]) : _mm512_setzero_si512();
+    }
+  }
   for (int j = 0; j < 8; ++j) {
-    const __m512i w = load_pair(blk + j * 32, tb);
-    const __m512i aw = SIGNED ? _mm512_abs_epi8(w) : w;
-    const __mmask64 neg = SIGNED ? _mm512_movepi8_mask(w) : 0;
+    __m512i w = load_pair(blk + j * 32, tb);
+    if (SIGNED) w = _mm512_xor_si512(w, flip);
     for (int r = 0; r < R; ++r) {
-      __m512i x = bcast_x(a, r0 + r, b, j);
-      if (SIGNED) x = _mm512_mask_sub_epi8(x, neg, zero, x);
-      __m512i& acc = j < 4 ? lo[r] : hi[r];
-      acc = _mm512_dpbusd_epi32(acc, aw, x);
+      __m512i& acc = HALVES && j >= 4 ? hi[r] : lo[r];
+      acc = _mm512_dpbusd_epi32(acc, w, bcast_x(a, r0 + r, b, j));
     }
   }
 }
@@ -518,9 +564,7 @@ inline void tile_pair(const uint8_t* qs, int64_t tb, const typename KindOf<KIND>
     if constexpr (KIND == KQ4_1 || KIND == KQ4_K) {
       q4_1_pair_dot<R>(blk, tb, a, r0, b, s32);
     } else {
-      bytes_pair_dot<R, KIND != KQ5_K>(blk, tb, a, r0, b, s32, s_hi);
-      if constexpr (KO::nsc == 1)  // one scale a block: the two halves are one sum
-        for (int r = 0; r < R; ++r) s32[r] = _mm512_add_epi32(s32[r], s_hi[r]);
+      bytes_pair_dot<R, KIND != KQ5_K, KO::nsc == 2>(blk, tb, a, r0, b, s32, s_hi);
     }
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * a.nb + b;
@@ -560,7 +604,14 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
   TORCH_CHECK(qs.size(1) == nb, "weight has ", qs.size(1), " blocks per row, activations ", nb);
   TORCH_CHECK(n_out > N - NC && n_out <= N, "n_out must be within the last tile");
   auto y = torch::empty({M, n_out}, torch::kFloat32);
-  const Act a{xq.data_ptr<int8_t>(), xa[1].data_ptr<float>(), xa[2].data_ptr<float>(), K, nb};
+  Act a{xq.data_ptr<int8_t>(), xa[1].data_ptr<float>(), xa[2].data_ptr<float>(), K, nb};
+#if SPECPLUG_VNNI
+  std::vector<int32_t> off;
+  if constexpr (KIND == KQ8_0 || KIND == KQ6_K) {
+    off = offset_sums(a.q, M, K);
+    a.off = off.data();
+  }
+#endif
   const uint8_t* qsp = qs.data_ptr<uint8_t>();
   const int64_t tile_bytes = qs.stride(0);
   using S = typename KindOf<KIND>::S;
