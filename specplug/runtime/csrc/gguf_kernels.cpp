@@ -247,7 +247,7 @@ struct Act {
   const float* s;
   int64_t K, nb;
   // Signed weights (Q8_0, Q6_K) on VNNI: -128 times the sum of each half (16 values) of each row's
-  // block, [M, nb, 2] (offset_sums); the block dots' starting values, see q8_0_block_dot.
+  // block, [M, nb, 2] (offset_sums); the block dots' starting values, see signed_block_dot.
   const int32_t* off = nullptr;
 };
 
@@ -316,36 +316,48 @@ inline void q4_1_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t
 #endif
 }
 
-// Q8_0: byte c*4+i of load j holds w[c][4j+i]. The multiply takes unsigned weights. With VNNI
-// they are offset, w + 128 (w ^ 0x80), and each dot starts at -128 sum(x) (Act.off): one operation
-// a load for every row together. AVX2's vpmaddubsw would saturate 16-bit pairs of (w + 128) x: there
-// the weights' signs move onto the activations instead (|w| times x sign(w)), for each row. Exact
-// integers either way: the same s.
-template <int R>
-inline void q8_0_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* s) {
+// Signed bytes (Q8_0's and Q6_K's values): byte c*4+i of load j holds w[c][4j+i]. HALVES:
+// values 0..15 of each column summed into lo[r] and 16..31 into hi[r] (Q6_K's two sub-blocks, each
+// with its own scale); else all 32 into lo[r] (hi unused). The multiply takes unsigned weights. With
+// VNNI they are offset, w + 128 (w ^ 0x80), and each dot starts at -128 sum(x) (Act.off): one
+// operation a load for every row together. AVX2's vpmaddubsw would saturate 16-bit pairs of
+// (w + 128) x: there the weights' signs move onto the activations instead (|w| times x sign(w)),
+// for each row. Exact integers either way: the same sums.
+template <int R, bool HALVES>
+inline void signed_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* lo, __m256i* hi) {
 #if SPECPLUG_VNNI
   const __m256i flip = _mm256_set1_epi8((char)0x80);
   for (int r = 0; r < R; ++r) {
     const int32_t* o = a.off + ((r0 + r) * a.nb + b) * 2;
-    s[r] = _mm256_set1_epi32(o[0] + o[1]);
+    if (HALVES) {
+      lo[r] = _mm256_set1_epi32(o[0]);
+      hi[r] = _mm256_set1_epi32(o[1]);
+    } else {
+      lo[r] = _mm256_set1_epi32(o[0] + o[1]);
+    }
   }
   for (int j = 0; j < 8; ++j) {
     const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + j * 32)), flip);
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
-      s[r] = _mm256_dpbusd_epi32(s[r], wu, _mm256_set1_epi32(xr[j]));
+      __m256i& acc = HALVES && j >= 4 ? hi[r] : lo[r];
+      acc = _mm256_dpbusd_epi32(acc, wu, _mm256_set1_epi32(xr[j]));
     }
   }
 #else
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+  for (int r = 0; r < R; ++r) {
+    lo[r] = _mm256_setzero_si256();
+    if (HALVES) hi[r] = _mm256_setzero_si256();
+  }
   for (int j = 0; j < 8; ++j) {
     const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
     const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, with sign moved onto x
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
       const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w);
-      s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+      __m256i& acc = HALVES && j >= 4 ? hi[r] : lo[r];
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
     }
   }
 #endif
@@ -370,41 +382,6 @@ inline void u8_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b
 #endif
     }
   }
-}
-
-// Signed bytes in two halves of 16 values (Q6_K's sub-blocks, each with its own scale): lo[r] sums
-// loads 0-3 (values 0..15 of each column), hi[r] loads 4-7. Signs as in q8_0_block_dot.
-template <int R>
-inline void q6_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* lo, __m256i* hi) {
-#if SPECPLUG_VNNI
-  const __m256i flip = _mm256_set1_epi8((char)0x80);
-  for (int r = 0; r < R; ++r) {
-    const int32_t* o = a.off + ((r0 + r) * a.nb + b) * 2;
-    lo[r] = _mm256_set1_epi32(o[0]);
-    hi[r] = _mm256_set1_epi32(o[1]);
-  }
-  for (int j = 0; j < 8; ++j) {
-    const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + j * 32)), flip);
-    for (int r = 0; r < R; ++r) {
-      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
-      __m256i& acc = j < 4 ? lo[r] : hi[r];
-      acc = _mm256_dpbusd_epi32(acc, wu, _mm256_set1_epi32(xr[j]));
-    }
-  }
-#else
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-  for (int j = 0; j < 8; ++j) {
-    const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
-    const __m256i aw = _mm256_sign_epi8(w, w);
-    for (int r = 0; r < R; ++r) {
-      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
-      const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w);
-      __m256i& acc = j < 4 ? lo[r] : hi[r];
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
-    }
-  }
-#endif
 }
 
 // 8 scales of a tile's block as floats: float16 (Q4_1, Q8_0 as stored) or float32 (the K-quants'
@@ -441,11 +418,11 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
     if constexpr (KIND == KQ4_1 || KIND == KQ4_K)
       q4_1_block_dot<R>(blk, a, r0, b, s32);
     else if constexpr (KIND == KQ8_0)
-      q8_0_block_dot<R>(blk, a, r0, b, s32);
+      signed_block_dot<R, false>(blk, a, r0, b, s32, s_hi);
     else if constexpr (KIND == KQ5_K)
       u8_block_dot<R>(blk, a, r0, b, s32);
     else
-      q6_block_dot<R>(blk, a, r0, b, s32, s_hi);
+      signed_block_dot<R, true>(blk, a, r0, b, s32, s_hi);
     for (int r = 0; r < R; ++r) {
       const int64_t rb = (r0 + r) * a.nb + b;
       const __m256 dx = _mm256_set1_ps(a.d[rb]);
@@ -507,8 +484,8 @@ inline __m512i bcast_x(const Act& a, int64_t r, int64_t b, int j) {
   return _mm512_set1_epi32(((const int32_t*)(a.q + r * a.K + b * QK))[j]);
 }
 
-// The block dots of tile pairs (q4_1_block_dot, q8_0_block_dot, u8_block_dot, q6_block_dot on 16
-// columns). Signed weights offset by 128 as in q8_0_block_dot.
+// The block dots of tile pairs (q4_1_block_dot, u8_block_dot and signed_block_dot on 16 columns).
+// Signed weights offset by 128 as in signed_block_dot.
 template <int R>
 inline void q4_1_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t r0, int64_t b, __m512i* s) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
