@@ -14,8 +14,8 @@
 #
 # Steps: install; CUDA tests (tests/test_cuda.py: CUDA graphs vs eager, rows independent of their
 # batch at every bucket, greedy speculative == plain for every example config in float32 and
-# bfloat16); scripts/static_equal.py (every example config, its figures as JSON);
-# `specplug bench-runtime --device cuda` in bf16 and f32 (synchronized: decode at ctx
+# bfloat16); scripts/static_equal.py (every example config on the static step, bf16 then f32, its
+# figures as JSON); `specplug bench-runtime --device cuda` in bf16 and f32 (synchronized: decode at ctx
 # 128/512/1024, T(k) to k=64, prefill 512, 16x1 vs 1x1, peak GPU memory, capture time), once
 # batch-invariant (fixed rows) and once bucketed; ngram-simple on Spec-Bench summarization + RAG;
 # with --llama-bench, llama.cpp's `llama-bench -ngl 99 -fa 1` on the same file. One table, one JSON.
@@ -82,20 +82,22 @@ run_step() {  # run_step SECONDS LABEL CMD...: at most SECONDS, and only if that
 }
 # each test's verdict and the slowest ones go to the file as they come, so a step stopped at its
 # limit still says how far it got (the first GPU run lost that to a `| tail`)
-run_step 150 "CUDA tests" bash -c "$PY -m pytest -v -p no:cacheprovider --durations=12 tests/test_cuda.py \
+run_step 240 "CUDA tests" bash -c "$PY -m pytest -v -p no:cacheprovider --durations=12 tests/test_cuda.py \
   tests/test_static_step.py -k 'not every_example_config' > $OUT/tests.txt 2>&1; tail -25 $OUT/tests.txt"
-run_step 120 "greedy speculative == plain, every example config, bfloat16" bash -c \
-  "$PY scripts/static_equal.py --device cuda --dtype bfloat16 --json $OUT/equal-bfloat16.json 2>&1 | tail -17 | tee $OUT/equal-bfloat16.txt"
+# correctness first (greedy speculative == plain for every example config compiles each one: the
+# second GPU run stopped it at 120 s), then the figures; each writes its output as it comes
+run_step 200 "greedy speculative == plain, every example config, bfloat16" bash -c \
+  "$PY scripts/static_equal.py --device cuda --dtype bfloat16 --json $OUT/equal-bfloat16.json > $OUT/equal-bfloat16.txt 2>&1; tail -17 $OUT/equal-bfloat16.txt"
+run_step 150 "greedy speculative == plain, every example config, float32" bash -c \
+  "$PY scripts/static_equal.py --device cuda --dtype float32 --json $OUT/equal-float32.json > $OUT/equal-float32.txt 2>&1; tail -17 $OUT/equal-float32.txt"
 run_step 120 "bench-runtime bfloat16, bucketed (not batch-invariant)" bash -c \
   "$SPECPLUG bench-runtime --device cuda --dtype bfloat16 --quant none --repeats 20 --json $OUT/runtime-bfloat16.json | tee $OUT/runtime-bfloat16.txt"
-run_step 60 "bench-runtime bfloat16, eager (no static step)" bash -c \
-  "$SPECPLUG bench-runtime --device cuda --dtype bfloat16 --quant none --compile off --repeats 10 --json $OUT/runtime-bfloat16-eager.json | tee $OUT/runtime-bfloat16-eager.txt"
-run_step 90 "ngram-simple on Spec-Bench summarization + RAG" bash -c \
-  "$SPECPLUG bench examples/ngram-simple.yaml --data spec_bench --categories summarization,rag --limit 4 --max-tokens 128 --out $OUT/ngram 2>&1 | tail -12 | tee $OUT/ngram.txt"
 run_step 90 "bench-runtime bfloat16, batch-invariant at 8 tokens per slot (n_max 7)" bash -c \
   "$SPECPLUG bench-runtime --device cuda --dtype bfloat16 --quant none --step-tokens 8 --repeats 20 --json $OUT/runtime-bfloat16-fixed8.json | tee $OUT/runtime-bfloat16-fixed8.txt"
-run_step 100 "greedy speculative == plain, every example config, float32" bash -c \
-  "$PY scripts/static_equal.py --device cuda --dtype float32 --json $OUT/equal-float32.json 2>&1 | tail -17 | tee $OUT/equal-float32.txt"
+run_step 90 "ngram-simple on Spec-Bench summarization + RAG" bash -c \
+  "$SPECPLUG bench examples/ngram-simple.yaml --data spec_bench --categories summarization,rag --limit 4 --max-tokens 128 --out $OUT/ngram 2>&1 | tail -12 | tee $OUT/ngram.txt"
+run_step 60 "bench-runtime bfloat16, eager (no static step)" bash -c \
+  "$SPECPLUG bench-runtime --device cuda --dtype bfloat16 --quant none --compile off --repeats 10 --json $OUT/runtime-bfloat16-eager.json | tee $OUT/runtime-bfloat16-eager.txt"
 run_step 100 "bench-runtime float32, bucketed" bash -c \
   "$SPECPLUG bench-runtime --device cuda --dtype float32 --quant none --repeats 20 --json $OUT/runtime-float32.json | tee $OUT/runtime-float32.txt"
 

@@ -22,7 +22,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 UNTIL="" OUT="${OUT:-gpu-datagen-out}" PARALLEL=${GPU_DATAGEN_PARALLEL:-128} SELF_S=0 DEVICE=${GPU_DATAGEN_DEVICE:-cuda}
-PIECE=${GPU_DATAGEN_SELF_PIECE:-400}  # candidates a piece
+PIECE=${GPU_DATAGEN_SELF_PIECE:-200}  # candidates a piece: ~60 s on an H200 (eager, two turns); a piece cut
+# off by the time limit is lost whole (the third GPU run lost its only piece of 400 at --self-s 110)
 while [ $# -gt 0 ]; do
   case "$1" in
     --until) UNTIL="$2"; shift 2;;
@@ -47,7 +48,7 @@ PROMPTS=(data/train/gpteacher/roleplay-simple-deduped-roleplay-instruct.json.gz
 if [ "$SELF_S" -gt 0 ]; then
   end=$(( $(date +%s) + SELF_S )); k=0
   [ "$end" -le $(( UNTIL - 120 )) ] || end=$(( UNTIL - 120 ))  # leave the answers two minutes at least
-  while [ $(( end - $(date +%s) )) -gt 45 ]; do
+  while [ $(( end - $(date +%s) )) -gt 70 ]; do
     shopt -s nullglob; before=("$WORK"/self-*.jsonl); shopt -u nullglob
     echo "== gpu_datagen: self-written requests, piece $k"
     # candidates of this run's own seed (seed 0 made data/train/self-smollm2.jsonl.gz)

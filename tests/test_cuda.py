@@ -111,6 +111,17 @@ def test_rows_do_not_depend_on_their_batch(gguf_path, dtype, rows):
         assert torch.equal(a, b)
 
 
+def test_rows_of_a_cuda_tensor_by_a_host_index():
+    """The engine keeps row lists on the host; take_rows (index_select) must move them to the
+    hidden state's device (the third GPU run failed every head config on this)."""
+    from specplug.runtime.linear import take_rows
+
+    x = torch.arange(12.0, device="cuda").reshape(6, 2)
+    want = x[[4, 1]]
+    assert torch.equal(take_rows(x, torch.tensor([4, 1])), want)
+    assert torch.equal(take_rows(x, [4, 1]), want)
+
+
 def _example_configs() -> list[Path]:
     from specplug.config import load_config
 

@@ -28,6 +28,8 @@ def take_rows(x: torch.Tensor, rows) -> torch.Tensor:
     `index_select` or none; docs/results/heads.md, 2026-11-27)."""
     if not torch.is_tensor(rows):
         rows = torch.as_tensor(list(rows), dtype=torch.long, device=x.device)
+    elif rows.device != x.device:  # index_select, unlike x[rows], wants the index on x's device
+        rows = rows.to(x.device)
     return x.index_select(0, rows)
 
 
