@@ -251,10 +251,12 @@ struct Act {
   const int32_t* off = nullptr;
 };
 
-// Act.off for the rows of q [M, K].
-inline std::vector<int32_t> offset_sums(const int8_t* q, int64_t M, int64_t K) {
+// Act.off for the rows of q [M, K], in the calling thread's buffer (kept across calls: a decode
+// step's one-row calls allocate nothing; the call's tasks read it while the caller waits for them).
+inline const int32_t* offset_sums(const int8_t* q, int64_t M, int64_t K) {
   const int64_t nh = K / (QK / 2);
-  std::vector<int32_t> off(M * nh);
+  thread_local std::vector<int32_t> off;
+  if ((int64_t)off.size() < M * nh) off.resize(M * nh);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t h = 0; h < nh; ++h) {
       const int8_t* x = q + r * K + h * (QK / 2);
@@ -262,7 +264,7 @@ inline std::vector<int32_t> offset_sums(const int8_t* q, int64_t M, int64_t K) {
       for (int i = 0; i < QK / 2; ++i) sum += x[i];
       off[r * nh + h] = -128 * sum;
     }
-  return off;
+  return off.data();
 }
 
 // The integer part of one weight block against R activation rows: s[r] = the 8 columns' exact
@@ -583,11 +585,7 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
   auto y = torch::empty({M, n_out}, torch::kFloat32);
   Act a{xq.data_ptr<int8_t>(), xa[1].data_ptr<float>(), xa[2].data_ptr<float>(), K, nb};
 #if SPECPLUG_VNNI
-  std::vector<int32_t> off;
-  if constexpr (KIND == KQ8_0 || KIND == KQ6_K) {
-    off = offset_sums(a.q, M, K);
-    a.off = off.data();
-  }
+  if constexpr (KIND == KQ8_0 || KIND == KQ6_K) a.off = offset_sums(a.q, M, K);
 #endif
   const uint8_t* qsp = qs.data_ptr<uint8_t>();
   const int64_t tile_bytes = qs.stride(0);
