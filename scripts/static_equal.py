@@ -11,6 +11,7 @@ import dataclasses
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 from specplug.machine import describe
 
@@ -54,9 +55,17 @@ def main() -> int:
                                   parallel=args.parallel)
         t0 = time.perf_counter()
         outs = []
-        for spec in (False, True):
-            eng = build_engine(cfg, target, speculators=spec)
-            outs.append([r.token_ids for r in eng.run([Request(x, cfg.max_tokens, i) for i, x in enumerate(ids)])])
+        try:
+            for spec in (False, True):
+                eng = build_engine(cfg, target, speculators=spec)
+                outs.append([r.token_ids for r in eng.run([Request(x, cfg.max_tokens, i) for i, x in enumerate(ids)])])
+        except Exception as exc:  # one config's failure must not hide the others' verdicts (a GPU call is short)
+            bad += 1
+            results.append({"config": path.name, "equal": False, "error": f"{type(exc).__name__}: {exc}",
+                            "seconds": round(time.perf_counter() - t0, 1)})
+            traceback.print_exc()
+            print(f"{path.name:<28} FAILED  {results[-1]['error'][:200]}", flush=True)
+            continue
         same = outs[0] == outs[1]
         bad += not same
         drafted = sum(s.drafted_tokens for s in eng.stats.speculators.values())
