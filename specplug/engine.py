@@ -546,7 +546,9 @@ class Engine:
             self._append(q, draft_ids + [v.next_token])
         if self.specs:
             self.drafting.settle(seqs, {k: v for k, v in chosen.items() if v[0].enabled}, outcome, first, len(toks))
-            row_t = torch.tensor(rows, dtype=torch.long) if len(rows) != len(toks) else None
+            # on the hidden states' device once a step (take_rows would otherwise copy a host index
+            # there for every tap of every speculator)
+            row_t = torch.tensor(rows, dtype=torch.long, device=self.model.device) if len(rows) != len(toks) else None
             self._tell_committed(committed, row_t, out.hidden, False)
 
     def _verify(self, q: _Seq, logits: torch.Tensor, draft_ids: list[int], d) -> Verdict:
