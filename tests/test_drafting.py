@@ -68,7 +68,7 @@ def test_slow_losing_speculator_is_paused_with_probes(tiny_target, prompts, monk
     assert 0 < d["asked_share"] < 0.35 and d["verified_share"] <= d["asked_share"]
 
 
-def test_a_new_sequence_starts_paused_while_the_speculator_loses(tiny_target, prompts):
+def test_a_new_sequence_starts_paused_while_the_speculator_loses(tiny_target, prompts, monkeypatch):
     """A speculator whose calls lose on average is not asked at a new sequence's first step: the
     sequence goes on with the pause the last one to end was in (so a head that does not pay here
     costs a probe now and then, not a draft per sequence)."""
@@ -84,16 +84,41 @@ def test_a_new_sequence_starts_paused_while_the_speculator_loses(tiny_target, pr
     assert st1.skip == PROBE_MIN - 1 and st1.probe == 2 * PROBE_MIN  # the rest of that pause; then 8
     unpriced = Speculator("u", caller=None, policy=DraftPolicy(cost_trim=False), value=-1.0)
     assert unpriced.state(0).skip == 0  # unpriced: asked on every step whatever it is worth
-    # in the engine: one sequence after another, the later ones are first asked after their pause
+    # in the engine: one sequence after another, each new one starts with the pause the one before
+    # left (how long it is depends on measured times: a costly call pauses longer), and is first asked
+    # when that is over; recorded as the engine makes and drops the sequences' states
+    starts, left = [], []
+    state, forget = Speculator.state, Speculator.forget
+
+    def recording_state(self, seq):
+        new = seq not in self._seq
+        st = state(self, seq)
+        if new:
+            starts.append(st.skip)
+        return st
+
+    def recording_forget(self, seq):
+        forget(self, seq)
+        left.append(self.wait)
+
+    monkeypatch.setattr(Speculator, "state", recording_state)
+    monkeypatch.setattr(Speculator, "forget", recording_forget)
     vocab = tiny_target.model.config.vocab_size
     slow = Recording(vocab, 0.002)
     eng = assert_greedy_equal(tiny_target, [speculator(slow, "slow")], prompts, 48, n_parallel=1,
                               allow_unverified=True)
     first_ask = [min((len(t) - len(p) for t in slow.seen if t[:len(p)] == p), default=None) for p in prompts]
+    why = (first_ask, starts, left, eng.stats.speculators["slow"].to_dict())
+    assert len(starts) == len(prompts) and len(left) == len(prompts), why
     # the first sequence is asked at its first decoding step (its history: the prompt and the token
-    # its prefill sampled); the later ones not before their pause is over (or not in 48 tokens)
-    assert first_ask[0] == 1, first_ask
-    assert all(a is None or a >= 1 + PROBE_MIN for a in first_ask[1:]), (first_ask, eng.stats.speculators["slow"].to_dict())
+    # its prefill sampled); each later one starts with what was left of the pause of the one before
+    # and is first asked when that is over (or never, when it ends still paused)
+    assert starts[0] == 0 and first_ask[0] == 1, why
+    assert starts[1:] == left[:-1], why
+    assert all(a == 1 + s if a is not None else w > 0 for a, s, w in zip(first_ask, starts, left)), why
+    # the calls lose, so the pauses that later sequences start with are not all over (a sequence whose
+    # pause ended exactly as it did leaves the next one none)
+    assert any(s >= PROBE_MIN for s in starts[1:]), why
 
 
 def test_a_few_rejections_do_not_pause_a_head_that_pays():
