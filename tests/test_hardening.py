@@ -4,6 +4,9 @@ Each test here failed on the code before the fix it names."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import logging
 import threading
 import time
@@ -41,6 +44,29 @@ def test_kernel_build_key_separates_installs(monkeypatch, tmp_path):
     monkeypatch.undo()
     monkeypatch.setattr(native, "_CFLAGS", native._CFLAGS + ("-DOTHER",))  # other flags
     assert native.build_key() != key
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    other = tmp_path / "other-checkout" / "csrc"  # the same sources in another checkout: ninja would
+    other.mkdir(parents=True)                     # rebuild a shared folder for its compile command
+    for src in native._SRC.parent.iterdir():
+        if src.suffix in (".cpp", ".h"):
+            (other / src.name).write_bytes(src.read_bytes())
+    monkeypatch.setattr(native, "_SRC", other / native._SRC.name)
+    assert native.build_key() != key
+
+
+def test_a_symlinked_checkout_builds_in_the_same_folder(tmp_path):
+    """`python -m specplug.cli` from a folder linking to the checkout (as the README test runs the
+    README's commands) imports it through the link: the same install, the same build (a second
+    folder, or a changed compile command, cost ~2 min of rebuilding each time the path alternated)."""
+    link = tmp_path / "specplug"
+    link.symlink_to(Path(native.__file__).resolve().parents[1])
+    code = "from specplug.runtime import native; print(native._SRC); print(native.build_key())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=""))
+    src, key = out.stdout.split()
+    assert src == str(native._SRC) and key == native.build_key()
+    assert str(tmp_path) not in src  # imported through the link, named by the real path
 
 
 def _fake_build(monkeypatch, tmp_path, calls):

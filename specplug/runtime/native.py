@@ -31,7 +31,9 @@ import torch
 from specplug.errors import ModelError
 from specplug.runtime import pages
 
-_SRC = Path(__file__).parent / "csrc" / "gguf_kernels.cpp"
+# resolved: the build runs its compiler on this path, and ninja rebuilds whenever that command changes, so a
+# checkout imported through a symlink (or as `python -m` from a folder that links to it) is the same build
+_SRC = Path(__file__).resolve().parent / "csrc" / "gguf_kernels.cpp"
 _lock = threading.Lock()
 _ext: dict[str, object] = {}  # ISA -> the loaded extension
 _ext_error: dict[str, str] = {}  # ISA -> why it could not be built
@@ -149,10 +151,12 @@ _LDFLAGS = ("-fopenmp",)
 
 
 def build_key(isa: str = "avx2") -> str:
-    """What the built kernels depend on: the sources (csrc/), the compiler flags, torch and Python versions.
-    Each key gets its own build folder, so two installs (checkouts, virtual environments) never
-    rebuild each other's kernels."""
-    h = hashlib.sha256()
+    """What the built kernels depend on: the sources (csrc/) and where they are, the compiler flags,
+    torch and Python versions. Each key gets its own build folder, so two installs (checkouts, virtual
+    environments) never rebuild each other's kernels: ninja rebuilds when the compile command changes,
+    and the command names the source file's path, so two checkouts of the same sources sharing a
+    folder would rebuild it each time the other had built (~2 min each on 2 cores)."""
+    h = hashlib.sha256(str(_SRC).encode())
     for src in sorted(f for f in _SRC.parent.iterdir() if f.suffix in (".cpp", ".h")):  # kernels and headers
         h.update(src.name.encode() + src.read_bytes())
     h.update(json.dumps([_CFLAGS, ISA_CFLAGS[isa], _LDFLAGS, torch.__version__, sys.version_info[:2],
