@@ -4,10 +4,10 @@ Each test here failed on the code before the fix it names."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
-import logging
 import threading
 import time
 from dataclasses import dataclass
