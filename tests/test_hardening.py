@@ -45,7 +45,6 @@ def test_kernel_build_key_separates_installs(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_CFLAGS", native._CFLAGS + ("-DOTHER",))  # other flags
     assert native.build_key() != key
     monkeypatch.undo()
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     other = tmp_path / "other-checkout" / "csrc"  # the same sources in another checkout: ninja would
     other.mkdir(parents=True)                     # rebuild a shared folder for its compile command
     for src in native._SRC.parent.iterdir():
