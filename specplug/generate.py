@@ -47,6 +47,7 @@ def check_paths(output: str | None, stats: str | None, inputs: Sequence[str | Pa
             if p.exists() and os.path.samefile(p, i) or p.resolve() == i.resolve():
                 raise SpecplugError(f"{flag} {p} is an input of this run ({i}); write the results somewhere else")
         if p.exists() and p.stat().st_size > 0 and not (force or resume):
+            claim(p, flag).release()  # a run writing it now is named (OutputBusyError), not its file
             raise SpecplugError(f"{flag} {p} exists; add --resume to continue it (answers already there are "
                                 f"skipped) or --force to overwrite it")
 

@@ -124,6 +124,23 @@ def test_resume_and_force_take_the_same_claim(tmp_path, tiny_gguf, holder, capsy
     assert (out.read_bytes() if out.exists() else None) == before and not stats.exists()
 
 
+def test_an_output_being_written_names_its_writer_not_that_it_exists(tmp_path, tiny_gguf, holder, capsys):
+    """The other run has already written rows: the refusal names that run (it is busy), not the file."""
+    cfg, prompts, out = run_config(tmp_path, tiny_gguf), prompts_file(tmp_path, 2), tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": "p0", "turn": 0, "text": "written by the other run"}) + "\n")
+    before = out.read_bytes()
+    h = holder(out)
+    assert main(["run", str(cfg), "--prompts", str(prompts), "--output", str(out)]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert f"PID {h.pid}" in line and "another process" in line and "--resume" not in line, line
+    h.release()
+    h.wait(30)
+    assert main(["run", str(cfg), "--prompts", str(prompts), "--output", str(out)]) == 2  # nobody writes it now
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert "exists; add --resume" in line, line
+    assert out.read_bytes() == before
+
+
 def test_every_writer_claims_its_output_before_the_model_loads(tmp_path, holder, capsys):
     """bench --out, train data -o, a trained head -o and ngram-cache build -o: a held output fails
     at once with the holder's PID (the model path does not exist: loading it would be another error)."""
