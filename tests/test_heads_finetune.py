@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,50 @@ def test_swap_vocab_starts_new_rows_from_the_target_and_keeps_the_rest(other_tra
         assert rc == 2 and "give the same --init to resume it" in capsys.readouterr().err
     assert _train("mtp", data, work / "mtp-swap-scratch.gguf", "--swap-vocab", "6", "--draft-vocab", "40") == 2
     assert "--swap-vocab changes the draft vocabulary of the --init head" in capsys.readouterr().err
+
+
+def test_swap_vocab_from_other_answers_counts_their_tokens_not_the_training_data(other_traffic, data, bases, work,
+                                                                                  capsys):
+    """--swap-vocab-from: the swap is chosen from a tokens-only folder's answers (a larger sample of the
+    traffic than the fine-tuning data), checked against the head's token table."""
+    from specplug.train.finetune import swap_vocabulary
+    from specplug.train.tokens import answer_tokens_of
+
+    folder = work / "other-tokens"
+    assert main(["train", "tokens", str(other_traffic), "-o", str(folder)]) == 0
+    theirs = torch.from_numpy(answer_tokens_of(folder))
+    base = HeadFile(bases["eagle3"])
+    want, rows = swap_vocabulary(base.tensor("d2t").long(), theirs, 6, base.meta.vocab_size)
+    assert len(rows) > 0
+    # the training data's own counts choose other tokens: the folder's, not the data's, must decide
+    own = swap_vocabulary(base.tensor("d2t").long(), torch.from_numpy(answer_tokens_of(_tokens_of(data, work))), 6,
+                          base.meta.vocab_size)[0]
+    assert not torch.equal(own, want)
+    out = work / "eagle3-swap-from.gguf"
+    capsys.readouterr()
+    assert _train("eagle3", data, out, "--init", str(bases["eagle3"]), "--swap-vocab", "6",
+                  "--swap-vocab-from", str(folder)) == 0
+    assert "swapped for --swap-vocab-from's answers' most frequent" in capsys.readouterr().err
+    assert torch.equal(HeadFile(out).tensor("d2t").long(), want)
+    sw = _recipe(out)["init"]["draft_vocab"]["swapped_for_the_data"]
+    assert sw["counted_on"] == [str(folder)] and sw["counted_answer_coverage"]["after"] > sw["counted_answer_coverage"]["before"]
+    assert main(["heads", "show", str(out)]) == 0
+    assert "swapped for those of other answers (--swap-vocab-from)" in capsys.readouterr().out
+    # a folder of another target's tokens, and --swap-vocab-from without --swap-vocab: one clear error each
+    alien = work / "alien-tokens"
+    shutil.copytree(folder, alien)
+    man = json.loads((alien / "manifest.json").read_text())
+    man["target"]["token_table_sha256"] = "0" * 64
+    (alien / "manifest.json").write_text(json.dumps(man))
+    assert _train("eagle3", data, work / "x.gguf", "--init", str(bases["eagle3"]), "--swap-vocab", "6",
+                  "--swap-vocab-from", str(alien)) == 2
+    assert "alien-tokens: its answers are in another target's tokens" in capsys.readouterr().err
+    assert _train("eagle3", data, work / "x.gguf", "--init", str(bases["eagle3"]), "--swap-vocab-from", str(folder)) == 2
+    assert "give --swap-vocab N too" in capsys.readouterr().err
+
+
+def _tokens_of(data: Path, work: Path) -> Path:
+    folder = work / "data-tokens"
+    if not folder.exists():
+        assert main(["train", "tokens", str(data), "-o", str(folder)]) == 0
+    return folder

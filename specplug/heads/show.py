@@ -81,7 +81,9 @@ def _lineage(rec: dict) -> list[str]:
     start = init.get("start") or {}
     dv = init.get("draft_vocab")
     swapped = dv.get("swapped_for_the_data") if isinstance(dv, dict) else None
-    vocab = (f"{swapped.get('swapped')} of its draft tokens swapped for the data's (--swap-vocab)" if swapped
+    whose = "the data's" if not isinstance(swapped, dict) or not swapped.get("counted_answer_coverage") else \
+        "those of other answers (--swap-vocab-from)"
+    vocab = (f"{swapped.get('swapped')} of its draft tokens swapped for {whose} (--swap-vocab)" if swapped
              else "its draft vocabulary kept")
     lines = [f"  lineage      fine-tuned from {init.get('file')} (sha256 {str(init.get('sha256'))[:12]}), "
              f"{rec.get('total_steps', '?')} steps in all; {vocab}; before fine-tuning on this data: "

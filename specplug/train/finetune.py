@@ -31,9 +31,12 @@ in the head's recipe (how it was trained), then to the Options defaults; a flag 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 import torch
 
@@ -48,7 +51,8 @@ def _flag(name: str) -> str:
 class BaseHead:
     """A head file to start a trainer `cls` from (opened and checked against the trainer)."""
 
-    def __init__(self, head: HeadFile | str | Path, cls: type, swap_vocab: int = 0):
+    def __init__(self, head: HeadFile | str | Path, cls: type, swap_vocab: int = 0,
+                 swap_from: Sequence[str | Path] = ()):
         from specplug.train.datagen import file_sha256
 
         self.head = head if isinstance(head, HeadFile) else HeadFile(head)
@@ -68,33 +72,54 @@ class BaseHead:
         self.cls = cls
         self.sha256 = file_sha256(self.path)
         self.fixed: dict[str, Any] = dict(cls.options_of_head(self.head))
+        if swap_from and not swap_vocab:
+            raise SpecplugError("--swap-vocab-from counts the tokens of a --swap-vocab; give --swap-vocab N too")
         self.swap_vocab = swap_vocab
+        # folders of answers (tokens-only, `specplug train tokens`) whose counts choose the swap instead of
+        # the training data's: a larger sample of the traffic than the data a head is fine-tuned on
+        self.swap_from = [Path(f) for f in swap_from]
+        self._swap_tokens = None
+        if self.swap_from:
+            from specplug.train.tokens import answer_tokens_of
+
+            table = self.head.meta.token_table_sha256
+            self._swap_tokens = torch.from_numpy(np.concatenate([answer_tokens_of(f, table) for f in self.swap_from]))
         self.swapped: dict | None = None  # what `for_trainer` swapped (recorded in the lineage)
 
     @property
     def identity(self) -> str:
         """What a checkpoint made from this base must match: the file, and the swap asked for."""
-        return self.sha256 + (f"+swap-vocab-{self.swap_vocab}" if self.swap_vocab else "")
+        ident = self.sha256 + (f"+swap-vocab-{self.swap_vocab}" if self.swap_vocab else "")
+        if self._swap_tokens is not None:  # the counts chose the vocabulary: other counts, another start
+            ident += "+from-" + hashlib.sha256(self._swap_tokens.numpy().tobytes()).hexdigest()[:16]
+        return ident
 
     def for_trainer(self, data) -> "HeadFile | SwappedVocab":
         """The head as the trainer starts from it: the file itself, or under `swap_vocab` a view with
-        the swapped draft vocabulary (chosen from `data`'s training answers, a TrainData)."""
+        the swapped draft vocabulary (chosen from `data`'s training answers, a TrainData, or from the
+        `swap_from` folders' answers where given)."""
         if not self.swap_vocab:
             return self.head
         from specplug.train.target import TargetWeights
 
         d2t = self.head.tensor("d2t").long().flatten()
-        tokens = data.answer_tokens("train")
+        train_tokens = data.answer_tokens("train")
+        tokens = train_tokens if self._swap_tokens is None else self._swap_tokens
         new, rows = swap_vocabulary(d2t, tokens, self.swap_vocab, self.head.meta.vocab_size)
         fresh = {}
         names = getattr(self.cls, "vocab_rows", ())
         if len(rows) and names:
             out_w = TargetWeights(data.target).output_weight(new.tolist()).float()
             fresh = {name: rows_like_the_head(self.head.tensor(name).float(), out_w, rows) for name in names}
-        counts = torch.bincount(tokens.long(), minlength=self.head.meta.vocab_size)
-        cover = lambda m: round(float(counts[m].sum()) / max(1, int(counts.sum())), 4)  # noqa: E731
+        def coverage(toks: torch.Tensor) -> dict:
+            counts = torch.bincount(toks.long(), minlength=self.head.meta.vocab_size)
+            cover = lambda m: round(float(counts[m].sum()) / max(1, int(counts.sum())), 4)  # noqa: E731
+            return {"before": cover(d2t), "after": cover(new)}
+
         self.swapped = {"asked": self.swap_vocab, "swapped": int(len(rows)),
-                        "train_answer_coverage": {"before": cover(d2t), "after": cover(new)},
+                        "counted_on": [str(f) for f in self.swap_from] or "the training answers",
+                        "train_answer_coverage": coverage(train_tokens),
+                        **({"counted_answer_coverage": coverage(tokens)} if self.swap_from else {}),
                         "tokens_in": new[rows].tolist()[:50], "tokens_out": d2t[rows].tolist()[:50]}
         return SwappedVocab(self.head, new, rows, fresh)
 

@@ -167,6 +167,9 @@ def add_trainer_parsers(tsub) -> None:
         p.add_argument("--swap-vocab", type=int, default=0, metavar="N",
                        help="with --init: trade up to N of the head's draft tokens that this data uses least for "
                             "the data's most frequent tokens outside the head's draft vocabulary (same size)")
+        p.add_argument("--swap-vocab-from", nargs="+", default=[], metavar="DIR",
+                       help="with --swap-vocab: count the tokens on these folders' answers (tokens-only folders of "
+                            "`specplug train tokens`, such as data/distill/*) instead of the training data's")
         _add_fields(p, LoopOptions, "training loop")
         try:
             _add_fields(p, load_trainer(name).Options, f"{name} options")
@@ -199,10 +202,11 @@ def run_trainer(args) -> int:
         from specplug.heads import HeadFile
         from specplug.train.finetune import BaseHead
 
-        init = BaseHead(HeadFile(args.init, args.trainer), cls, swap_vocab=args.swap_vocab)
+        init = BaseHead(HeadFile(args.init, args.trainer), cls, swap_vocab=args.swap_vocab,
+                        swap_from=args.swap_vocab_from)
         opts = init.options(_given(cls.Options, args))  # the head's shape; its flags given are an error
     else:
-        if args.swap_vocab:
+        if args.swap_vocab or args.swap_vocab_from:
             raise SpecplugError("--swap-vocab changes the draft vocabulary of the --init head; a fresh head chooses "
                                 "its own from the data (--draft-vocab)")
         opts = _options(cls.Options, args)
@@ -460,8 +464,11 @@ def _say_init(init: Any, trainer: Any, start: dict) -> None:
     if init.swapped:
         sw = init.swapped
         before, after = sw["train_answer_coverage"]["before"], sw["train_answer_coverage"]["after"]
-        vocab = (f"{sw['swapped']} of its {n} draft tokens swapped for this data's most frequent (training answers "
-                 f"covered {before:.1%} -> {after:.1%}{covering})")
+        whose = "this data's" if "counted_answer_coverage" not in sw else "--swap-vocab-from's answers'"
+        counted = "" if "counted_answer_coverage" not in sw else \
+            ", theirs {:.1%} -> {:.1%}".format(sw["counted_answer_coverage"]["before"], sw["counted_answer_coverage"]["after"])
+        vocab = (f"{sw['swapped']} of its {n} draft tokens swapped for {whose} most frequent (training answers "
+                 f"covered {before:.1%} -> {after:.1%}{counted}{covering})")
     else:
         vocab = f"its draft vocabulary is kept ({n} tokens{covering}), not chosen anew from this data"
     print(f"specplug: starting from {init.path} ({init.head.meta.method}, {r.get('steps', '?')} steps, sha256 "

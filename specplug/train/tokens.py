@@ -109,6 +109,24 @@ def _read_token_shard(folder: Path, sh: dict) -> dict[str, np.ndarray]:
         raise SpecplugError(f"{f}: unreadable token shard ({type(exc).__name__}: {exc})") from None
 
 
+def answer_tokens_of(path: str | Path, token_table: str | None = None) -> np.ndarray:
+    """Every answer token (the tokens after each sequence's prompt) of a tokens-only folder, as int64.
+    token_table: the `token_table_sha256` the folder's target must have (a head's), else an error
+    naming both."""
+    folder = Path(path)
+    man = read_tokens_manifest(folder)
+    have = man.get("target", {}).get("token_table_sha256")
+    if token_table is not None and have != token_table:
+        raise SpecplugError(f"{folder}: its answers are in another target's tokens (token table {str(have)[:12]}, "
+                            f"the head's {token_table[:12]}); give folders made with the head's target")
+    parts = []
+    for sh in man.get("shards", []):
+        z = _read_token_shard(folder, sh)
+        t, off, pl = z["tokens"], z["offsets"], z["prompt_lens"]
+        parts += [t[off[i] + pl[i]:off[i + 1]] for i in range(len(pl))]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
 def generated_prompt_ids(path: str | Path) -> set[str]:
     """The ids (`TrainPrompt.id`) of the prompts a tokens-only folder holds answers to: `train data
     --exclude` skips them, so a data set grown in pieces (a GPU lent now and then) never answers a
