@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-
 import torch
 
 from specplug.errors import SpecplugError
@@ -111,6 +110,7 @@ class BaseHead:
         if len(rows) and names:
             out_w = TargetWeights(data.target).output_weight(new.tolist()).float()
             fresh = {name: rows_like_the_head(self.head.tensor(name).float(), out_w, rows) for name in names}
+
         def coverage(toks: torch.Tensor) -> dict:
             counts = torch.bincount(toks.long(), minlength=self.head.meta.vocab_size)
             cover = lambda m: round(float(counts[m].sum()) / max(1, int(counts.sum())), 4)  # noqa: E731
