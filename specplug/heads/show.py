@@ -81,8 +81,8 @@ def _lineage(rec: dict) -> list[str]:
     start = init.get("start") or {}
     dv = init.get("draft_vocab")
     swapped = dv.get("swapped_for_the_data") if isinstance(dv, dict) else None
-    whose = "the data's" if not isinstance(swapped, dict) or not swapped.get("counted_answer_coverage") else \
-        "those of other answers (--swap-vocab-from)"
+    whose = "those of other answers (--swap-vocab-from)" if swapped and swapped.get("counted_answer_coverage") \
+        else "the data's"
     vocab = (f"{swapped.get('swapped')} of its draft tokens swapped for {whose} (--swap-vocab)" if swapped
              else "its draft vocabulary kept")
     lines = [f"  lineage      fine-tuned from {init.get('file')} (sha256 {str(init.get('sha256'))[:12]}), "

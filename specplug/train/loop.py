@@ -464,9 +464,10 @@ def _say_init(init: Any, trainer: Any, start: dict) -> None:
     if init.swapped:
         sw = init.swapped
         before, after = sw["train_answer_coverage"]["before"], sw["train_answer_coverage"]["after"]
-        whose = "this data's" if "counted_answer_coverage" not in sw else "--swap-vocab-from's answers'"
-        counted = "" if "counted_answer_coverage" not in sw else \
-            ", theirs {:.1%} -> {:.1%}".format(sw["counted_answer_coverage"]["before"], sw["counted_answer_coverage"]["after"])
+        whose, counted = "this data's", ""
+        if "counted_answer_coverage" in sw:  # --swap-vocab-from: counted on other answers
+            theirs = sw["counted_answer_coverage"]
+            whose, counted = "--swap-vocab-from's answers'", f", theirs {theirs['before']:.1%} -> {theirs['after']:.1%}"
         vocab = (f"{sw['swapped']} of its {n} draft tokens swapped for {whose} most frequent (training answers "
                  f"covered {before:.1%} -> {after:.1%}{counted}{covering})")
     else:
