@@ -6,10 +6,11 @@ decode_ms at two contexts, T(k) for one forward of k new tokens after a 512-toke
 
 `--profile` (the `gguf` runtime) adds the roofline report: this machine's limits (a streaming
 read of 1 GB with the run's threads; the matmul kernels' own peak on weights that stay in
-cache), then per forward of k rows at several contexts the time in linears, activation
-quantization (norms fused), RoPE + KV store, attention, and the rest (Python and dispatch:
-the forward's time less its native calls), with the bytes of weights and KV read, the
-multiply-adds, and the achieved GB/s and G MAC/s of the linears.
+cache), then per forward of k rows at several contexts, run as the engine runs it (all layers
+in one native call), the time in linears, activation quantization (norms fused), RoPE + KV
+store, attention and Gemma's extra norms, each timed inside the kernels (`stage_times`), and the
+rest (Python, the embedding, the final norm: the forward's time less its kernels), with the bytes
+of weights and KV read, the multiply-adds, and the achieved GB/s and G MAC/s of the linears.
 """
 from __future__ import annotations
 
@@ -173,19 +174,20 @@ def main(model, repeats: int, json_path: str | None, with_profile: bool = False)
 # --- the roofline report (--profile) ----------------------------------------------------------------
 PROFILE_K = (1, 2, 4, 8, 16)
 PROFILE_CTX = (128, 512, 1024)
-_CATEGORY = {"matmul_q4_1": "linear", "matmul_q8_0": "linear", "matmul": "linear", "quantize_rows": "quantize",
-             "silu_mul_quantize": "quantize", "rope_store": "rope_store", "attention": "attention"}
+STAGES = ("linear", "quantize", "rope_store", "attention", "norm")  # the kernels' own timers (stage_times)
+_LINEAR = ("matmul_q4_1", "matmul_q8_0", "matmul")
 
 
-class _Timed:
-    """Stands in for the kernel module: times every call and adds up bytes and multiply-adds."""
+class _Counted:
+    """Stands in for the kernel module on a forward that calls each kernel from Python: adds up the
+    weight bytes and multiply-adds of the linears and the K/V bytes and multiply-adds of attention
+    (what the kernels read and compute; their time comes from the kernels' own timers)."""
 
     def __init__(self, ext):
         self._ext = ext
         self.reset()
 
     def reset(self) -> None:
-        self.time = dict.fromkeys(set(_CATEGORY.values()), 0.0)
         self.weight_bytes = 0
         self.linear_macs = 0
         self.attn_macs = 0
@@ -193,21 +195,17 @@ class _Timed:
 
     def __getattr__(self, name):
         fn = getattr(self._ext, name)
-        cat = _CATEGORY.get(name)
-        if cat is None:
-            return fn
-
-        def timed(*args):
-            t0 = time.perf_counter()
-            out = fn(*args)
-            self.time[cat] += time.perf_counter() - t0
-            if cat == "linear":
+        if name in _LINEAR:
+            def counted(*args):
                 xa, qs, d = args[0], args[1], args[2]
                 m = args[3] if name in ("matmul_q4_1", "matmul") else None
                 self.weight_bytes += qs.numel() + d.numel() * d.element_size() + (
                     m.numel() * m.element_size() if m is not None else 0)
                 self.linear_macs += xa[0].shape[0] * xa[0].shape[1] * args[-1]
-            elif cat == "attention":
+                return fn(*args)
+            return counted
+        if name == "attention":
+            def counted(*args, **kw):
                 kc, seq, pos, valid, H = args[1], args[3], args[4], args[5], args[6]
                 D = kc.shape[3]
                 cells = sum(int(valid[s, : p + 1].sum()) for s, p in zip(seq.tolist(), pos.tolist()))
@@ -215,9 +213,23 @@ class _Timed:
                 # K and V of every sequence in the batch, read at least once
                 for s in set(seq.tolist()):
                     self.kv_bytes += 2 * kc.shape[1] * int(valid[s].sum()) * D * kc.element_size()
-            return out
+                return fn(*args, **kw)
+            return counted
+        return fn
 
-        return timed
+
+def _stage_ms(ext, fwd, repeats: int) -> dict[str, float]:
+    """Median ms per kernel family over `repeats` runs of fwd, timed inside the kernels."""
+    ext.set_stage_timing(True)
+    try:
+        ext.stage_times()  # zero
+        parts = []
+        for _ in range(repeats):
+            fwd()
+            parts.append({name: sec * 1e3 for name, (sec, _calls) in ext.stage_times().items()})
+    finally:
+        ext.set_stage_timing(False)
+    return {name: statistics.median(p[name] for p in parts) for name in STAGES}
 
 
 def _machine_limits(threads: int) -> dict:
@@ -251,18 +263,18 @@ def _machine_limits(threads: int) -> dict:
 
 def profile(model, repeats: int = 10) -> dict:
     """The roofline report of the gguf runtime (see the module docstring)."""
-    from specplug.runtime import native
     from specplug.runtime.native import QuantLinear
 
     if model.quant != "gguf":
         raise SystemExit("--profile reports on the gguf runtime (quant: gguf)")
     limits = _machine_limits(torch.get_num_threads())
-    timed = _Timed(native.kernels())
+    ext = model.layers[0]._k  # the kernel module the model was loaded on (SPECPLUG_ISA at load)
+    counted = _Counted(ext)
     lins = [m for layer in model.layers for m in layer.linears()] + [model.head]
 
-    def instrument(on: bool) -> None:
-        """Time every kernel call apart (the layers' fused one-call path off) or run as usual."""
-        k = timed if on else timed._ext
+    def kernel_by_kernel(on: bool) -> None:
+        """Call each kernel from Python through the counter (the layers' one-call path off), or run as usual."""
+        k = counted if on else ext
         for lin in lins:
             if isinstance(lin, QuantLinear):
                 lin.k = k
@@ -279,28 +291,23 @@ def profile(model, repeats: int = 10) -> dict:
             def fwd():
                 model.forward([7] * k, list(range(ctx, ctx + k)), [0] * k, cache, logits_rows=None)
                 cache.seq_rm(0, ctx)
-            total = _median_ms(fwd, repeats)  # as the engine runs it: one native call per layer
-            for layer in model.layers:
-                layer.fused = False
-            unfused = _median_ms(fwd, repeats)  # one native call per kernel, untimed
-            instrument(True)
-            parts = []
-            for _ in range(repeats):
-                timed.reset()
+            total = _median_ms(fwd, repeats)  # as the engine runs it: all layers in one native call
+            stages = _stage_ms(ext, fwd, repeats)  # the same forward, timed inside the kernels
+            kernel_by_kernel(True)
+            try:
+                counted.reset()
                 fwd()
-                parts.append(dict(timed.time))
-            instrument(False)
-            med = {c: statistics.median(p[c] for p in parts) * 1e3 for c in parts[0]}
-            native_ms = sum(med.values())
-            lin_s = med["linear"] / 1e3
-            rows.append({"ctx": ctx, "k": k, "total_ms": round(total, 3), "unfused_ms": round(unfused, 3),
-                         **{f"{c}_ms": round(v, 3) for c, v in med.items()},
-                         # what the unfused forward spends outside its kernel calls
-                         "python_dispatch_ms": round(max(0.0, unfused - native_ms), 3),
-                         "weight_mb": round(timed.weight_bytes / 1e6, 1), "kv_mb": round(timed.kv_bytes / 1e6, 1),
-                         "linear_gmacs": round(timed.linear_macs / 1e9, 3), "attn_gmacs": round(timed.attn_macs / 1e9, 4),
-                         "linear_gb_s": round(timed.weight_bytes / lin_s / 1e9, 1),
-                         "linear_gmac_s": round(timed.linear_macs / lin_s / 1e9, 1)})
+            finally:
+                kernel_by_kernel(False)
+            lin_s = stages["linear"] / 1e3
+            rows.append({"ctx": ctx, "k": k, "total_ms": round(total, 3),
+                         **{f"{c}_ms": round(v, 3) for c, v in stages.items()},
+                         # the forward outside the kernels: Python, the embedding, the final norm
+                         "rest_ms": round(max(0.0, total - sum(stages.values())), 3),
+                         "weight_mb": round(counted.weight_bytes / 1e6, 1), "kv_mb": round(counted.kv_bytes / 1e6, 1),
+                         "linear_gmacs": round(counted.linear_macs / 1e9, 3), "attn_gmacs": round(counted.attn_macs / 1e9, 4),
+                         "linear_gb_s": round(counted.weight_bytes / lin_s / 1e9, 1),
+                         "linear_gmac_s": round(counted.linear_macs / lin_s / 1e9, 1)})
     return {"limits": limits, "rows": rows}
 
 
@@ -308,13 +315,13 @@ def format_profile(prof: dict) -> str:
     lim = prof["limits"]
     lines = [f"machine: streaming read {lim['stream_read_gb_s']} GB/s ({lim['threads']} threads); kernel peak "
              f"({lim.get('isa')}) {lim['peak_gmac_s_q4_1']} G MAC/s (Q4_1), {lim['peak_gmac_s_q8_0']} G MAC/s (Q8_0)",
-             "total: the forward as the engine runs it (one native call per layer); the columns after it time each "
-             "kernel of a forward that calls them one by one (unfused), py+disp = unfused - its kernels",
-             f"{'ctx':>5} {'k':>3} {'total':>7} {'unfused':>7} {'linear':>7} {'quant':>6} {'rope':>6} {'attn':>6} {'py+disp':>7} "
+             "total: the forward as the engine runs it (all layers in one native call); the kernel families' "
+             "time inside it, by the kernels' own timers; rest = total - kernels (Python, embedding, final norm)",
+             f"{'ctx':>5} {'k':>3} {'total':>7} {'linear':>7} {'quant':>6} {'rope':>6} {'attn':>6} {'norm':>6} {'rest':>6} "
              f"{'W MB':>6} {'KV MB':>6} {'GMAC':>6} {'GB/s':>6} {'GMAC/s':>7}  (ms unless noted)"]
     for r in prof["rows"]:
-        lines.append(f"{r['ctx']:>5} {r['k']:>3} {r['total_ms']:>7.2f} {r['unfused_ms']:>7.2f} {r['linear_ms']:>7.2f} {r['quantize_ms']:>6.2f} "
-                     f"{r['rope_store_ms']:>6.2f} {r['attention_ms']:>6.2f} {r['python_dispatch_ms']:>7.2f} "
+        lines.append(f"{r['ctx']:>5} {r['k']:>3} {r['total_ms']:>7.2f} {r['linear_ms']:>7.2f} {r['quantize_ms']:>6.2f} "
+                     f"{r['rope_store_ms']:>6.2f} {r['attention_ms']:>6.2f} {r['norm_ms']:>6.2f} {r['rest_ms']:>6.2f} "
                      f"{r['weight_mb']:>6.1f} {r['kv_mb']:>6.1f} {r['linear_gmacs']:>6.2f} {r['linear_gb_s']:>6.1f} "
                      f"{r['linear_gmac_s']:>7.1f}")
     lines.append("roofline of the linears per forward: max(weight bytes / streaming GB/s, MACs / kernel peak)")
@@ -323,5 +330,6 @@ def format_profile(prof: dict) -> str:
             mem = r["weight_mb"] / 1e3 / lim["stream_read_gb_s"] * 1e3
             comp = r["linear_gmacs"] / lim["peak_gmac_s_q4_1"] * 1e3
             lines.append(f"  k={r['k']:<3} memory {mem:6.2f} ms, compute {comp:6.2f} ms -> bound {max(mem, comp):6.2f} ms; "
-                         f"measured {r['linear_ms']:6.2f} ms ({max(mem, comp) / r['linear_ms']:.0%} of the bound)")
+                         f"measured {r['linear_ms']:6.2f} ms ({max(mem, comp) / r['linear_ms']:.0%} of the bound, "
+                         f"{r['linear_ms'] / max(mem, comp):.2f}x it)")
     return "\n".join(lines)

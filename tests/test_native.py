@@ -292,6 +292,60 @@ def test_a_one_layer_model_runs_its_stack(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(stacked, apart))
 
 
+def test_kernel_timers_count_each_call_of_the_engines_forward_and_only_when_asked(qtiny):
+    """`stage_times`: what `bench-runtime --profile` reads, timed inside the kernels on the forward
+    the engine runs (all layers in one native call)."""
+    m = qtiny.model
+    ext = m.layers[0]._k  # the module of the path this model runs on
+    n_layer = m.config.n_layer
+    c = m.new_cache(1, 64)
+    m.forward(list(range(30, 40)), list(range(10)), [0] * 10, c)
+
+    def step():
+        m.forward([7, 8, 9], [10, 11, 12], [0] * 3, c)
+        c.seq_rm(0, 10)
+
+    ext.stage_times()
+    step()  # timing off: nothing counted
+    assert all(calls == 0 and sec == 0 for sec, calls in ext.stage_times().values())
+    ext.set_stage_timing(True)
+    try:
+        ext.stage_times()
+        step()
+        times = ext.stage_times()
+    finally:
+        ext.set_stage_timing(False)
+    assert set(times) == {"linear", "quantize", "rope_store", "attention", "norm"}
+    assert times["linear"][1] == 4 * n_layer + 1  # qkv, o, gate-up, down a layer, and the output head
+    assert times["attention"][1] == n_layer and times["rope_store"][1] == n_layer
+    assert times["quantize"][1] >= 4 * n_layer
+    assert times["norm"][1] == 0  # llama has no post norms
+    assert all(sec > 0 for name, (sec, _) in times.items() if name != "norm")
+
+
+def test_profile_times_the_engine_path_and_counts_what_the_linears_read(qtiny, monkeypatch):
+    from specplug import bench_runtime
+
+    monkeypatch.setattr(bench_runtime, "PROFILE_CTX", (16, 512))
+    monkeypatch.setattr(bench_runtime, "PROFILE_K", (1, 2))
+    monkeypatch.setattr(bench_runtime, "_machine_limits", lambda threads: {
+        "threads": threads, "stream_read_gb_s": 10.0, "isa": native.chosen_isa(),
+        "peak_gmac_s_q4_1": 100.0, "peak_gmac_s_q8_0": 50.0})
+    m = qtiny.model
+    prof = bench_runtime.profile(m, repeats=3)
+    rows = {(r["ctx"], r["k"]): r for r in prof["rows"]}
+    assert set(rows) == {(16, 1), (16, 2), (512, 1), (512, 2)}
+    weights = sum(t.numel() * t.element_size() for lin in [x for layer in m.layers for x in layer.linears()] + [m.head]
+                  for t in (lin.qs, lin.d, lin.m) if t is not None)
+    for (ctx, k), r in rows.items():
+        assert r["weight_mb"] == round(weights / 1e6, 1)  # every linear's weights read once a forward
+        assert r["linear_ms"] > 0 and r["attention_ms"] > 0 and r["quantize_ms"] > 0
+    assert rows[(16, 2)]["linear_gmacs"] == pytest.approx(2 * rows[(16, 1)]["linear_gmacs"], rel=0.01)
+    assert rows[(512, 1)]["attn_gmacs"] > rows[(16, 1)]["attn_gmacs"]
+    text = bench_runtime.format_profile(prof)
+    assert "k=1 " in text and "x it)" in text  # the roofline lines at ctx 512
+
+
 def test_the_stack_refuses_mismatched_caches_and_taps(qtiny):
     m = qtiny.model
     stack, ropes = m._layer_stack()

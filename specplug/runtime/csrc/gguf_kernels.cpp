@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -49,6 +50,35 @@ constexpr int RT = 4;   // activation rows per pass over a tile (more spills reg
 #ifndef CHUNK_BYTES
 #define CHUNK_BYTES 16384
 #endif
+
+// Native time per kernel family, for `bench-runtime --profile`: it times the forward as the engine
+// runs it (all layers in one call) from inside, where a timer around each Python call would add
+// that call's own cost. Off unless asked: then one relaxed atomic load per kernel call.
+enum Stage { ST_LINEAR, ST_QUANTIZE, ST_ROPE, ST_ATTENTION, ST_NORM, ST_COUNT };
+const char* const STAGE_NAMES[ST_COUNT] = {"linear", "quantize", "rope_store", "attention", "norm"};
+std::atomic<bool> g_timing{false};
+std::atomic<int64_t> g_stage_ns[ST_COUNT];
+std::atomic<int64_t> g_stage_calls[ST_COUNT];
+
+class StageTimer {
+ public:
+  explicit StageTimer(Stage s) : stage_(s), on_(g_timing.load(std::memory_order_relaxed)) {
+    if (on_) t0_ = std::chrono::steady_clock::now();
+  }
+  ~StageTimer() {
+    if (!on_) return;
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_);
+    g_stage_ns[stage_].fetch_add(ns.count(), std::memory_order_relaxed);
+    g_stage_calls[stage_].fetch_add(1, std::memory_order_relaxed);
+  }
+  StageTimer(const StageTimer&) = delete;
+  StageTimer& operator=(const StageTimer&) = delete;
+
+ private:
+  Stage stage_;
+  bool on_;
+  std::chrono::steady_clock::time_point t0_;
+};
 
 inline float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -145,6 +175,7 @@ std::vector<torch::Tensor> quantize_each_row(int64_t M, int64_t K, const Row& ro
 // Rows of x (optionally RMS-normalized and scaled by w), quantized.
 std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& norm_w,
                                          double eps) {
+  const StageTimer timer(ST_QUANTIZE);
   check_cpu_f32(x, "x");
   const int64_t K = x.size(1);
   const float* w = nullptr;
@@ -171,6 +202,7 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::opti
 
 // silu(g) * u for gu = [g | u] rows, quantized.
 std::vector<torch::Tensor> silu_mul_quantize(const torch::Tensor& gu) {
+  const StageTimer timer(ST_QUANTIZE);
   check_cpu_f32(gu, "gu");
   const int64_t F = gu.size(1) / 2;
   const float* gp = gu.data_ptr<float>();
@@ -191,6 +223,7 @@ std::vector<torch::Tensor> silu_mul_quantize(const torch::Tensor& gu) {
 // gelu(g) * u for gu = [g | u] rows, quantized: GeGLU with the tanh GELU (Gemma),
 // 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))), tanh(z) = 1 - 2 / (exp(2z) + 1).
 std::vector<torch::Tensor> gelu_mul_quantize(const torch::Tensor& gu) {
+  const StageTimer timer(ST_QUANTIZE);
   check_cpu_f32(gu, "gu");
   const int64_t F = gu.size(1) / 2;
   const float* gp = gu.data_ptr<float>();
@@ -214,6 +247,7 @@ std::vector<torch::Tensor> gelu_mul_quantize(const torch::Tensor& gu) {
 // residual + rms_norm(y) * w, row by row (Gemma's norms after attention and after the MLP); the
 // sum of squares in the same order as quantize_rows' norm.
 torch::Tensor rms_norm_add(const torch::Tensor& y, const torch::Tensor& w, double eps, const torch::Tensor& residual) {
+  const StageTimer timer(ST_NORM);
   check_cpu_f32(y, "y");
   check_cpu_f32(residual, "residual");
   const int64_t M = y.size(0), K = y.size(1);
@@ -575,6 +609,7 @@ template <int KIND>
 torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Tensor& qs, const torch::Tensor& wd,
                           const c10::optional<torch::Tensor>& wm, const c10::optional<torch::Tensor>& bias,
                           const c10::optional<torch::Tensor>& residual, int64_t n_out) {
+  const StageTimer timer(ST_LINEAR);
   TORCH_CHECK(xa.size() == 3, "activations are (q, d, s)");
   const auto& xq = xa[0];
   const int64_t M = xq.size(0), K = xq.size(1), nb = K / QK;
@@ -760,6 +795,7 @@ inline void rms_norm_head(float* v, const float* w, int64_t D, float eps) {
 void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& cos,
                 const torch::Tensor& sin, int64_t H, int64_t Hkv, const c10::optional<torch::Tensor>& q_norm,
                 const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc) {
+  const StageTimer timer(ST_ROPE);
   check_cpu_f32(qkv, "qkv");
   const int64_t M = qkv.size(0), D = kc.size(3), ncell = kc.size(2);
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qkv width does not match the heads");
@@ -1101,6 +1137,7 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
                         const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
                         double scale, const c10::optional<torch::Tensor>& limit, int64_t window) {
+  const StageTimer timer(ST_ATTENTION);
   const int64_t D = kc.size(3);
   TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
   TORCH_CHECK(q.stride(1) == 1 && q.scalar_type() == torch::kFloat32);
@@ -1751,6 +1788,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &LayerStack::forward, "every layer in one call: [x, tapped inputs...]", nogil);
   m.def("embed_rows", &embed_rows, "token embedding rows from the file's blocks", nogil);
   m.def("isa", []() { return std::string(SPECPLUG_VNNI ? "avx512" : "avx2"); }, "the instruction set this build uses");
+  m.def("set_stage_timing", [](bool on) { g_timing.store(on, std::memory_order_relaxed); },
+        "time every kernel call natively per family (off by default; for --profile)");
+  m.def("stage_times", []() {
+        py::dict out;
+        for (int i = 0; i < ST_COUNT; ++i)
+          out[STAGE_NAMES[i]] = py::make_tuple(g_stage_ns[i].exchange(0) / 1e9, g_stage_calls[i].exchange(0));
+        return out;
+      }, "{family: (seconds, calls)} since the last call, then zero");
   py::class_<PairHead>(m, "PairHead", "a pair head's constant parts, for its draft steps")
       .def(py::init<torch::Tensor, int64_t, std::vector<torch::Tensor>, int64_t, torch::Tensor, torch::Tensor, bool,
                     double, std::vector<torch::Tensor>, int64_t, std::vector<torch::Tensor>, int64_t,
