@@ -219,17 +219,22 @@ class _Counted:
 
 
 def _stage_ms(ext, fwd, repeats: int) -> dict[str, float]:
-    """Median ms per kernel family over `repeats` runs of fwd, timed inside the kernels."""
+    """Median ms per kernel family over `repeats` runs of fwd, timed inside the kernels, and `rest`:
+    the median over the same runs of each one's wall time less its kernels' (Python, embedding, ...)."""
     ext.set_stage_timing(True)
     try:
         ext.stage_times()  # zero
         parts = []
         for _ in range(repeats):
+            t0 = time.perf_counter()
             fwd()
-            parts.append({name: sec * 1e3 for name, (sec, _calls) in ext.stage_times().items()})
+            wall = (time.perf_counter() - t0) * 1e3
+            part = {name: sec * 1e3 for name, (sec, _calls) in ext.stage_times().items()}
+            part["rest"] = max(0.0, wall - sum(part.values()))
+            parts.append(part)
     finally:
         ext.set_stage_timing(False)
-    return {name: statistics.median(p[name] for p in parts) for name in STAGES}
+    return {name: statistics.median(p[name] for p in parts) for name in (*STAGES, "rest")}
 
 
 def _machine_limits(threads: int) -> dict:
@@ -301,9 +306,8 @@ def profile(model, repeats: int = 10) -> dict:
                 kernel_by_kernel(False)
             lin_s = stages["linear"] / 1e3
             rows.append({"ctx": ctx, "k": k, "total_ms": round(total, 3),
+                         # per kernel family, and `rest`: the forward outside the kernels (Python, the embedding, ...)
                          **{f"{c}_ms": round(v, 3) for c, v in stages.items()},
-                         # the forward outside the kernels: Python, the embedding, the final norm
-                         "rest_ms": round(max(0.0, total - sum(stages.values())), 3),
                          "weight_mb": round(counted.weight_bytes / 1e6, 1), "kv_mb": round(counted.kv_bytes / 1e6, 1),
                          "linear_gmacs": round(counted.linear_macs / 1e9, 3), "attn_gmacs": round(counted.attn_macs / 1e9, 4),
                          "linear_gb_s": round(counted.weight_bytes / lin_s / 1e9, 1),
@@ -316,7 +320,7 @@ def format_profile(prof: dict) -> str:
     lines = [f"machine: streaming read {lim['stream_read_gb_s']} GB/s ({lim['threads']} threads); kernel peak "
              f"({lim.get('isa')}) {lim['peak_gmac_s_q4_1']} G MAC/s (Q4_1), {lim['peak_gmac_s_q8_0']} G MAC/s (Q8_0)",
              "total: the forward as the engine runs it (all layers in one native call); the kernel families' "
-             "time inside it, by the kernels' own timers; rest = total - kernels (Python, embedding, final norm)",
+             "time inside it, by the kernels' own timers; rest: the same runs' wall time less their kernels' (Python, embedding, ...)",
              f"{'ctx':>5} {'k':>3} {'total':>7} {'linear':>7} {'quant':>6} {'rope':>6} {'attn':>6} {'norm':>6} {'rest':>6} "
              f"{'W MB':>6} {'KV MB':>6} {'GMAC':>6} {'GB/s':>6} {'GMAC/s':>7}  (ms unless noted)"]
     for r in prof["rows"]:
