@@ -174,7 +174,6 @@ def main(model, repeats: int, json_path: str | None, with_profile: bool = False)
 # --- the roofline report (--profile) ----------------------------------------------------------------
 PROFILE_K = (1, 2, 4, 8, 16)
 PROFILE_CTX = (128, 512, 1024)
-STAGES = ("linear", "quantize", "rope_store", "attention", "norm")  # the kernels' own timers (stage_times)
 _LINEAR = ("matmul_q4_1", "matmul_q8_0", "matmul")
 
 
@@ -234,7 +233,8 @@ def _stage_ms(ext, fwd, repeats: int) -> dict[str, float]:
             parts.append(part)
     finally:
         ext.set_stage_timing(False)
-    return {name: statistics.median(p[name] for p in parts) for name in (*STAGES, "rest")}
+    # the families as the kernels name them (linear, quantize, rope_store, attention, norm), and rest
+    return {name: statistics.median(p[name] for p in parts) for name in parts[0]}
 
 
 def _machine_limits(threads: int) -> dict:
