@@ -5,8 +5,9 @@ decode_ms at two contexts, T(k) for one forward of k new tokens after a 512-toke
 4 sequences x 1 token vs 1 x 1, and peak RSS. Medians over repeats; prints and writes JSON.
 
 `--profile` (the `gguf` runtime) adds the roofline report: this machine's limits (a streaming
-read of 1 GB with the run's threads; the matmul kernels' own peak on weights that stay in
-cache), then per forward of k rows at several contexts, run as the engine runs it (all layers
+read of 1 GB with the run's threads; the build's dot instruction alone, the ISA's own ceiling; the
+matmul kernels' own peak on weights that stay in cache; the floor: the least work of the linears
+on their own bytes, `stream_dots`), then per forward of k rows at several contexts, run as the engine runs it (all layers
 in one native call), the time in linears, activation quantization (norms fused), RoPE + KV
 store, attention and Gemma's extra norms, each timed inside the kernels (`stage_times`), and the
 rest (Python, the embedding, the final norm: the forward's time less its kernels), with the bytes
@@ -218,8 +219,9 @@ class _Counted:
 
 
 def _stage_ms(ext, fwd, repeats: int) -> dict[str, float]:
-    """Median ms per kernel family over `repeats` runs of fwd, timed inside the kernels, and `rest`:
-    the median over the same runs of each one's wall time less its kernels' (Python, embedding, ...)."""
+    """Median ms per kernel family over `repeats` runs of fwd, timed inside the kernels, `rest`: the
+    median over the same runs of each one's wall time less its kernels' (Python, embedding, ...), and
+    `wall`: their median wall time (the timers cost one clock read per kernel call)."""
     ext.set_stage_timing(True)
     try:
         ext.stage_times()  # zero
@@ -230,24 +232,26 @@ def _stage_ms(ext, fwd, repeats: int) -> dict[str, float]:
             wall = (time.perf_counter() - t0) * 1e3
             part = {name: sec * 1e3 for name, (sec, _calls) in ext.stage_times().items()}
             part["rest"] = max(0.0, wall - sum(part.values()))
+            part["wall"] = wall
             parts.append(part)
     finally:
         ext.set_stage_timing(False)
-    # the families as the kernels name them (linear, quantize, rope_store, attention, norm), and rest
+    # the families as the kernels name them (linear, quantize, rope_store, attention, norm), rest and wall
     return {name: statistics.median(p[name] for p in parts) for name in parts[0]}
 
 
-def _machine_limits(threads: int) -> dict:
-    """Streaming-read GB/s (a 1 GB float32 sum) and the kernels' peak G MAC/s (Q4_1 and Q8_0
+def _machine_limits(threads: int, ext) -> dict:
+    """Streaming-read GB/s (a 1 GB float32 sum), the build's dot instruction alone (`ext.dot_peak`:
+    the ISA's own ceiling of G MAC/s on these threads) and the kernels' peak G MAC/s (Q4_1 and Q8_0
     weights that stay in cache, 64 rows)."""
     from specplug.runtime.native import QuantLinear
 
     x = torch.ones(256 * 1024 * 1024)  # 1 GiB
     gbs = 1024 ** 3 / (_median_ms(lambda: x.sum(), 5, warmup=1) / 1e3) / 1e9
     del x
-    from specplug.runtime import native
-
-    out = {"threads": threads, "stream_read_gb_s": round(gbs, 1), "isa": native.chosen_isa()}
+    out = {"threads": threads, "stream_read_gb_s": round(gbs, 1), "isa": ext.isa(),
+           "dot_instruction": ext.dot_instruction(),
+           "peak_gmac_s_isa": round(max(ext.dot_peak() for _ in range(3)) / 1e9, 1)}  # the first wakes the threads
     g = torch.Generator().manual_seed(0)
     w = torch.randn(512, 576, generator=g)
     a = torch.randn(64, 576, generator=g)
@@ -266,16 +270,33 @@ def _machine_limits(threads: int) -> dict:
     return out
 
 
+def _floor_ms(ext, lins, repeats: int) -> dict:
+    """The least work of the forward's linears on their own bytes (`ext.stream_dots`: the weights
+    loaded, split into nibbles where 4-bit, one dot instruction per row per half, the scales read and
+    not used), one call per linear as the forward makes them, summed from the calls' own times:
+    medians over `repeats` walks, per number of rows (0: the loads alone)."""
+    def bits(lin) -> int:
+        return 4 if lin.kind in ("q4_1", "q4_k") else 8
+
+    parts = [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], bits(lin)) for lin in lins]
+    out = {}
+    for k in (0, *PROFILE_K):
+        walks = [sum(ext.stream_dots(w, extra, k, b) for w, extra, b in parts) for _ in range(repeats + 1)]
+        out[k] = statistics.median(walks[1:]) * 1e3
+    return out
+
+
 def profile(model, repeats: int = 10) -> dict:
     """The roofline report of the gguf runtime (see the module docstring)."""
     from specplug.runtime.native import QuantLinear
 
     if model.quant != "gguf":
         raise SystemExit("--profile reports on the gguf runtime (quant: gguf)")
-    limits = _machine_limits(torch.get_num_threads())
     ext = model.layers[0]._k  # the kernel module the model was loaded on (SPECPLUG_ISA at load)
+    limits = _machine_limits(torch.get_num_threads(), ext)
     counted = _Counted(ext)
     lins = [m for layer in model.layers for m in layer.linears()] + [model.head]
+    floor = _floor_ms(ext, [lin for lin in lins if isinstance(lin, QuantLinear)], repeats)
 
     def kernel_by_kernel(on: bool) -> None:
         """Call each kernel from Python through the counter (the layers' one-call path off), or run as usual."""
@@ -296,8 +317,9 @@ def profile(model, repeats: int = 10) -> dict:
             def fwd():
                 model.forward([7] * k, list(range(ctx, ctx + k)), [0] * k, cache, logits_rows=None)
                 cache.seq_rm(0, ctx)
-            total = _median_ms(fwd, repeats)  # as the engine runs it: all layers in one native call
-            stages = _stage_ms(ext, fwd, repeats)  # the same forward, timed inside the kernels
+            fwd()  # warm
+            stages = _stage_ms(ext, fwd, repeats)  # as the engine runs it (all layers in one native call), timed inside
+            total = stages.pop("wall")
             kernel_by_kernel(True)
             try:
                 counted.reset()
@@ -312,15 +334,17 @@ def profile(model, repeats: int = 10) -> dict:
                          "linear_gmacs": round(counted.linear_macs / 1e9, 3), "attn_gmacs": round(counted.attn_macs / 1e9, 4),
                          "linear_gb_s": round(counted.weight_bytes / lin_s / 1e9, 1),
                          "linear_gmac_s": round(counted.linear_macs / lin_s / 1e9, 1)})
-    return {"limits": limits, "rows": rows}
+    return {"limits": limits, "rows": rows,
+            "floor_ms": {str(k): round(v, 3) for k, v in floor.items()}}
 
 
 def format_profile(prof: dict) -> str:
     lim = prof["limits"]
-    lines = [f"machine: streaming read {lim['stream_read_gb_s']} GB/s ({lim['threads']} threads); kernel peak "
-             f"({lim.get('isa')}) {lim['peak_gmac_s_q4_1']} G MAC/s (Q4_1), {lim['peak_gmac_s_q8_0']} G MAC/s (Q8_0)",
+    lines = [f"machine: streaming read {lim['stream_read_gb_s']} GB/s ({lim['threads']} threads); the dot instruction "
+             f"alone ({lim['dot_instruction']}) {lim['peak_gmac_s_isa']} G MAC/s; kernel peak ({lim['isa']}) "
+             f"{lim['peak_gmac_s_q4_1']} G MAC/s (Q4_1), {lim['peak_gmac_s_q8_0']} G MAC/s (Q8_0)",
              "total: the forward as the engine runs it (all layers in one native call); the kernel families' "
-             "time inside it, by the kernels' own timers; rest: the same runs' wall time less their kernels' (Python, embedding, ...)",
+             "time inside the same runs, by the kernels' own timers; rest: their wall time less their kernels' (Python, embedding, ...)",
              f"{'ctx':>5} {'k':>3} {'total':>7} {'linear':>7} {'quant':>6} {'rope':>6} {'attn':>6} {'norm':>6} {'rest':>6} "
              f"{'W MB':>6} {'KV MB':>6} {'GMAC':>6} {'GB/s':>6} {'GMAC/s':>7}  (ms unless noted)"]
     for r in prof["rows"]:
@@ -328,12 +352,22 @@ def format_profile(prof: dict) -> str:
                      f"{r['rope_store_ms']:>6.2f} {r['attention_ms']:>6.2f} {r['norm_ms']:>6.2f} {r['rest_ms']:>6.2f} "
                      f"{r['weight_mb']:>6.1f} {r['kv_mb']:>6.1f} {r['linear_gmacs']:>6.2f} {r['linear_gb_s']:>6.1f} "
                      f"{r['linear_gmac_s']:>7.1f}")
-    lines.append("roofline of the linears per forward: max(weight bytes / streaming GB/s, MACs / kernel peak)")
+    floor = prof.get("floor_ms", {})
+    if floor:
+        lines.append(f"the linears' least work on their own bytes (stream_dots: weights loaded, nibbles split, one "
+                     f"{lim['dot_instruction']} a row per half, scales read), one call a linear: loads alone "
+                     f"{floor['0']:.2f} ms; " + ", ".join(f"k={k} {v:.2f}" for k, v in floor.items() if k != "0"))
+    lines.append(f"roofline of the linears per forward (ctx 512): bound = max(weight bytes / streaming GB/s, MACs / "
+                 f"the dot instruction's peak); floor = the least work above, measured")
     for r in prof["rows"]:
         if r["ctx"] == 512:
             mem = r["weight_mb"] / 1e3 / lim["stream_read_gb_s"] * 1e3
-            comp = r["linear_gmacs"] / lim["peak_gmac_s_q4_1"] * 1e3
-            lines.append(f"  k={r['k']:<3} memory {mem:6.2f} ms, compute {comp:6.2f} ms -> bound {max(mem, comp):6.2f} ms; "
-                         f"measured {r['linear_ms']:6.2f} ms ({max(mem, comp) / r['linear_ms']:.0%} of the bound, "
-                         f"{r['linear_ms'] / max(mem, comp):.2f}x it)")
+            comp = r["linear_gmacs"] / lim["peak_gmac_s_isa"] * 1e3
+            kern = r["linear_gmacs"] / lim["peak_gmac_s_q4_1"] * 1e3
+            bound = max(mem, comp)
+            fl = floor.get(str(r["k"]))
+            lines.append(f"  k={r['k']:<3} memory {mem:6.2f} ms, compute {comp:6.2f} ms (at the kernel peak {kern:6.2f}) -> "
+                         f"bound {bound:6.2f} ms" + (f"; floor {fl:6.2f} ms" if fl else "") +
+                         f"; measured {r['linear_ms']:6.2f} ms ({r['linear_ms'] / bound:.2f}x the bound" +
+                         (f", {r['linear_ms'] / fl:.2f}x the floor" if fl else "") + ")")
     return "\n".join(lines)

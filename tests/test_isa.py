@@ -231,3 +231,24 @@ def test_results_say_where_they_ran():
     assert info["threads"] == torch.get_num_threads() and info["torch"] == torch.__version__
     line = machine.line(info)
     assert line.startswith(f"machine: {info['cpu']}") and f"kernels {info['kernel_isa']}" in line
+
+
+@pytest.mark.parametrize("isa", native.available_isas())
+def test_the_probes_time_the_build_s_own_instruction_and_refuse_what_they_cannot_walk(isa):
+    """`dot_peak` and `stream_dots` (bench-runtime --profile's ISA ceiling and floor) run on each
+    path the CPU has, with that path's instruction; bad arguments are one clear error each."""
+    k = native.kernels(isa)
+    assert k.dot_instruction().startswith("vpdpbusd zmm" if isa == "avx512" else "vpmaddubsw")
+    assert k.dot_peak() > 0
+    w = torch.randint(0, 256, (3 * 16384 + 100,), dtype=torch.uint8)  # a partial last chunk and load
+    scales = torch.zeros(777, dtype=torch.float16)
+    for rows in (0, 1, 2, 4, 8, 16):
+        for bits in (4, 8):
+            assert k.stream_dots(w, [scales], rows, bits) > 0
+    assert k.stream_dots(w, [], 4, 4, repeat=5) > 0
+    with pytest.raises(RuntimeError, match="rows must be 0, 1, 2, 4, 8 or 16, not 3"):
+        k.stream_dots(w, [], 3, 4)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8, not 5"):
+        k.stream_dots(w, [], 1, 5)
+    with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
+        k.stream_dots(w[::2], [], 1, 4)

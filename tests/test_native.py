@@ -328,9 +328,9 @@ def test_profile_times_the_engine_path_and_counts_what_the_linears_read(qtiny, m
 
     monkeypatch.setattr(bench_runtime, "PROFILE_CTX", (16, 512))
     monkeypatch.setattr(bench_runtime, "PROFILE_K", (1, 2))
-    monkeypatch.setattr(bench_runtime, "_machine_limits", lambda threads: {
-        "threads": threads, "stream_read_gb_s": 10.0, "isa": native.chosen_isa(),
-        "peak_gmac_s_q4_1": 100.0, "peak_gmac_s_q8_0": 50.0})
+    monkeypatch.setattr(bench_runtime, "_machine_limits", lambda threads, ext: {
+        "threads": threads, "stream_read_gb_s": 10.0, "isa": ext.isa(), "dot_instruction": ext.dot_instruction(),
+        "peak_gmac_s_isa": 200.0, "peak_gmac_s_q4_1": 100.0, "peak_gmac_s_q8_0": 50.0})
     m = qtiny.model
     prof = bench_runtime.profile(m, repeats=3)
     rows = {(r["ctx"], r["k"]): r for r in prof["rows"]}
@@ -342,8 +342,9 @@ def test_profile_times_the_engine_path_and_counts_what_the_linears_read(qtiny, m
         assert r["linear_ms"] > 0 and r["attention_ms"] > 0 and r["quantize_ms"] > 0
     assert rows[(16, 2)]["linear_gmacs"] == pytest.approx(2 * rows[(16, 1)]["linear_gmacs"], rel=0.01)
     assert rows[(512, 1)]["attn_gmacs"] > rows[(16, 1)]["attn_gmacs"]
+    assert set(prof["floor_ms"]) == {"0", "1", "2"} and all(v > 0 for v in prof["floor_ms"].values())
     text = bench_runtime.format_profile(prof)
-    assert "k=1 " in text and "x it)" in text  # the roofline lines at ctx 512
+    assert "k=1 " in text and "x the bound" in text and "x the floor" in text  # the roofline lines at ctx 512
 
 
 def test_the_stack_refuses_mismatched_caches_and_taps(qtiny):

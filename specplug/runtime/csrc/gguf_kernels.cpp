@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include "chunk_pool.h"
+#include "probes.h"
 
 #include <algorithm>
 #include <atomic>
@@ -1788,6 +1789,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &LayerStack::forward, "every layer in one call: [x, tapped inputs...]", nogil);
   m.def("embed_rows", &embed_rows, "token embedding rows from the file's blocks", nogil);
   m.def("isa", []() { return std::string(SPECPLUG_VNNI ? "avx512" : "avx2"); }, "the instruction set this build uses");
+  m.def("dot_peak", &probes::dot_peak, "multiply-adds a second of the build's dot instruction alone, on the runtime's threads",
+        nogil);
+  m.def("dot_instruction", []() { return std::string(PROBES_DOT); }, "the dot instruction dot_peak times");
+  m.def("stream_dots", &probes::stream_dots, "seconds for the least work of one linear call of `rows` rows on its "
+        "weights (`bits` 4 or 8) and scales, `repeat` walks", py::arg("weights"), py::arg("extra"), py::arg("rows"),
+        py::arg("bits"), py::arg("repeat") = 1, nogil);
   m.def("set_stage_timing", [](bool on) { g_timing.store(on, std::memory_order_relaxed); },
         "time every kernel call natively per family (off by default; for --profile)");
   m.def("stage_times", []() {

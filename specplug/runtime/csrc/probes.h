@@ -1,0 +1,191 @@
+// What this machine's cores do with the kernels' own instructions, for the roofline of
+// `bench-runtime --profile` (issue 38). Both run on the runtime's threads (chunk_pool), so they see
+// the cores, caches and memory the kernels see.
+//
+//  - dot_peak(): the integer dot instruction alone, on the widest registers the build uses
+//    (AVX-512 VNNI: vpdpbusd on 512 bits, 64 multiply-adds; AVX2: vpmaddubsw + vpmaddwd + vpaddd on
+//    256 bits, 32), 16 independent accumulators a thread so its latency hides: the ISA's own
+//    ceiling of multiply-adds a second, which no kernel on this build can pass.
+//  - stream_dots(): the least work a 4-bit linear of `rows` rows does on each byte of its weights:
+//    load, split into low and high nibbles, one dot instruction per row per half, and nothing else
+//    (no scales, no float work, activations at hand). On a buffer larger than the caches it tells
+//    what the kernels could at best do with the weights' stream; on one that stays in each core's L2
+//    (repeated), what the same work costs without the stream. So it measures whether this core
+//    overlaps the stream with the multiply-adds (streamed = max of the two) or pays for both
+//    (streamed = their sum), with a kernel that has nothing else in its way.
+//
+// Included by gguf_kernels.cpp once per ISA build, after chunk_pool.h.
+#pragma once
+
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include "chunk_pool.h"
+
+namespace probes {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+using V = __m512i;
+constexpr int MACS_PER_DOT = 64;
+inline V vload(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+inline V vzero() { return _mm512_setzero_si512(); }
+inline V nibbles_lo(V raw) { return _mm512_and_si512(raw, _mm512_set1_epi8(0x0F)); }
+inline V nibbles_hi(V raw) { return _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F)); }
+inline V vadd(V a, V b) { return _mm512_add_epi32(a, b); }
+inline V flip_signs(V v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)); }
+inline V dot(V acc, V w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x)); }
+inline int64_t vsum(V v) { return _mm512_reduce_add_epi32(v); }
+inline void opaque(V& v) { __asm__ volatile("" : "+v"(v)); }
+#define PROBES_DOT "vpdpbusd zmm"
+#else
+using V = __m256i;
+constexpr int MACS_PER_DOT = 32;
+inline V vload(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline V vzero() { return _mm256_setzero_si256(); }
+inline V nibbles_lo(V raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)); }
+inline V nibbles_hi(V raw) { return _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)); }
+inline V vadd(V a, V b) { return _mm256_add_epi32(a, b); }
+inline V flip_signs(V v) { return _mm256_sign_epi8(v, v); }  // |w| (AVX2 moves the sign onto x)
+inline V dot(V acc, V w, int32_t x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)),
+                                                 _mm256_set1_epi16(1)));
+}
+inline int64_t vsum(V v) {
+  alignas(32) int32_t t[8];
+  _mm256_store_si256((__m256i*)t, v);
+  int64_t s = 0;
+  for (int i = 0; i < 8; ++i) s += t[i];
+  return s;
+}
+inline void opaque(V& v) { __asm__ volatile("" : "+x"(v)); }
+#define PROBES_DOT "vpmaddubsw+vpmaddwd+vpaddd ymm"
+#endif
+constexpr int VB = sizeof(V);            // bytes a load
+constexpr int64_t CHUNK = 16384;         // bytes a chunk, as the matmuls' (CHUNK_BYTES)
+constexpr int64_t PEAK_DOTS = 1 << 25;   // dot instructions a thread in dot_peak
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+inline std::atomic<int64_t> g_sink{0};  // the probes' sums end here, so no loop is optimized away
+
+// Multiply-adds a second of the dot instruction on the runtime's threads together.
+inline double dot_peak() {
+  constexpr int CH = 16;
+  const int threads = at::get_num_threads();
+  const auto t0 = std::chrono::steady_clock::now();
+  chunk_pool::parallel_for(threads, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      V acc[CH];
+      for (auto& a : acc) a = vzero();
+      V w = vadd(vzero(), vzero());
+      opaque(w);
+      for (int64_t i = 0; i < PEAK_DOTS / CH; ++i) {
+        for (int j = 0; j < CH; ++j) {
+          acc[j] = dot(acc[j], w, 0x01020304);
+          opaque(w);  // a "new" w each time: no part of one instruction is shared with the next
+        }
+      }
+      int64_t s = 0;
+      for (auto& a : acc) s += vsum(a);
+      g_sink.fetch_add(s, std::memory_order_relaxed);
+    }
+  });
+  return double(threads) * PEAK_DOTS * MACS_PER_DOT / seconds_since(t0);
+}
+
+// The least work of an R-row linear on n bytes at p: BITS = 4, two dots a load per row (low and high
+// nibbles); BITS = 8, one (the bytes offset by 128, as the kernels' signed weights); R = 0, the loads
+// alone, added up. Bytes past the last whole pair of loads are not read (under 128 of a chunk).
+template <int R, int BITS>
+inline int64_t dots_over(const uint8_t* p, int64_t n) {
+  constexpr int A = (R >= 1 && R <= 8) ? 2 : 1;  // accumulators a row: two where registers allow
+  V acc[R == 0 ? 1 : R * A];
+  for (auto& a : acc) a = vzero();
+  for (int64_t off = 0; off + 2 * VB <= n; off += 2 * VB) {  // two loads a pass
+    const V raw0 = vload(p + off), raw1 = vload(p + off + VB);
+    if constexpr (R == 0) {
+      acc[0] = vadd(acc[0], vadd(raw0, raw1));
+    } else if constexpr (BITS == 4) {
+      for (const V raw : {raw0, raw1}) {
+        const V lo = nibbles_lo(raw), hi = nibbles_hi(raw);
+        for (int r = 0; r < R; ++r) {
+          acc[r * A] = dot(acc[r * A], lo, 0x01010101 * (2 * r + 1));
+          acc[r * A + A - 1] = dot(acc[r * A + A - 1], hi, 0x01010101 * (2 * r + 2));
+        }
+      }
+    } else {
+      const V u0 = flip_signs(raw0), u1 = flip_signs(raw1);
+      for (int r = 0; r < R; ++r) {
+        acc[r * A] = dot(acc[r * A], u0, 0x01010101 * (2 * r + 1));
+        acc[r * A + A - 1] = dot(acc[r * A + A - 1], u1, 0x01010101 * (2 * r + 2));
+      }
+    }
+  }
+  int64_t s = 0;
+  for (auto& a : acc) s += vsum(a);
+  return s;
+}
+
+using DotsFn = int64_t (*)(const uint8_t*, int64_t);
+
+template <int BITS>
+inline DotsFn dots_for(int64_t rows) {
+  switch (rows) {
+    case 0: return &dots_over<0, BITS>;
+    case 1: return &dots_over<1, BITS>;
+    case 2: return &dots_over<2, BITS>;
+    case 4: return &dots_over<4, BITS>;
+    case 8: return &dots_over<8, BITS>;
+    case 16: return &dots_over<16, BITS>;
+    default: TORCH_CHECK(false, "stream_dots: rows must be 0, 1, 2, 4, 8 or 16, not ", rows);
+  }
+}
+
+inline const uint8_t* bytes_of(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "stream_dots: ", what, " must be a contiguous CPU tensor");
+  return (const uint8_t*)t.data_ptr();
+}
+
+// Seconds for the least work of one linear call of `rows` rows on its weights as the runtime holds
+// them: `weights` (4- or 8-bit values, `bits`) and its scales `extra` (read, not computed with),
+// cut into chunks of about CHUNK weight bytes on the runtime's threads, each chunk with its share of
+// every scale tensor, as matmul_impl's tiles read theirs. `repeat` > 1 walks them that many times in
+// one call (from the caches, when they fit).
+inline double stream_dots(const torch::Tensor& weights, const std::vector<torch::Tensor>& extra, int64_t rows,
+                          int64_t bits, int64_t repeat) {
+  TORCH_CHECK(bits == 4 || bits == 8, "stream_dots: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(repeat >= 1, "stream_dots: repeat must be at least 1");
+  const DotsFn fn = bits == 4 ? dots_for<4>(rows) : dots_for<8>(rows);
+  const DotsFn load = dots_for<4>(0);
+  const uint8_t* w = bytes_of(weights, "weights");
+  const int64_t wn = weights.nbytes();
+  std::vector<std::pair<const uint8_t*, int64_t>> xs;
+  for (const auto& t : extra) xs.emplace_back(bytes_of(t, "a scale tensor"), (int64_t)t.nbytes());
+  const int64_t per = std::max<int64_t>(1, (wn + CHUNK - 1) / CHUNK);  // chunks a walk
+  // chunk c of a walk: [c/per, (c+1)/per) of each tensor, on whole cache lines
+  auto cut = [per](int64_t n, int64_t c) { return (n * c / per) & ~int64_t(63); };
+  const auto t0 = std::chrono::steady_clock::now();
+  chunk_pool::parallel_for(per * repeat, 1, [&](int64_t c0, int64_t c1) {
+    int64_t s = 0;
+    for (int64_t cc = c0; cc < c1; ++cc) {
+      const int64_t c = cc % per;
+      const int64_t a = cut(wn, c), b = c + 1 == per ? wn : cut(wn, c + 1);
+      s += fn(w + a, b - a);
+      for (const auto& [p, n] : xs) {
+        const int64_t xa = cut(n, c), xb = c + 1 == per ? n : cut(n, c + 1);
+        s += load(p + xa, xb - xa);
+      }
+    }
+    g_sink.fetch_add(s, std::memory_order_relaxed);
+  });
+  return seconds_since(t0);
+}
+
+}  // namespace probes
