@@ -42,6 +42,7 @@ inline V dot(V acc, V w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_
 inline int64_t vsum(V v) { return _mm512_reduce_add_epi32(v); }
 inline void opaque(V& v) { __asm__ volatile("" : "+v"(v)); }
 #define PROBES_DOT "vpdpbusd zmm"
+constexpr int PASS_ROWS = 8;
 #else
 using V = __m256i;
 constexpr int MACS_PER_DOT = 32;
@@ -64,6 +65,7 @@ inline int64_t vsum(V v) {
 }
 inline void opaque(V& v) { __asm__ volatile("" : "+x"(v)); }
 #define PROBES_DOT "vpmaddubsw+vpmaddwd+vpaddd ymm"
+constexpr int PASS_ROWS = 4;
 #endif
 constexpr int VB = sizeof(V);            // bytes a load
 constexpr int64_t CHUNK = 16384;         // bytes a chunk, as the matmuls' (CHUNK_BYTES)
@@ -104,8 +106,9 @@ inline double dot_peak() {
 // nibbles); BITS = 8, one (the bytes offset by 128, as the kernels' signed weights); R = 0, the loads
 // alone, added up. Bytes past the last whole pair of loads are not read (under 128 of a chunk).
 template <int R, int BITS>
-inline int64_t dots_over(const uint8_t* p, int64_t n) {
-  constexpr int A = (R >= 1 && R <= 8) ? 2 : 1;  // accumulators a row: two where registers allow
+inline int64_t dots_over(const uint8_t* p, int64_t n, int pass = 0) {
+  constexpr int A = R >= 1 ? 2 : 1;  // accumulators a row
+  static_assert(R <= PASS_ROWS, "more rows a pass than the registers hold");
   V acc[R == 0 ? 1 : R * A];
   for (auto& a : acc) a = vzero();
   for (int64_t off = 0; off + 2 * VB <= n; off += 2 * VB) {  // two loads a pass
@@ -116,15 +119,15 @@ inline int64_t dots_over(const uint8_t* p, int64_t n) {
       for (const V raw : {raw0, raw1}) {
         const V lo = nibbles_lo(raw), hi = nibbles_hi(raw);
         for (int r = 0; r < R; ++r) {
-          acc[r * A] = dot(acc[r * A], lo, 0x01010101 * (2 * r + 1));
-          acc[r * A + A - 1] = dot(acc[r * A + A - 1], hi, 0x01010101 * (2 * r + 2));
+          acc[r * A] = dot(acc[r * A], lo, 0x01010101 * (2 * r + 1 + pass));
+          acc[r * A + A - 1] = dot(acc[r * A + A - 1], hi, 0x01010101 * (2 * r + 2 + pass));
         }
       }
     } else {
       const V u0 = flip_signs(raw0), u1 = flip_signs(raw1);
       for (int r = 0; r < R; ++r) {
-        acc[r * A] = dot(acc[r * A], u0, 0x01010101 * (2 * r + 1));
-        acc[r * A + A - 1] = dot(acc[r * A + A - 1], u1, 0x01010101 * (2 * r + 2));
+        acc[r * A] = dot(acc[r * A], u0, 0x01010101 * (2 * r + 1 + pass));
+        acc[r * A + A - 1] = dot(acc[r * A + A - 1], u1, 0x01010101 * (2 * r + 2 + pass));
       }
     }
   }
@@ -135,15 +138,27 @@ inline int64_t dots_over(const uint8_t* p, int64_t n) {
 
 using DotsFn = int64_t (*)(const uint8_t*, int64_t);
 
+// R rows as the kernels take them: at most PASS_ROWS a pass (their ZMM_RT on AVX-512, RT on AVX2:
+// the accumulators with their operands fill the registers), the chunk read again from the cache for
+// each further pass.
+template <int R, int BITS>
+inline int64_t in_passes(const uint8_t* p, int64_t n) {
+  constexpr int P = R < PASS_ROWS ? R : PASS_ROWS;
+  if constexpr (R == 0) return dots_over<0, BITS>(p, n);
+  int64_t s = 0;
+  for (int i = 0; i < R / P; ++i) s += dots_over<P, BITS>(p, n, i);  // other activations each pass
+  return s;
+}
+
 template <int BITS>
 inline DotsFn dots_for(int64_t rows) {
   switch (rows) {
-    case 0: return &dots_over<0, BITS>;
-    case 1: return &dots_over<1, BITS>;
-    case 2: return &dots_over<2, BITS>;
-    case 4: return &dots_over<4, BITS>;
-    case 8: return &dots_over<8, BITS>;
-    case 16: return &dots_over<16, BITS>;
+    case 0: return &in_passes<0, BITS>;
+    case 1: return &in_passes<1, BITS>;
+    case 2: return &in_passes<2, BITS>;
+    case 4: return &in_passes<4, BITS>;
+    case 8: return &in_passes<8, BITS>;
+    case 16: return &in_passes<16, BITS>;
     default: TORCH_CHECK(false, "stream_dots: rows must be 0, 1, 2, 4, 8 or 16, not ", rows);
   }
 }
