@@ -175,6 +175,7 @@ def main(model, repeats: int, json_path: str | None, with_profile: bool = False)
 # --- the roofline report (--profile) ----------------------------------------------------------------
 PROFILE_K = (1, 2, 4, 8, 16)
 PROFILE_CTX = (128, 512, 1024)
+FLOOR_CTX = 512  # where the profile measures the linears' floor beside the forward (the roofline's context)
 _LINEAR = ("matmul_q4_1", "matmul_q8_0", "matmul")
 
 
@@ -218,10 +219,12 @@ class _Counted:
         return fn
 
 
-def _stage_ms(ext, fwd, repeats: int) -> dict[str, float]:
+def _stage_ms(ext, fwd, repeats: int, beside=None) -> dict[str, float]:
     """Median ms per kernel family over `repeats` runs of fwd, timed inside the kernels, `rest`: the
     median over the same runs of each one's wall time less its kernels' (Python, embedding, ...), and
-    `wall`: their median wall time (the timers cost one clock read per kernel call)."""
+    `wall`: their median wall time (the timers cost one clock read per kernel call). `beside`: a
+    function run after each forward, returning {name: seconds} (the floor's walks, so that they and
+    the forward see the same minutes of a VM that drifts); their medians too."""
     ext.set_stage_timing(True)
     try:
         ext.stage_times()  # zero
@@ -233,10 +236,14 @@ def _stage_ms(ext, fwd, repeats: int) -> dict[str, float]:
             part = {name: sec * 1e3 for name, (sec, _calls) in ext.stage_times().items()}
             part["rest"] = max(0.0, wall - sum(part.values()))
             part["wall"] = wall
+            if beside is not None:
+                ext.set_stage_timing(False)
+                part.update({name: sec * 1e3 for name, sec in beside().items()})
+                ext.set_stage_timing(True)
             parts.append(part)
     finally:
         ext.set_stage_timing(False)
-    # the families as the kernels name them (linear, quantize, rope_store, attention, norm), rest and wall
+    # the families as the kernels name them (linear, quantize, rope_store, attention, norm), rest, wall, beside's
     return {name: statistics.median(p[name] for p in parts) for name in parts[0]}
 
 
@@ -270,20 +277,19 @@ def _machine_limits(threads: int, ext) -> dict:
     return out
 
 
-def _floor_ms(ext, lins, repeats: int) -> dict:
-    """The least work of the forward's linears on their own bytes (`ext.stream_dots`: the weights
-    loaded, split into nibbles where 4-bit, one dot instruction per row per half, the scales read and
-    not used), one call per linear as the forward makes them, summed from the calls' own times:
-    medians over `repeats` walks, per number of rows (0: the loads alone)."""
-    def bits(lin) -> int:
-        return 4 if lin.kind in ("q4_1", "q4_k") else 8
+def _floor_walks(ext, lins, k: int):
+    """A function returning the seconds of one walk of the linears' least work at k rows (and at 0
+    rows, "loads": the weights' loads alone, when k == 1): `ext.stream_dots` on each linear's own
+    bytes (the weights loaded, split into nibbles where 4-bit, one dot instruction per row per half,
+    the scales read and not used), one call per linear as the forward makes them, the calls' own
+    times summed."""
+    parts = [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], 4 if lin.kind in ("q4_1", "q4_k") else 8)
+             for lin in lins]
 
-    parts = [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], bits(lin)) for lin in lins]
-    out = {}
-    for k in (0, *PROFILE_K):
-        walks = [sum(ext.stream_dots(w, extra, k, b) for w, extra, b in parts) for _ in range(repeats + 1)]
-        out[k] = statistics.median(walks[1:]) * 1e3
-    return out
+    def walk(rows: int) -> float:
+        return sum(ext.stream_dots(w, extra, rows, bits) for w, extra, bits in parts)
+
+    return lambda: {"floor": walk(k), **({"loads": walk(0)} if k == 1 else {})}
 
 
 def profile(model, repeats: int = 10) -> dict:
@@ -296,7 +302,7 @@ def profile(model, repeats: int = 10) -> dict:
     limits = _machine_limits(torch.get_num_threads(), ext)
     counted = _Counted(ext)
     lins = [m for layer in model.layers for m in layer.linears()] + [model.head]
-    floor = _floor_ms(ext, [lin for lin in lins if isinstance(lin, QuantLinear)], repeats)
+    quant_lins = [lin for lin in lins if isinstance(lin, QuantLinear)]
 
     def kernel_by_kernel(on: bool) -> None:
         """Call each kernel from Python through the counter (the layers' one-call path off), or run as usual."""
@@ -318,7 +324,9 @@ def profile(model, repeats: int = 10) -> dict:
                 model.forward([7] * k, list(range(ctx, ctx + k)), [0] * k, cache, logits_rows=None)
                 cache.seq_rm(0, ctx)
             fwd()  # warm
-            stages = _stage_ms(ext, fwd, repeats)  # as the engine runs it (all layers in one native call), timed inside
+            # as the engine runs it (all layers in one native call), timed inside; at ctx 512 beside the floor
+            beside = _floor_walks(ext, quant_lins, k) if ctx == FLOOR_CTX else None
+            stages = _stage_ms(ext, fwd, repeats, beside)
             total = stages.pop("wall")
             kernel_by_kernel(True)
             try:
@@ -334,8 +342,7 @@ def profile(model, repeats: int = 10) -> dict:
                          "linear_gmacs": round(counted.linear_macs / 1e9, 3), "attn_gmacs": round(counted.attn_macs / 1e9, 4),
                          "linear_gb_s": round(counted.weight_bytes / lin_s / 1e9, 1),
                          "linear_gmac_s": round(counted.linear_macs / lin_s / 1e9, 1)})
-    return {"limits": limits, "rows": rows,
-            "floor_ms": {str(k): round(v, 3) for k, v in floor.items()}}
+    return {"limits": limits, "rows": rows}
 
 
 def format_profile(prof: dict) -> str:
@@ -352,22 +359,20 @@ def format_profile(prof: dict) -> str:
                      f"{r['rope_store_ms']:>6.2f} {r['attention_ms']:>6.2f} {r['norm_ms']:>6.2f} {r['rest_ms']:>6.2f} "
                      f"{r['weight_mb']:>6.1f} {r['kv_mb']:>6.1f} {r['linear_gmacs']:>6.2f} {r['linear_gb_s']:>6.1f} "
                      f"{r['linear_gmac_s']:>7.1f}")
-    floor = prof.get("floor_ms", {})
-    if floor:
-        lines.append(f"the linears' least work on their own bytes (stream_dots: weights loaded, nibbles split, one "
-                     f"{lim['dot_instruction']} a row per half, scales read), one call a linear: loads alone "
-                     f"{floor['0']:.2f} ms; " + ", ".join(f"k={k} {v:.2f}" for k, v in floor.items() if k != "0"))
-    lines.append(f"roofline of the linears per forward (ctx 512): bound = max(weight bytes / streaming GB/s, MACs / "
-                 f"the dot instruction's peak); floor = the least work above, measured")
-    for r in prof["rows"]:
-        if r["ctx"] == 512:
-            mem = r["weight_mb"] / 1e3 / lim["stream_read_gb_s"] * 1e3
-            comp = r["linear_gmacs"] / lim["peak_gmac_s_isa"] * 1e3
-            kern = r["linear_gmacs"] / lim["peak_gmac_s_q4_1"] * 1e3
-            bound = max(mem, comp)
-            fl = floor.get(str(r["k"]))
-            lines.append(f"  k={r['k']:<3} memory {mem:6.2f} ms, compute {comp:6.2f} ms (at the kernel peak {kern:6.2f}) -> "
-                         f"bound {bound:6.2f} ms" + (f"; floor {fl:6.2f} ms" if fl else "") +
-                         f"; measured {r['linear_ms']:6.2f} ms ({r['linear_ms'] / bound:.2f}x the bound" +
-                         (f", {r['linear_ms'] / fl:.2f}x the floor" if fl else "") + ")")
+    at = [r for r in prof["rows"] if r["ctx"] == FLOOR_CTX]
+    loads = next((r["loads_ms"] for r in at if "loads_ms" in r), None)
+    lines.append(f"roofline of the linears per forward (ctx {FLOOR_CTX}): bound = max(weight bytes / streaming GB/s, "
+                 f"MACs / the dot instruction's peak); floor = their least work on their own bytes, measured beside "
+                 f"the forward (stream_dots: the weights loaded, nibbles split, one {lim['dot_instruction']} a row per "
+                 f"half, the scales read; one call a linear)" + (f"; the loads alone {loads:.2f} ms" if loads else ""))
+    for r in at:
+        mem = r["weight_mb"] / 1e3 / lim["stream_read_gb_s"] * 1e3
+        comp = r["linear_gmacs"] / lim["peak_gmac_s_isa"] * 1e3
+        kern = r["linear_gmacs"] / lim["peak_gmac_s_q4_1"] * 1e3
+        bound = max(mem, comp)
+        fl = r.get("floor_ms")
+        lines.append(f"  k={r['k']:<3} memory {mem:6.2f} ms, compute {comp:6.2f} ms (at the kernel peak {kern:6.2f}) -> "
+                     f"bound {bound:6.2f} ms" + (f"; floor {fl:6.2f} ms" if fl else "") +
+                     f"; measured {r['linear_ms']:6.2f} ms ({r['linear_ms'] / bound:.2f}x the bound" +
+                     (f", {r['linear_ms'] / fl:.2f}x the floor" if fl else "") + ")")
     return "\n".join(lines)
