@@ -489,11 +489,12 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
 #define SPECPLUG_ZMM 0
 #endif
 
-// One row is bound by the weights' stream, not by the multiply-adds: there the pairs were slower
-// (Cascade Lake, decode 0.93-0.96x, scripts/decode_builds.py), so calls of fewer rows than this stay
-// on 256 bits.
+// Calls of at least this many rows run on tile pairs (fewer: one tile at a time on 256 bits). One
+// row is bound by the weights' stream: without software prefetch the pairs were slower there
+// (Cascade Lake, decode 0.93-0.96x, scripts/decode_builds.py); with it (PAIR_AHEAD) they are faster:
+// the forward's linears at one row 1.18x (the 256-bit path with its own prefetch: 0.93x).
 #ifndef ZMM_ROWS
-#define ZMM_ROWS 2
+#define ZMM_ROWS 1
 #endif
 // Activation rows per pass over a tile pair: AVX-512's 32 registers hold 8 rows' accumulators and
 // integer sums (AVX2's 16 hold 4). Against 4 a pass, Cascade Lake, one thread, SmolLM2's linears
@@ -563,6 +564,18 @@ inline void bytes_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t
   }
 }
 
+// Software prefetch of the weights on tile pairs (first pass over the rows): each block of both tiles
+// asks for the bytes PAIR_AHEAD on in its tile's stream (-1: the next pair's same block; 0: none).
+// Without it this core streams the weights and does the multiply-adds one after the other more than
+// together: `stream_dots` (probes.h), the least work on the forward's own weight bytes, took 1.25x as
+// long at 8 rows as at one, and about the same at every row count when it asked for lines 1-4 KB
+// ahead. In the kernels (Cascade Lake, 2 threads, the forward's 121 linears, builds interleaved walk
+// by walk): the next pair's block 1.20-1.33x faster at 2-8 rows and 1.03-1.16x at 16; 4 KB ahead
+// slightly less, 1 KB ahead not at all.
+#ifndef PAIR_AHEAD
+#define PAIR_AHEAD -1
+#endif
+
 // R rows x 16 columns of tiles t and t + 1 (tb bytes apart; their scales sstep, offsets mstep
 // elements apart): tile<R, KIND> on both at once.
 template <int R, int KIND>
@@ -573,6 +586,15 @@ inline void tile_pair(const uint8_t* qs, int64_t tb, const typename KindOf<KIND>
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = qs + b * KO::bytes;
+    if constexpr (PAIR_AHEAD != 0) {
+      if (r0 == 0) {
+        const char* ahead = (const char*)blk + (PAIR_AHEAD > 0 ? PAIR_AHEAD : 2 * tb);
+        for (int l = 0; l < KO::bytes; l += 64) {
+          _mm_prefetch(ahead + l, _MM_HINT_T0);
+          _mm_prefetch(ahead + tb + l, _MM_HINT_T0);
+        }
+      }
+    }
     const __m512 dw = scales16(wd + b * NC * KO::nsc, sstep);
     __m512i s32[R], s_hi[R];
     if constexpr (KIND == KQ4_1 || KIND == KQ4_K) {
@@ -1794,7 +1816,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dot_instruction", []() { return std::string(PROBES_DOT); }, "the dot instruction dot_peak times");
   m.def("stream_dots", &probes::stream_dots, "seconds for the least work of one linear call of `rows` rows on its "
         "weights (`bits` 4 or 8) and scales, `repeat` walks", py::arg("weights"), py::arg("extra"), py::arg("rows"),
-        py::arg("bits"), py::arg("repeat") = 1, nogil);
+        py::arg("bits"), py::arg("repeat") = 1, py::arg("ahead") = 0, nogil);
   m.def("set_stage_timing", [](bool on) { g_timing.store(on, std::memory_order_relaxed); },
         "time every kernel call natively per family (off by default; for --profile)");
   m.def("stage_times", []() {

@@ -106,12 +106,14 @@ inline double dot_peak() {
 // nibbles); BITS = 8, one (the bytes offset by 128, as the kernels' signed weights); R = 0, the loads
 // alone, added up. Bytes past the last whole pair of loads are not read (under 128 of a chunk).
 template <int R, int BITS>
-inline int64_t dots_over(const uint8_t* p, int64_t n, int pass = 0) {
+inline int64_t dots_over(const uint8_t* p, int64_t n, int pass = 0, int64_t ahead = 0) {
   constexpr int A = R >= 1 ? 2 : 1;  // accumulators a row
   static_assert(R <= PASS_ROWS, "more rows a pass than the registers hold");
   V acc[R == 0 ? 1 : R * A];
   for (auto& a : acc) a = vzero();
   for (int64_t off = 0; off + 2 * VB <= n; off += 2 * VB) {  // two loads a pass
+    if (ahead > 0)  // each cache line of the pair's, `ahead` bytes on (a prefetch never faults past the end)
+      for (int64_t l = 0; l < 2 * VB; l += 64) _mm_prefetch((const char*)(p + off + ahead + l), _MM_HINT_T0);
     const V raw0 = vload(p + off), raw1 = vload(p + off + VB);
     if constexpr (R == 0) {
       acc[0] = vadd(acc[0], vadd(raw0, raw1));
@@ -136,17 +138,17 @@ inline int64_t dots_over(const uint8_t* p, int64_t n, int pass = 0) {
   return s;
 }
 
-using DotsFn = int64_t (*)(const uint8_t*, int64_t);
+using DotsFn = int64_t (*)(const uint8_t*, int64_t, int64_t);
 
 // R rows as the kernels take them: at most PASS_ROWS a pass (their ZMM_RT on AVX-512, RT on AVX2:
 // the accumulators with their operands fill the registers), the chunk read again from the cache for
 // each further pass.
 template <int R, int BITS>
-inline int64_t in_passes(const uint8_t* p, int64_t n) {
+inline int64_t in_passes(const uint8_t* p, int64_t n, int64_t ahead) {
   constexpr int P = R < PASS_ROWS ? R : PASS_ROWS;
-  if constexpr (R == 0) return dots_over<0, BITS>(p, n);
+  if constexpr (R == 0) return dots_over<0, BITS>(p, n, 0, ahead);
   int64_t s = 0;
-  for (int i = 0; i < R / P; ++i) s += dots_over<P, BITS>(p, n, i);  // other activations each pass
+  for (int i = 0; i < R / P; ++i) s += dots_over<P, BITS>(p, n, i, i == 0 ? ahead : 0);  // other activations each pass
   return s;
 }
 
@@ -172,9 +174,11 @@ inline const uint8_t* bytes_of(const torch::Tensor& t, const char* what) {
 // them: `weights` (4- or 8-bit values, `bits`) and its scales `extra` (read, not computed with),
 // cut into chunks of about CHUNK weight bytes on the runtime's threads, each chunk with its share of
 // every scale tensor, as matmul_impl's tiles read theirs. `repeat` > 1 walks them that many times in
-// one call (from the caches, when they fit).
+// one call (from the caches, when they fit). `ahead` > 0: each pair of weight loads also asks for the
+// line that many bytes on (software prefetch), to see whether it helps this core overlap.
 inline double stream_dots(const torch::Tensor& weights, const std::vector<torch::Tensor>& extra, int64_t rows,
-                          int64_t bits, int64_t repeat) {
+                          int64_t bits, int64_t repeat, int64_t ahead) {
+  TORCH_CHECK(ahead >= 0, "stream_dots: ahead must be 0 (no software prefetch) or a distance in bytes");
   TORCH_CHECK(bits == 4 || bits == 8, "stream_dots: bits must be 4 or 8, not ", bits);
   TORCH_CHECK(repeat >= 1, "stream_dots: repeat must be at least 1");
   const DotsFn fn = bits == 4 ? dots_for<4>(rows) : dots_for<8>(rows);
@@ -192,10 +196,10 @@ inline double stream_dots(const torch::Tensor& weights, const std::vector<torch:
     for (int64_t cc = c0; cc < c1; ++cc) {
       const int64_t c = cc % per;
       const int64_t a = cut(wn, c), b = c + 1 == per ? wn : cut(wn, c + 1);
-      s += fn(w + a, b - a);
+      s += fn(w + a, b - a, ahead);
       for (const auto& [p, n] : xs) {
         const int64_t xa = cut(n, c), xb = c + 1 == per ? n : cut(n, c + 1);
-        s += load(p + xa, xb - xa);
+        s += load(p + xa, xb - xa, 0);
       }
     }
     g_sink.fetch_add(s, std::memory_order_relaxed);
