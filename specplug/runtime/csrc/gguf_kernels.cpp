@@ -565,7 +565,7 @@ inline void bytes_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t
 }
 
 // Software prefetch of the weights on tile pairs (first pass over the rows): each block of both tiles
-// asks for the bytes PAIR_AHEAD on in its tile's stream (-1: the next pair's same block; 0: none).
+// asks for the bytes PAIR_AHEAD on in its tile's stream (-n: the same block n pairs on; 0: none).
 // Without it this core streams the weights and does the multiply-adds one after the other more than
 // together: `stream_dots` (probes.h), the least work on the forward's own weight bytes, took 1.25x as
 // long at 8 rows as at one, and about the same at every row count when it asked for lines 1-4 KB
@@ -588,7 +588,7 @@ inline void tile_pair(const uint8_t* qs, int64_t tb, const typename KindOf<KIND>
     const uint8_t* blk = qs + b * KO::bytes;
     if constexpr (PAIR_AHEAD != 0) {
       if (r0 == 0) {
-        const char* ahead = (const char*)blk + (PAIR_AHEAD > 0 ? PAIR_AHEAD : 2 * tb);
+        const char* ahead = (const char*)blk + (PAIR_AHEAD > 0 ? PAIR_AHEAD : -PAIR_AHEAD * 2 * tb);
         for (int l = 0; l < KO::bytes; l += 64) {
           _mm_prefetch(ahead + l, _MM_HINT_T0);
           _mm_prefetch(ahead + tb + l, _MM_HINT_T0);
