@@ -6,13 +6,14 @@
 //    (AVX-512 VNNI: vpdpbusd on 512 bits, 64 multiply-adds; AVX2: vpmaddubsw + vpmaddwd + vpaddd on
 //    256 bits, 32), 16 independent accumulators a thread so its latency hides: the ISA's own
 //    ceiling of multiply-adds a second, which no kernel on this build can pass.
-//  - stream_dots(): the least work a 4-bit linear of `rows` rows does on each byte of its weights:
-//    load, split into low and high nibbles, one dot instruction per row per half, and nothing else
-//    (no scales, no float work, activations at hand). On a buffer larger than the caches it tells
-//    what the kernels could at best do with the weights' stream; on one that stays in each core's L2
-//    (repeated), what the same work costs without the stream. So it measures whether this core
-//    overlaps the stream with the multiply-adds (streamed = max of the two) or pays for both
-//    (streamed = their sum), with a kernel that has nothing else in its way.
+//  - stream_dots(): the floor of a linear, the least work a k-row linear does on the bytes of its
+//    weights: load, split 4-bit values into low and high nibbles (8-bit: offset by 128), one dot
+//    instruction per row per half, the scales read and not used, and nothing else (no float work,
+//    activations at hand). Over the weights as the runtime holds them it tells what the kernels
+//    could at best do with their stream; walked again from the caches (`repeat`), what the same
+//    work costs without it. So it measures whether this core overlaps the stream with the
+//    multiply-adds (streamed = the larger of the two) or pays for both (their sum), with a kernel
+//    that has nothing else in its way, and with software prefetch `ahead` bytes on or without.
 //
 // Included by gguf_kernels.cpp once per ISA build, after chunk_pool.h.
 #pragma once
@@ -105,13 +106,14 @@ inline double dot_peak() {
 // The least work of an R-row linear on n bytes at p: BITS = 4, two dots a load per row (low and high
 // nibbles); BITS = 8, one (the bytes offset by 128, as the kernels' signed weights); R = 0, the loads
 // alone, added up. Bytes past the last whole pair of loads are not read (under 128 of a chunk).
+// `pass` varies the activations between passes over the same bytes; `ahead` > 0: software prefetch.
 template <int R, int BITS>
 inline int64_t dots_over(const uint8_t* p, int64_t n, int pass = 0, int64_t ahead = 0) {
   constexpr int A = R >= 1 ? 2 : 1;  // accumulators a row
   static_assert(R <= PASS_ROWS, "more rows a pass than the registers hold");
   V acc[R == 0 ? 1 : R * A];
   for (auto& a : acc) a = vzero();
-  for (int64_t off = 0; off + 2 * VB <= n; off += 2 * VB) {  // two loads a pass
+  for (int64_t off = 0; off + 2 * VB <= n; off += 2 * VB) {  // two loads a step
     if (ahead > 0)  // each cache line of the pair's, `ahead` bytes on (a prefetch never faults past the end)
       for (int64_t l = 0; l < 2 * VB; l += 64) _mm_prefetch((const char*)(p + off + ahead + l), _MM_HINT_T0);
     const V raw0 = vload(p + off), raw1 = vload(p + off + VB);
