@@ -28,6 +28,7 @@ import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 import torch
 
 from specplug import machine
+from specplug.bench_runtime import floor_parts, walk_floor
 from specplug.runtime.native import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -62,28 +63,30 @@ def main() -> None:
     fill(m, cache, 512)
     g = torch.Generator().manual_seed(0)
     runs: dict[tuple[str, int], list[float]] = {}
+    parts = floor_parts(lins)
     for k in KS:
         if a.what == "forward":
             f = step(m, cache, 512, k)
-            calls = [(n, lambda n=n: (use(builds[n]), timed(f))[1]) for n in names]
+
+            def run(n, f=f):
+                use(builds[n])
+                return timed(f)
+            calls = [(n, lambda n=n: run(n)) for n in names]
         else:
             xs = [lin.quantize(torch.randn(k, lin.qs.shape[1] * 32, generator=g)) for lin in lins]
-            parts = [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], 4 if lin.kind in ("q4_1", "q4_k") else 8)
-                     for lin in lins]
 
             def walk(n, xs=xs):
                 use(builds[n])
                 return timed(lambda: [lin.matmul(xa) for lin, xa in zip(lins, xs)])
-            floor_k = builds[names[0]]
             calls = [(n, lambda n=n: walk(n)) for n in names] + [
-                ("floor", lambda k=k: 1e3 * sum(floor_k.stream_dots(w, e, k, b) for w, e, b in parts))]
+                ("floor", lambda k=k: 1e3 * walk_floor(builds[names[0]], parts, k))]
         for _, c in calls:  # warm
             c()
         for i in range(a.calls):
             for n, c in (calls if i % 2 == 0 else calls[::-1]):
                 runs.setdefault((n, k), []).append(c())
     med = {key: statistics.median(v) for key, v in runs.items()}
-    rows = sorted({n for n, _ in med}, key=lambda n: (n not in names, names.index(n) if n in names else 0))
+    rows = names + (["floor"] if a.what == "linears" else [])
     print(f"# {machine.line(machine.describe('cpu'))}; {a.what} at k rows after 512 tokens, {a.calls} calls a build "
           f"in turn; medians ms")
     print("build".ljust(30) + "".join(f"k={k}".ljust(9) for k in KS) + "  over k=1")

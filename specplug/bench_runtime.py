@@ -279,21 +279,30 @@ def _machine_limits(threads: int, ext) -> dict:
     return out
 
 
-def _floor_walks(ext, lins, k: int):
-    """A function returning the seconds of one walk of the linears' least work at k rows (and at 0
-    rows, "loads": the weights' loads alone, when k == 1): `ext.stream_dots` on each linear's own
-    bytes (the weights loaded, split into nibbles where 4-bit, one dot instruction per row per half,
+def floor_parts(lins) -> list:
+    """What `stream_dots` walks for each of these linears (QuantLinear): (its weights, its scale
+    tensors, 4 or 8 bits a value)."""
+    return [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], 4 if lin.kind in ("q4_1", "q4_k") else 8)
+            for lin in lins]
+
+
+def walk_floor(ext, parts, rows: int, aheads=(0,)) -> float:
+    """Seconds of one walk of the linears' least work at `rows` rows: `ext.stream_dots` on each
+    part (the weights loaded, split into nibbles where 4-bit, one dot instruction per row per half,
     the scales read and not used), one call per linear as the forward makes them, the calls' own
-    times summed; the shorter of a walk without software prefetch and one asking FLOOR_AHEAD bytes
-    ahead (on the Xeon the second is flat from 1 to 8 rows, the first grows 1.25x)."""
-    parts = [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], 4 if lin.kind in ("q4_1", "q4_k") else 8)
-             for lin in lins]
+    times summed; the shortest over the software-prefetch distances `aheads` (0: none)."""
+    return min(sum(ext.stream_dots(w, extra, rows, bits, 1, ahead) for w, extra, bits in parts) for ahead in aheads)
 
-    def walk(rows: int) -> float:
-        return min(sum(ext.stream_dots(w, extra, rows, bits, 1, ahead) for w, extra, bits in parts)
-                   for ahead in (0, FLOOR_AHEAD))
 
-    return lambda: {"floor": walk(k), **({"loads": walk(0)} if k == 1 else {})}
+def _floor_walks(ext, lins, k: int):
+    """A function returning {"floor": the seconds of one walk_floor at k rows, and "loads": at 0 rows
+    (the weights' loads alone) when k == 1}, each the shorter of a walk without software prefetch and
+    one asking FLOOR_AHEAD bytes ahead (on the Xeon the second is flat from 1 to 8 rows, the first
+    grows 1.25x)."""
+    parts = floor_parts(lins)
+    aheads = (0, FLOOR_AHEAD)
+    return lambda: {"floor": walk_floor(ext, parts, k, aheads),
+                    **({"loads": walk_floor(ext, parts, 0, aheads)} if k == 1 else {})}
 
 
 def profile(model, repeats: int = 10) -> dict:
