@@ -19,8 +19,21 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+// The work of one chunk (chunk_pool.h), in bytes of weights (or cache, or activations) it
+// reads. Small enough that the threads end a call within a fraction of a microsecond of each
+// other and that a descheduled thread's share is taken over in fine pieces; large enough that
+// claims cost little: 16 KB is ~0.6 us of a one-row matmul and a claim on the thread's own
+// counter ~10 ns. Measured on 2 idle cores, one-row and four-row matmuls of SmolLM2's shapes:
+// 16 KB and 32 KB within 1-3% of the static split (at::parallel_for) they replace; with a single
+// shared counter instead of per-thread shares, 64 KB chunks were 3-10% slower (the counter's
+// cache line bounced between cores, and the threads ended up to a chunk apart).
+// Prefill rows make a tile heavier: then a chunk is one tile.
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES 16384
+#endif
+
 #include "chunk_pool.h"
-#include "probes.h"
+#include "probes.h"  // (its probes walk chunks of CHUNK_BYTES too)
 
 #include <algorithm>
 #include <atomic>
@@ -38,18 +51,6 @@ constexpr int NC = 8;   // output columns per weight tile
 constexpr int RT = 4;   // activation rows per pass over a tile (more spills registers)
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 2  // software prefetch distance in weight tiles (0: off)
-#endif
-// The work of one chunk (chunk_pool.h), in bytes of weights (or cache, or activations) it
-// reads. Small enough that the threads end a call within a fraction of a microsecond of each
-// other and that a descheduled thread's share is taken over in fine pieces; large enough that
-// claims cost little: 16 KB is ~0.6 us of a one-row matmul and a claim on the thread's own
-// counter ~10 ns. Measured on 2 idle cores, one-row and four-row matmuls of SmolLM2's shapes:
-// 16 KB and 32 KB within 1-3% of the static split (at::parallel_for) they replace; with a single
-// shared counter instead of per-thread shares, 64 KB chunks were 3-10% slower (the counter's
-// cache line bounced between cores, and the threads ended up to a chunk apart).
-// Prefill rows make a tile heavier: then a chunk is one tile.
-#ifndef CHUNK_BYTES
-#define CHUNK_BYTES 16384
 #endif
 
 // Native time per kernel family, for `bench-runtime --profile`: it times the forward as the engine

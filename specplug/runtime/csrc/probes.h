@@ -15,7 +15,7 @@
 //    multiply-adds (streamed = the larger of the two) or pays for both (their sum), with a kernel
 //    that has nothing else in its way, and with software prefetch `ahead` bytes on or without.
 //
-// Included by gguf_kernels.cpp once per ISA build, after chunk_pool.h.
+// Included by gguf_kernels.cpp once per ISA build, after chunk_pool.h and CHUNK_BYTES.
 #pragma once
 
 #include <immintrin.h>
@@ -24,6 +24,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "chunk_pool.h"
@@ -69,7 +70,10 @@ inline void opaque(V& v) { __asm__ volatile("" : "+x"(v)); }
 constexpr int PASS_ROWS = 4;
 #endif
 constexpr int VB = sizeof(V);            // bytes a load
-constexpr int64_t CHUNK = 16384;         // bytes a chunk, as the matmuls' (CHUNK_BYTES)
+#ifndef CHUNK_BYTES
+#error "define CHUNK_BYTES (gguf_kernels.cpp's chunk of work) before including probes.h"
+#endif
+constexpr int64_t CHUNK = CHUNK_BYTES;   // bytes a chunk, as the matmuls
 constexpr int64_t PEAK_DOTS = 1 << 25;   // dot instructions a thread in dot_peak
 
 inline double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -190,17 +194,20 @@ inline double stream_dots(const torch::Tensor& weights, const std::vector<torch:
   std::vector<std::pair<const uint8_t*, int64_t>> xs;
   for (const auto& t : extra) xs.emplace_back(bytes_of(t, "a scale tensor"), (int64_t)t.nbytes());
   const int64_t per = std::max<int64_t>(1, (wn + CHUNK - 1) / CHUNK);  // chunks a walk
-  // chunk c of a walk: [c/per, (c+1)/per) of each tensor, on whole cache lines
-  auto cut = [per](int64_t n, int64_t c) { return (n * c / per) & ~int64_t(63); };
+  // chunk c of a walk: [c/per, (c+1)/per) of a tensor of n bytes, cut on whole cache lines
+  auto span = [per](int64_t n, int64_t c) {
+    auto cut = [&](int64_t i) { return i == per ? n : (n * i / per) & ~int64_t(63); };
+    return std::pair<int64_t, int64_t>{cut(c), cut(c + 1)};
+  };
   const auto t0 = std::chrono::steady_clock::now();
   chunk_pool::parallel_for(per * repeat, 1, [&](int64_t c0, int64_t c1) {
     int64_t s = 0;
     for (int64_t cc = c0; cc < c1; ++cc) {
       const int64_t c = cc % per;
-      const int64_t a = cut(wn, c), b = c + 1 == per ? wn : cut(wn, c + 1);
+      const auto [a, b] = span(wn, c);
       s += fn(w + a, b - a, ahead);
       for (const auto& [p, n] : xs) {
-        const int64_t xa = cut(n, c), xb = c + 1 == per ? n : cut(n, c + 1);
+        const auto [xa, xb] = span(n, c);
         s += load(p + xa, xb - xa, 0);
       }
     }
