@@ -63,6 +63,16 @@ def median_of(runs: list[dict]) -> dict:
     return out
 
 
+def paired(raw: dict, name: str, t: int) -> dict:
+    """specplug over llama.cpp round by round (the two ran minutes apart, in one round's order), and
+    their medians: steadier than the medians' ratio on a VM whose speed moves between rounds."""
+    a, b = raw[f"{name}|{t}|specplug"], raw[f"{name}|{t}|llama.cpp"]
+    dec = [y["decode_ms"] / x["decode_ms"] for x, y in zip(a, b)]
+    pre = [x["prefill_tok_s"] / y["prefill_tok_s"] for x, y in zip(a, b)]
+    return {"decode": [round(v, 3) for v in dec], "prefill": [round(v, 3) for v in pre],
+            "decode_median": round(statistics.median(dec), 3), "prefill_median": round(statistics.median(pre), 3)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-bench", required=True)
@@ -93,14 +103,21 @@ def main() -> None:
         v = r["verify_ratio"]
         print(f"| {f} | {t} | {who} | {r['decode_ms']:.2f} | {r['prefill_tok_s']:.0f} | {v[2]:.2f} | {v[4]:.2f} | "
               f"{v[8]:.2f} | {r['verify_ms'][1]:.2f} |")
+    ratios: dict = {}
     for model in args.models:
         for t in args.threads:
-            a, b = table[f"{Path(model).name}|{t}|specplug"], table[f"{Path(model).name}|{t}|llama.cpp"]
-            print(f"{Path(model).name} t={t}: specplug decode {b['decode_ms'] / a['decode_ms']:.2f}x, prefill "
-                  f"{a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x llama.cpp's")
+            name = Path(model).name
+            a, b = table[f"{name}|{t}|specplug"], table[f"{name}|{t}|llama.cpp"]
+            r = ratios[f"{name}|{t}"] = paired(raw, name, t)
+            print(f"{name} t={t}: specplug decode {b['decode_ms'] / a['decode_ms']:.2f}x, prefill "
+                  f"{a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x llama.cpp's (medians' ratio); round by round "
+                  f"decode {' '.join(f'{v:.2f}' for v in r['decode'])}, prefill "
+                  f"{' '.join(f'{v:.2f}' for v in r['prefill'])} (medians {r['decode_median']:.2f}x / "
+                  f"{r['prefill_median']:.2f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine,
-                                               "llama_cpp": llama_build, "medians": table, "runs": raw}, indent=1))
+                                               "llama_cpp": llama_build, "medians": table, "paired": ratios,
+                                               "runs": raw}, indent=1))
 
 
 if __name__ == "__main__":
