@@ -347,6 +347,22 @@ def test_profile_times_the_engine_path_and_counts_what_the_linears_read(qtiny, m
     assert "floor_ms" not in rows[(16, 1)] and "loads_ms" not in rows[(512, 2)]
     text = bench_runtime.format_profile(prof)
     assert "k=1 " in text and "x the bound" in text and "x the floor" in text  # the roofline lines at ctx 512
+    assert "headroom (ctx 512)" in text
+
+
+def test_headroom_puts_the_kernel_parts_at_their_least_and_keeps_the_rest():
+    from specplug import bench_runtime
+
+    lim = {"stream_read_gb_s": 20.0, "peak_gmac_s_isa": 100.0}
+    row = {"total_ms": 10.0, "linear_ms": 6.0, "attention_ms": 2.0, "weight_mb": 100.0, "linear_gmacs": 0.2,
+           "kv_mb": 10.0}
+    assert bench_runtime.linear_bound_ms(row, lim) == pytest.approx(5.0)  # 100 MB at 20 GB/s > 0.2 G MAC at 100 G/s
+    # linears at their bound (5.0), attention at 10 MB read once (0.5), the other 2 ms as measured
+    assert bench_runtime.least_forward_ms(row, lim) == pytest.approx(7.5)
+    # a measured floor below the bound counts instead
+    assert bench_runtime.least_forward_ms({**row, "floor_ms": 4.0}, lim) == pytest.approx(6.5)
+    # many rows: the multiply-adds bound the linears
+    assert bench_runtime.linear_bound_ms({**row, "linear_gmacs": 0.8}, lim) == pytest.approx(8.0)
 
 
 def test_the_stack_refuses_mismatched_caches_and_taps(qtiny):
