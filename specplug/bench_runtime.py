@@ -368,7 +368,8 @@ def least_forward_ms(r: dict, lim: dict) -> float:
     """A profile row's forward with the parts a kernel path decides at their least: the linears at
     the shorter of their floor and their bound, attention at one read of its K/V bytes at the
     streaming rate; quantization, RoPE, norms and the rest as measured (the same code on every ISA).
-    The row's total over this is the most any kernels could speed that forward up."""
+    The row's total over this is the most that kernels on this path's ISA could speed that forward up
+    (at one row the bound is the weights' stream, the same on every ISA)."""
     lin = min(r.get("floor_ms") or float("inf"), linear_bound_ms(r, lim))
     attn = r["kv_mb"] / lim["stream_read_gb_s"]
     return r["total_ms"] - r["linear_ms"] - r["attention_ms"] + lin + attn
@@ -408,6 +409,6 @@ def format_profile(prof: dict) -> str:
     if at:
         lines.append(f"headroom (ctx {FLOOR_CTX}): the forward with its linears at the shorter of floor and bound and "
                      "attention at one read of its K/V at the streaming rate, the rest as measured (the same code on "
-                     "every ISA): " + ", ".join(f"k={r['k']} {least_forward_ms(r, lim):.2f} ms (measured "
+                     "every ISA; the bound on this path's ISA): " + ", ".join(f"k={r['k']} {least_forward_ms(r, lim):.2f} ms (measured "
                                                 f"{r['total_ms'] / least_forward_ms(r, lim):.2f}x it)" for r in at))
     return "\n".join(lines)
