@@ -11,7 +11,9 @@ on their own bytes, `stream_dots`), then per forward of k rows at several contex
 in one native call), the time in linears, activation quantization (norms fused), RoPE + KV
 store, attention and Gemma's extra norms, each timed inside the kernels (`stage_times`), and the
 rest (Python, the embedding, the final norm: the forward's time less its kernels), with the bytes
-of weights and KV read, the multiply-adds, and the achieved GB/s and G MAC/s of the linears.
+of weights and KV read, the multiply-adds, and the achieved GB/s and G MAC/s of the linears; at
+ctx 512 the linears against their bound and floor, and the headroom: the forward with its linears
+and attention at their least (`least_forward_ms`), how much faster kernels could still make it.
 """
 from __future__ import annotations
 
@@ -407,8 +409,9 @@ def format_profile(prof: dict) -> str:
                      f"; measured {r['linear_ms']:6.2f} ms ({r['linear_ms'] / bound:.2f}x the bound" +
                      (f", {r['linear_ms'] / fl:.2f}x the floor" if fl else "") + ")")
     if at:
+        least = [(r["k"], r["total_ms"], least_forward_ms(r, lim)) for r in at]
         lines.append(f"headroom (ctx {FLOOR_CTX}): the forward with its linears at the shorter of floor and bound and "
                      "attention at one read of its K/V at the streaming rate, the rest as measured (the same code on "
-                     "every ISA; the bound on this path's ISA): " + ", ".join(f"k={r['k']} {least_forward_ms(r, lim):.2f} ms (measured "
-                                                f"{r['total_ms'] / least_forward_ms(r, lim):.2f}x it)" for r in at))
+                     "every ISA; the bound on this path's ISA): " +
+                     ", ".join(f"k={k} {ms:.2f} ms (measured {total / ms:.2f}x it)" for k, total, ms in least))
     return "\n".join(lines)
