@@ -106,9 +106,9 @@ def test_greedy_speculative_equals_plain_on_a_k_quant_model(kq_model):
     assert_greedy_equal(t, [RandomDrafts(t.model.config.vocab_size, seed=4)], prompts, max_tokens=24)
 
 
-@pytest.mark.parametrize("qtype,kind", [("Q5_0", "q8_0"), ("Q5_1", "q5_k")])
+@pytest.mark.parametrize("qtype,kind", [("Q5_0", "q5_0"), ("Q5_1", "q5_k")])
 def test_q5_0_and_q5_1_run_natively_on_their_own_values(qtype, kind):
-    """Q5_0 is (q - 16) d: exactly a Q8_0 block; Q5_1 is q d + m: Q5_K's unsigned-byte tiles."""
+    """Q5_0 is (q - 16) d: its own 5-bit tiles; Q5_1 is q d + m: Q5_K's unsigned-byte tiles."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
@@ -127,9 +127,33 @@ def test_q5_0_and_q5_1_run_natively_on_their_own_values(qtype, kind):
         assert np.array_equal(_dequantize(conv, "Q8_0", (n, k)), _dequantize(raw, qtype, (n, k)))
 
 
+@pytest.mark.parametrize("isa", native.available_isas())
+@pytest.mark.parametrize("n", [36, 48])  # 5 tiles (a pair call's odd tile on its own) and 6
+def test_q5_0_tiles_give_the_bits_of_their_q8_0_blocks(isa, n):
+    """Q5_0 in 5.5 bits a weight (nibbles and a plane of fifth bits) sums the same integers as the
+    Q8_0 blocks of the same weights, so every row's output is theirs bit for bit, at any row count."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    g = torch.Generator().manual_seed(11)
+    k = 160
+    raw = quantize((torch.randn(n, k, generator=g) * 3).numpy(), GGMLQuantizationType.Q5_0)
+    nat = QuantLinear.from_blocks(raw, "Q5_0", (n, k))
+    conv = QuantLinear.from_blocks(native.q5_0_as_q8_0(raw).reshape(n, -1), "Q8_0", (n, k))
+    assert (nat.kind, conv.kind) == ("q5_0", "q8_0")
+    assert nat.qs.numel() < 0.66 * conv.qs.numel()  # 160 bytes a tile's block against 256
+    nat.k = conv.k = native.kernels(isa)
+    for m in (1, 2, 3, 5, 8, 9, 16, 17):
+        x = torch.randn(m, k, generator=g)
+        res = torch.randn(m, n, generator=g)
+        assert torch.equal(nat(x), conv(x)), (isa, m)
+        assert torch.equal(nat(x, res), conv(x, res)), (isa, m)
+
+
 def test_a_q5_0_model_with_a_q8_0_tensor_fuses_them_natively(tmp_path, monkeypatch):
     """A Q4_K_M file of a model whose widths are not multiples of 256 is mostly Q5_0, with a Q8_0
-    attn_v: the fused q/k/v linear takes both as Q8_0 bytes, nothing re-quantized."""
+    attn_v in some layers: there the fused q/k/v linear takes both as Q8_0 bytes, elsewhere Q5_0
+    runs as stored; nothing re-quantized."""
     import gguf
 
     path = write_tiny_gguf(tmp_path / "q5.gguf", tensor_type="Q5_0", seed=8)
@@ -165,8 +189,8 @@ def test_a_q5_0_model_with_a_q8_0_tensor_fuses_them_natively(tmp_path, monkeypat
         t = load_target(str(tmp_path / "mixed.gguf"), device="cpu", quant="gguf")
     cfg = t.model.config
     assert requantized == [(cfg.vocab_size, cfg.n_embd)]  # only the tied output head (a float32 table here)
-    assert [layer.qkv.kind for layer in t.model.layers] == ["q8_0"] * len(t.model.layers)
-    assert t.model.layers[0].gate_up.kind == "q8_0"
+    assert [layer.qkv.kind for layer in t.model.layers] == ["q8_0"] + ["q5_0"] * (len(t.model.layers) - 1)
+    assert t.model.layers[0].gate_up.kind == "q5_0"
     prompts = [list(range(40, 60))]
     assert_greedy_equal(t, [RandomDrafts(t.model.config.vocab_size, seed=5)], prompts, max_tokens=16)
 
@@ -180,7 +204,7 @@ def test_the_real_gemma3_q4_k_m_tensors_run_natively():
     from specplug.runtime import GGUFFile
 
     f = GGUFFile(str(pkg.assemble()))
-    names = {"blk.0.attn_q.weight": ("Q5_0", "q8_0"), "blk.0.attn_v.weight": ("Q8_0", "q8_0"),
+    names = {"blk.0.attn_q.weight": ("Q5_0", "q5_0"), "blk.0.attn_v.weight": ("Q8_0", "q8_0"),
              "blk.0.attn_output.weight": ("Q4_K", "q4_k"), "blk.0.ffn_down.weight": ("Q6_K", "q6_k")}
     g = torch.Generator().manual_seed(9)
     for name, (qtype, kind) in names.items():

@@ -240,11 +240,14 @@ class Transformer:
                 norm: torch.Tensor | None = None) -> Linear:
             """The named tensors stacked by rows; heads[i]: neox-permute part i. On the native backend
             the types the kernels know (native.NATIVE_TYPES) are computed as stored when all parts share
-            one (or are Q5_0 beside Q8_0); other mixes (Q4_K beside Q6_K) and other types become Q8_0."""
+            one; Q5_0 beside Q8_0 runs as Q8_0 of the same weights (native.common_blocks); other mixes
+            (Q4_K beside Q6_K) and other types become Q8_0."""
             heads = heads or [None] * len(names)
             if backend.native:
-                # in the kernels' blocks: a Q4_K_M file's Q5_0 q/k stack with its Q8_0 v
-                parts = [(*native.kernel_blocks(np.asarray(r), qt), sh) for r, qt, sh in map(gguf.raw, names)]
+                # in blocks that stack: a Q4_K_M file's Q5_0 q/k with its Q8_0 v as Q8_0
+                raw_parts = [gguf.raw(n) for n in names]
+                blocks = native.common_blocks([(np.asarray(r), qt) for r, qt, _ in raw_parts])
+                parts = [(r, qt, sh) for (r, qt), (_, _, sh) in zip(blocks, raw_parts)]
                 types = {qt for _, qt, _ in parts}
                 if len(types) == 1 and types <= set(native.NATIVE_TYPES):
                     rows = [torch.from_numpy(np.array(r)) for r, _, _ in parts]

@@ -41,6 +41,7 @@ _ext_error: dict[str, str] = {}  # ISA -> why it could not be built
 Q4_1_BLOCK = 20  # f16 d, f16 m, 16 bytes of nibbles
 Q8_0_BLOCK = 34  # f16 d, 32 int8
 Q4_0_BLOCK = 18  # f16 d, 16 bytes of nibbles (value = (q - 8) * d)
+Q5_0_BLOCK = 22  # f16 d, 4 bytes of fifth bits, 16 bytes of nibbles (value = (q - 16) * d)
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # unpacked at load into integer values and float32 scales (exact)
 # computed on their own values (Q4_0 as the equal Q4_1, Q5_0 as the equal Q8_0 bytes, Q5_1 like Q5_K);
 # any other type is re-quantized to Q8_0
@@ -281,14 +282,19 @@ def _q5_values(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
     return (lo | (hi.astype(np.uint8) << np.uint8(4))).astype(np.uint8)
 
 
-def kernel_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, str]:
-    """A tensor's rows ([rows, bytes]) as the blocks the kernels take for its type: Q5_0 as the Q8_0
-    blocks of the same weights ((q - 16) d is a signed byte times the same float16 d); any other
-    type as it is. Parts of one linear (q/k/v) that agree after this can be stacked."""
-    if qtype != "Q5_0":
-        return raw, qtype
-    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1)
-    return q5_0_as_q8_0(rows).reshape(rows.shape[0], -1), "Q8_0"
+def common_blocks(parts: list[tuple[np.ndarray, str]]) -> list[tuple[np.ndarray, str]]:
+    """The parts of one linear (q/k/v: each [rows, bytes] and its type) in blocks that can be
+    stacked: Q5_0 beside Q8_0 (a Q4_K_M file's q/k beside its v) as the Q8_0 blocks of the same
+    weights ((q - 16) d is a signed byte times the same float16 d); otherwise as stored."""
+    if {qt for _, qt in parts} != {"Q5_0", "Q8_0"}:
+        return parts
+    out = []
+    for raw, qt in parts:
+        if qt == "Q5_0":
+            rows = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1)
+            raw, qt = q5_0_as_q8_0(rows).reshape(rows.shape[0], -1), "Q8_0"
+        out.append((raw, qt))
+    return out
 
 
 def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -306,7 +312,7 @@ def _f16_as_i16(a: np.ndarray) -> torch.Tensor:
 
 
 class QuantLinear:
-    """y = x @ W.T (+ bias) with W in tiles of 8 output rows of Q4_1 or Q8_0 blocks.
+    """y = x @ W.T (+ bias) with W in tiles of 8 output rows of Q4_1, Q5_0, Q8_0 or K-quant blocks.
 
     `norm_weight` makes `norm_linear(x)` = linear(rms_norm(x) * norm_weight), fused into
     the activation quantization.
@@ -326,13 +332,18 @@ class QuantLinear:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_blocks(cls, raw: np.ndarray, qtype: str, shape: tuple[int, int], **kw) -> "QuantLinear":
-        """From a GGUF tensor's raw bytes ([rows, bytes per row]) of type Q4_0, Q4_1, Q8_0 or a K-quant."""
+        """From a GGUF tensor's raw bytes ([rows, bytes per row]) of type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or a
+        K-quant."""
         n, k = shape
         nb = k // 32
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
         if qtype in K_QUANTS:
             return cls.from_k_quant(raw, qtype, shape, **kw)
-        raw, qtype = kernel_blocks(raw, qtype)
+        if qtype == "Q5_0":  # (u - 16) d: the nibbles as Q4_1's, the fifth bits beside them (_q5_0)
+            blocks = raw.reshape(n, nb, Q5_0_BLOCK)
+            d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+            qh = blocks[:, :, 2:6].copy().view("<u4")[..., 0]
+            return cls._q5_0(blocks[:, :, 6:], qh, d, n, **kw)
         if qtype == "Q5_1":  # q d + m with q in 0..31: Q5_K's unsigned bytes, the scales widened
             blocks = raw.reshape(n, nb, 24)
             d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -401,6 +412,21 @@ class QuantLinear:
         qs = nib.reshape(nt, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(nt, nb, 128)
         return cls(kind, torch.from_numpy(np.ascontiguousarray(qs)), cls._scale_tiles(d, nt, nb),
                    cls._scale_tiles(m, nt, nb), n, **kw)
+
+    @classmethod
+    def _q5_0(cls, nibbles: np.ndarray, qh: np.ndarray, d: np.ndarray, n: int, **kw) -> "QuantLinear":
+        """Q5_0 tiles, 160 bytes a block: Q4_1's 128 nibble bytes (the values' low 4 bits), then for
+        each of their 4 loads p a 32-bit mask of the fifth bits over the load's bytes, first for the
+        low nibbles (bit c*4+i: column c's value 4p+i), then for the high ones (value 16+4p+i)."""
+        nib, qh, d = cls._pad_rows(nibbles, n), cls._pad_rows(qh, n), cls._pad_rows(d, n)
+        nt, nb = nib.shape[0] // 8, nib.shape[1]
+        qs = nib.reshape(nt, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(nt, nb, 128)
+        value = np.arange(32, dtype=np.uint32).reshape(2, 4, 4)  # [half, p, i] -> 16 half + 4p + i
+        bits = (qh.astype(np.uint32).reshape(nt, 8, nb, 1, 1, 1) >> value) & np.uint32(1)  # [t, c, b, half, p, i]
+        bits = bits.transpose(0, 2, 4, 3, 1, 5).reshape(nt, nb, 4, 2, 32)  # [t, b, p, half, c*4+i]
+        masks = (bits << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32).astype("<u4")
+        tiles = np.concatenate([qs, masks.view(np.uint8).reshape(nt, nb, 32)], axis=2)
+        return cls("q5_0", torch.from_numpy(np.ascontiguousarray(tiles)), cls._scale_tiles(d, nt, nb), None, n, **kw)
 
     @classmethod
     def _q8_0(cls, qbytes: np.ndarray, d: np.ndarray, n: int, m: np.ndarray | None = None, kind: str = "q8_0",

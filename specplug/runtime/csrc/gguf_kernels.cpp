@@ -282,8 +282,9 @@ struct Act {
   const float* d;
   const float* s;
   int64_t K, nb;
-  // Signed weights (Q8_0, Q6_K) on VNNI: -128 times the sum of each half (16 values) of each row's
-  // block, [M, nb, 2] (offset_sums); the block dots' starting values, see signed_block_dot.
+  // Signed weights (Q8_0, Q6_K) on VNNI, and Q5_0 on every ISA: -128 times the sum of each half (16
+  // values) of each row's block, [M, nb, 2] (offset_sums); the block dots' starting values, see
+  // signed_block_dot and q5_0_block_dot.
   const int32_t* off = nullptr;
 };
 
@@ -422,6 +423,55 @@ inline void u8_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b
   }
 }
 
+// Q5_0: a block's value u = 0..31 (the weight is (u - 16) d) from Q4_1's nibble bytes and, after
+// them (128 bytes on), its fifth bits: for each load p of the nibbles a 32-bit mask over the load's
+// bytes for the low nibbles (bit c*4+i: w[c][4p+i]), then one for the high nibbles (w[c][16+4p+i]).
+// v | 16 where a mask bit is set, for the 32 bytes of one load.
+inline __m256i with_bit4(__m256i v, uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_mask_add_epi8(v, (__mmask32)bits, v, _mm256_set1_epi8(16));
+#else
+  // byte j takes byte j / 8 of the mask and keeps its bit j % 8
+  const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                       3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), sel), bit), bit);
+  return _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
+}
+
+// The integer part of a Q5_0 block: sum((u - 16) x) as sum(u x), started at -16 sum(x) (Act.off / 8),
+// exactly the integer the Q8_0 blocks of the same weights give, so the float code after it (Q8_0's)
+// gives the same bits too. A maddubs lane sums two products of at most 31*127: two such lanes fit int16.
+template <int R>
+inline void q5_0_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* s) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const uint32_t* hb = (const uint32_t*)(blk + 128);
+  for (int r = 0; r < R; ++r) {
+    const int32_t* o = a.off + ((r0 + r) * a.nb + b) * 2;
+    s[r] = _mm256_set1_epi32((o[0] + o[1]) / 8);
+  }
+#if !SPECPLUG_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int p = 0; p < 4; ++p) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + p * 32));
+    const __m256i lo = with_bit4(_mm256_and_si256(raw, m4), hb[2 * p]);
+    const __m256i hi = with_bit4(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), hb[2 * p + 1]);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
+#if SPECPLUG_VNNI
+      s[r] = _mm256_dpbusd_epi32(s[r], lo, _mm256_set1_epi32(xr[p]));
+      s[r] = _mm256_dpbusd_epi32(s[r], hi, _mm256_set1_epi32(xr[p + 4]));
+#else
+      const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[p])),
+                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[p + 4])));
+      s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones));
+#endif
+    }
+  }
+}
+
 // 8 scales of a tile's block as floats: float16 (Q4_1, Q8_0 as stored) or float32 (the K-quants'
 // super-block scale times a sub-block's integer scale, exact in float32).
 inline __m256 scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
@@ -429,13 +479,14 @@ inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
 
 // The weight kinds a tile can hold (QuantLinear.kind): bytes per block of a tile (4-bit nibbles or
 // bytes), scale type, a per-block offset m or not, and one scale per 32 values or two (per 16).
-enum Kind { KQ4_1 = 0, KQ8_0 = 1, KQ4_K = 2, KQ5_K = 3, KQ6_K = 4 };
+enum Kind { KQ4_1 = 0, KQ8_0 = 1, KQ4_K = 2, KQ5_K = 3, KQ6_K = 4, KQ5_0 = 5 };
 template <int K> struct KindOf;
 template <> struct KindOf<KQ4_1> { using S = uint16_t; static constexpr int bytes = 128, nsc = 1; static constexpr bool m = true; };
 template <> struct KindOf<KQ8_0> { using S = uint16_t; static constexpr int bytes = 256, nsc = 1; static constexpr bool m = false; };
 template <> struct KindOf<KQ4_K> { using S = float; static constexpr int bytes = 128, nsc = 1; static constexpr bool m = true; };
 template <> struct KindOf<KQ5_K> { using S = float; static constexpr int bytes = 256, nsc = 1; static constexpr bool m = true; };
 template <> struct KindOf<KQ6_K> { using S = float; static constexpr int bytes = 256, nsc = 2; static constexpr bool m = false; };
+template <> struct KindOf<KQ5_0> { using S = uint16_t; static constexpr int bytes = 160, nsc = 1; static constexpr bool m = false; };
 
 // R rows x 8 columns of one tile. Per block b, with s the integer dot of the row's 8-bit block with
 // each column's values:
@@ -459,6 +510,8 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
       signed_block_dot<R, false>(blk, a, r0, b, s32, s_hi);
     else if constexpr (KIND == KQ5_K)
       u8_block_dot<R>(blk, a, r0, b, s32);
+    else if constexpr (KIND == KQ5_0)
+      q5_0_block_dot<R>(blk, a, r0, b, s32);
     else
       signed_block_dot<R, true>(blk, a, r0, b, s32, s_hi);
     for (int r = 0; r < R; ++r) {
@@ -540,6 +593,30 @@ inline void q4_1_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t 
   }
 }
 
+// q5_0_block_dot on 16 columns: each half's fifth bits from its own tile (the masks of tile t in the
+// low 32 bits, of tile t + 1 in the high).
+template <int R>
+inline void q5_0_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t r0, int64_t b, __m512i* s) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  const uint32_t* h0 = (const uint32_t*)(blk + 128);
+  const uint32_t* h1 = (const uint32_t*)(blk + tb + 128);
+  for (int r = 0; r < R; ++r) {
+    const int32_t* o = a.off + ((r0 + r) * a.nb + b) * 2;
+    s[r] = _mm512_set1_epi32((o[0] + o[1]) / 8);
+  }
+  for (int p = 0; p < 4; ++p) {
+    const __m512i raw = load_pair(blk + p * 32, tb);
+    __m512i lo = _mm512_and_si512(raw, m4);
+    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(h0[2 * p] | (uint64_t)h1[2 * p] << 32), lo, sixteen);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(h0[2 * p + 1] | (uint64_t)h1[2 * p + 1] << 32), hi, sixteen);
+    for (int r = 0; r < R; ++r) {
+      s[r] = _mm512_dpbusd_epi32(s[r], lo, bcast_x(a, r0 + r, b, p));
+      s[r] = _mm512_dpbusd_epi32(s[r], hi, bcast_x(a, r0 + r, b, p + 4));
+    }
+  }
+}
+
 // HALVES: values 0..15 of each column summed into lo[r], 16..31 into hi[r] (Q6_K's two scales);
 // else the whole block into lo[r] (hi unused: 8 rows' sums then fit the registers beside the rest).
 template <int R, bool SIGNED, bool HALVES>
@@ -600,6 +677,8 @@ inline void tile_pair(const uint8_t* qs, int64_t tb, const typename KindOf<KIND>
     __m512i s32[R], s_hi[R];
     if constexpr (KIND == KQ4_1 || KIND == KQ4_K) {
       q4_1_pair_dot<R>(blk, tb, a, r0, b, s32);
+    } else if constexpr (KIND == KQ5_0) {
+      q5_0_pair_dot<R>(blk, tb, a, r0, b, s32);
     } else {
       bytes_pair_dot<R, KIND != KQ5_K, KO::nsc == 2>(blk, tb, a, r0, b, s32, s_hi);
     }
@@ -646,6 +725,7 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
 #if SPECPLUG_VNNI
   if constexpr (KIND == KQ8_0 || KIND == KQ6_K) a.off = offset_sums(a.q, M, K);
 #endif
+  if constexpr (KIND == KQ5_0) a.off = offset_sums(a.q, M, K);  // on every ISA (q5_0_block_dot)
   const uint8_t* qsp = qs.data_ptr<uint8_t>();
   const int64_t tile_bytes = qs.stride(0);
   using S = typename KindOf<KIND>::S;
@@ -756,15 +836,20 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
 }
 
 // Which kind a linear's tiles hold, from their shapes and types: nibble tiles (128 bytes a block)
-// are Q4_1 (float16 scales) or Q4_K (float32); byte tiles (256) are Q8_0 (float16), Q5_K (float32
-// with offsets) or Q6_K (float32, two scales a block).
+// are Q4_1 (float16 scales) or Q4_K (float32); nibbles and fifth bits (160) are Q5_0 (float16);
+// byte tiles (256) are Q8_0 (float16), Q5_K (float32 with offsets) or Q6_K (float32, two scales a block).
 int kind_of(const torch::Tensor& qs, const torch::Tensor& wd, bool has_m) {
   TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous(),
               "weight tiles must be contiguous uint8 [tiles, blocks, bytes]");
   TORCH_CHECK(wd.is_contiguous(), "weight scales must be contiguous");
   const bool f32 = wd.scalar_type() == torch::kFloat32;
   if (qs.size(2) == 128) return f32 ? KQ4_K : KQ4_1;
-  TORCH_CHECK(qs.size(2) == 256, "weight tiles hold 128 (4-bit) or 256 (8-bit) bytes a block, not ", qs.size(2));
+  if (qs.size(2) == 160) {
+    TORCH_CHECK(!f32 && !has_m, "Q5_0 tiles (160 bytes a block) take float16 scales and no offsets");
+    return KQ5_0;
+  }
+  TORCH_CHECK(qs.size(2) == 256, "weight tiles hold 128 (4-bit), 160 (5-bit) or 256 (8-bit) bytes a block, not ",
+              qs.size(2));
   if (!f32) return KQ8_0;
   return has_m ? KQ5_K : KQ6_K;
 }
@@ -777,6 +862,7 @@ torch::Tensor matmul(const std::vector<torch::Tensor>& xa, const torch::Tensor& 
     case KQ8_0: return matmul_impl<KQ8_0>(xa, qs, wd, wm, bias, residual, n_out);
     case KQ4_K: return matmul_impl<KQ4_K>(xa, qs, wd, wm, bias, residual, n_out);
     case KQ5_K: return matmul_impl<KQ5_K>(xa, qs, wd, wm, bias, residual, n_out);
+    case KQ5_0: return matmul_impl<KQ5_0>(xa, qs, wd, wm, bias, residual, n_out);
     default: return matmul_impl<KQ6_K>(xa, qs, wd, wm, bias, residual, n_out);
   }
 }
