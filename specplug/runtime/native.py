@@ -43,7 +43,7 @@ Q8_0_BLOCK = 34  # f16 d, 32 int8
 Q4_0_BLOCK = 18  # f16 d, 16 bytes of nibbles (value = (q - 8) * d)
 Q5_0_BLOCK = 22  # f16 d, 4 bytes of fifth bits, 16 bytes of nibbles (value = (q - 16) * d)
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # unpacked at load into integer values and float32 scales (exact)
-# computed on their own values (Q4_0 as the equal Q4_1, Q5_0 as the equal Q8_0 bytes, Q5_1 like Q5_K);
+# computed on their own values (Q4_0 as the equal Q4_1, Q5_0 on its own 5-bit tiles, Q5_1 like Q5_K);
 # any other type is re-quantized to Q8_0
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") + K_QUANTS
 
