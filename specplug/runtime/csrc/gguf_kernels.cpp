@@ -284,7 +284,7 @@ struct Act {
   int64_t K, nb;
   // Signed weights (Q8_0, Q6_K) on VNNI, and Q5_0 on every ISA: -128 times the sum of each half (16
   // values) of each row's block, [M, nb, 2] (offset_sums); the block dots' starting values, see
-  // signed_block_dot and q5_0_block_dot.
+  // signed_block_dot and q4_1_block_dot.
   const int32_t* off = nullptr;
 };
 
@@ -319,40 +319,63 @@ inline const int32_t* offset_sums(const int8_t* q, int64_t M, int64_t K) {
 #define PREFETCH_ROWS (SPECPLUG_VNNI ? 0 : 1)
 #endif
 
+// Q5_0: a block's value u = 0..31 (the weight is (u - 16) d) from Q4_1's nibble bytes and, after
+// them (128 bytes on), its fifth bits: for each load p of the nibbles a 32-bit mask over the load's
+// bytes for the low nibbles (bit c*4+i: w[c][4p+i]), then one for the high nibbles (w[c][16+4p+i]).
+// v | 16 where a mask bit is set, for the 32 bytes of one load.
+inline __m256i with_bit4(__m256i v, uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_mask_add_epi8(v, (__mmask32)bits, v, _mm256_set1_epi8(16));
+#else
+  // byte j takes byte j / 8 of the mask and keeps its bit j % 8
+  const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                       3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), sel), bit), bit);
+  return _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
+}
+
 // Q4_1: qs holds nb blocks of 4 x 32 bytes; byte c*4+i of load p holds w[c][4p+i] (low nibble)
-// and w[c][16+4p+i] (high nibble), as GGUF stores them.
-template <int R>
+// and w[c][16+4p+i] (high nibble), as GGUF stores them. FIFTH (Q5_0): the fifth bits after them
+// (with_bit4), values u = 0..31 for weights (u - 16) d; the dot then starts at -16 sum(x) (Act.off / 8),
+// so it is sum((u - 16) x), exactly the integer the Q8_0 blocks of the same weights give, and the
+// float code after it (Q8_0's) gives the same bits too.
+template <int R, bool FIFTH = false>
 inline void q4_1_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* s) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-#if SPECPLUG_VNNI
-  for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
-  for (int p = 0; p < 4; ++p) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + p * 32));
-    const __m256i lo = _mm256_and_si256(raw, m4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-    for (int r = 0; r < R; ++r) {
-      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
-      s[r] = _mm256_dpbusd_epi32(s[r], lo, _mm256_set1_epi32(xr[p]));
-      s[r] = _mm256_dpbusd_epi32(s[r], hi, _mm256_set1_epi32(xr[p + 4]));
-    }
+  const uint32_t* hb = (const uint32_t*)(blk + 128);
+  for (int r = 0; r < R; ++r) {
+    const int32_t* o = FIFTH ? a.off + ((r0 + r) * a.nb + b) * 2 : nullptr;
+    s[r] = FIFTH ? _mm256_set1_epi32((o[0] + o[1]) / 8) : _mm256_setzero_si256();
   }
-#else
+#if !SPECPLUG_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i s16[R];
   for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+#endif
   for (int p = 0; p < 4; ++p) {
     const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + p * 32));
-    const __m256i lo = _mm256_and_si256(raw, m4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    __m256i lo = _mm256_and_si256(raw, m4);
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    if constexpr (FIFTH) lo = with_bit4(lo, hb[2 * p]), hi = with_bit4(hi, hb[2 * p + 1]);
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
-      // Each maddubs lane sums two products of at most 15*127: 8 of them fit in int16.
+#if SPECPLUG_VNNI
+      s[r] = _mm256_dpbusd_epi32(s[r], lo, _mm256_set1_epi32(xr[p]));
+      s[r] = _mm256_dpbusd_epi32(s[r], hi, _mm256_set1_epi32(xr[p + 4]));
+#else
+      // A maddubs lane sums two products of at most 15*127 (Q4_1: 8 of them fit int16) or 31*127
+      // (Q5_0: 2 fit, so its 16-bit sums are widened after every load).
       s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[p])));
       s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[p + 4])));
+      if (FIFTH || p == 3) {
+        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(s16[r], ones));
+        s16[r] = _mm256_setzero_si256();
+      }
+#endif
     }
   }
-  for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(s16[r], ones);
-#endif
 }
 
 // Signed bytes (Q8_0's and Q6_K's values): byte c*4+i of load j holds w[c][4j+i]. HALVES:
@@ -423,55 +446,6 @@ inline void u8_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b
   }
 }
 
-// Q5_0: a block's value u = 0..31 (the weight is (u - 16) d) from Q4_1's nibble bytes and, after
-// them (128 bytes on), its fifth bits: for each load p of the nibbles a 32-bit mask over the load's
-// bytes for the low nibbles (bit c*4+i: w[c][4p+i]), then one for the high nibbles (w[c][16+4p+i]).
-// v | 16 where a mask bit is set, for the 32 bytes of one load.
-inline __m256i with_bit4(__m256i v, uint32_t bits) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  return _mm256_mask_add_epi8(v, (__mmask32)bits, v, _mm256_set1_epi8(16));
-#else
-  // byte j takes byte j / 8 of the mask and keeps its bit j % 8
-  const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
-                                       3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), sel), bit), bit);
-  return _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-#endif
-}
-
-// The integer part of a Q5_0 block: sum((u - 16) x) as sum(u x), started at -16 sum(x) (Act.off / 8),
-// exactly the integer the Q8_0 blocks of the same weights give, so the float code after it (Q8_0's)
-// gives the same bits too. A maddubs lane sums two products of at most 31*127: two such lanes fit int16.
-template <int R>
-inline void q5_0_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* s) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const uint32_t* hb = (const uint32_t*)(blk + 128);
-  for (int r = 0; r < R; ++r) {
-    const int32_t* o = a.off + ((r0 + r) * a.nb + b) * 2;
-    s[r] = _mm256_set1_epi32((o[0] + o[1]) / 8);
-  }
-#if !SPECPLUG_VNNI
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
-  for (int p = 0; p < 4; ++p) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + p * 32));
-    const __m256i lo = with_bit4(_mm256_and_si256(raw, m4), hb[2 * p]);
-    const __m256i hi = with_bit4(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), hb[2 * p + 1]);
-    for (int r = 0; r < R; ++r) {
-      const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
-#if SPECPLUG_VNNI
-      s[r] = _mm256_dpbusd_epi32(s[r], lo, _mm256_set1_epi32(xr[p]));
-      s[r] = _mm256_dpbusd_epi32(s[r], hi, _mm256_set1_epi32(xr[p + 4]));
-#else
-      const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[p])),
-                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[p + 4])));
-      s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones));
-#endif
-    }
-  }
-}
-
 // 8 scales of a tile's block as floats: float16 (Q4_1, Q8_0 as stored) or float32 (the K-quants'
 // super-block scale times a sub-block's integer scale, exact in float32).
 inline __m256 scales8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
@@ -511,7 +485,7 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
     else if constexpr (KIND == KQ5_K)
       u8_block_dot<R>(blk, a, r0, b, s32);
     else if constexpr (KIND == KQ5_0)
-      q5_0_block_dot<R>(blk, a, r0, b, s32);
+      q4_1_block_dot<R, true>(blk, a, r0, b, s32);
     else
       signed_block_dot<R, true>(blk, a, r0, b, s32, s_hi);
     for (int r = 0; r < R; ++r) {
@@ -577,39 +551,25 @@ inline __m512i bcast_x(const Act& a, int64_t r, int64_t b, int j) {
 }
 
 // The block dots of tile pairs (q4_1_block_dot, u8_block_dot and signed_block_dot on 16 columns).
-// Signed weights offset by 128 as in signed_block_dot.
-template <int R>
+// Signed weights offset by 128 as in signed_block_dot. FIFTH (Q5_0): each half's fifth bits from its
+// own tile (the masks of tile t in the low 32 bits, of tile t + 1 in the high).
+template <int R, bool FIFTH = false>
 inline void q4_1_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t r0, int64_t b, __m512i* s) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
-  for (int p = 0; p < 4; ++p) {
-    const __m512i raw = load_pair(blk + p * 32, tb);
-    const __m512i lo = _mm512_and_si512(raw, m4);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-    for (int r = 0; r < R; ++r) {
-      s[r] = _mm512_dpbusd_epi32(s[r], lo, bcast_x(a, r0 + r, b, p));
-      s[r] = _mm512_dpbusd_epi32(s[r], hi, bcast_x(a, r0 + r, b, p + 4));
-    }
-  }
-}
-
-// q5_0_block_dot on 16 columns: each half's fifth bits from its own tile (the masks of tile t in the
-// low 32 bits, of tile t + 1 in the high).
-template <int R>
-inline void q5_0_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t r0, int64_t b, __m512i* s) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   const uint32_t* h0 = (const uint32_t*)(blk + 128);
   const uint32_t* h1 = (const uint32_t*)(blk + tb + 128);
   for (int r = 0; r < R; ++r) {
-    const int32_t* o = a.off + ((r0 + r) * a.nb + b) * 2;
-    s[r] = _mm512_set1_epi32((o[0] + o[1]) / 8);
+    const int32_t* o = FIFTH ? a.off + ((r0 + r) * a.nb + b) * 2 : nullptr;
+    s[r] = FIFTH ? _mm512_set1_epi32((o[0] + o[1]) / 8) : _mm512_setzero_si512();
   }
   for (int p = 0; p < 4; ++p) {
     const __m512i raw = load_pair(blk + p * 32, tb);
     __m512i lo = _mm512_and_si512(raw, m4);
     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(h0[2 * p] | (uint64_t)h1[2 * p] << 32), lo, sixteen);
-    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(h0[2 * p + 1] | (uint64_t)h1[2 * p + 1] << 32), hi, sixteen);
+    if constexpr (FIFTH) {
+      lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(h0[2 * p] | (uint64_t)h1[2 * p] << 32), lo, sixteen);
+      hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(h0[2 * p + 1] | (uint64_t)h1[2 * p + 1] << 32), hi, sixteen);
+    }
     for (int r = 0; r < R; ++r) {
       s[r] = _mm512_dpbusd_epi32(s[r], lo, bcast_x(a, r0 + r, b, p));
       s[r] = _mm512_dpbusd_epi32(s[r], hi, bcast_x(a, r0 + r, b, p + 4));
@@ -678,7 +638,7 @@ inline void tile_pair(const uint8_t* qs, int64_t tb, const typename KindOf<KIND>
     if constexpr (KIND == KQ4_1 || KIND == KQ4_K) {
       q4_1_pair_dot<R>(blk, tb, a, r0, b, s32);
     } else if constexpr (KIND == KQ5_0) {
-      q5_0_pair_dot<R>(blk, tb, a, r0, b, s32);
+      q4_1_pair_dot<R, true>(blk, tb, a, r0, b, s32);
     } else {
       bytes_pair_dot<R, KIND != KQ5_K, KO::nsc == 2>(blk, tb, a, r0, b, s32, s_hi);
     }
@@ -725,7 +685,7 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
 #if SPECPLUG_VNNI
   if constexpr (KIND == KQ8_0 || KIND == KQ6_K) a.off = offset_sums(a.q, M, K);
 #endif
-  if constexpr (KIND == KQ5_0) a.off = offset_sums(a.q, M, K);  // on every ISA (q5_0_block_dot)
+  if constexpr (KIND == KQ5_0) a.off = offset_sums(a.q, M, K);  // on every ISA (q4_1_block_dot<R, true>)
   const uint8_t* qsp = qs.data_ptr<uint8_t>();
   const int64_t tile_bytes = qs.stride(0);
   using S = typename KindOf<KIND>::S;
