@@ -31,16 +31,9 @@ def load(path: str, threads: int, convert: bool):
     if not convert:
         return load_target(path, threads=threads).model
     from_blocks, common = native.QuantLinear.from_blocks.__func__, native.common_blocks
-
-    def as_q8_0(raw, qtype):
-        if qtype != "Q5_0":
-            return raw, qtype
-        rows = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1)
-        return native.q5_0_as_q8_0(rows).reshape(rows.shape[0], -1), "Q8_0"
-
-    native.common_blocks = lambda parts: [as_q8_0(r, qt) for r, qt in common(parts)]
+    native.common_blocks = lambda parts: [native.as_q8_0_rows(r, qt) for r, qt in parts]
     native.QuantLinear.from_blocks = classmethod(lambda cls, raw, qtype, shape, **kw: from_blocks(
-        cls, *as_q8_0(np.ascontiguousarray(raw).view(np.uint8).reshape(shape[0], -1), qtype), shape, **kw))
+        cls, *native.as_q8_0_rows(np.asarray(raw).reshape(shape[0], -1), qtype), shape, **kw))
     try:
         return load_target(path, threads=threads).model
     finally:

@@ -288,13 +288,15 @@ def common_blocks(parts: list[tuple[np.ndarray, str]]) -> list[tuple[np.ndarray,
     weights ((q - 16) d is a signed byte times the same float16 d); otherwise as stored."""
     if {qt for _, qt in parts} != {"Q5_0", "Q8_0"}:
         return parts
-    out = []
-    for raw, qt in parts:
-        if qt == "Q5_0":
-            rows = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1)
-            raw, qt = q5_0_as_q8_0(rows).reshape(rows.shape[0], -1), "Q8_0"
-        out.append((raw, qt))
-    return out
+    return [as_q8_0_rows(raw, qt) for raw, qt in parts]
+
+
+def as_q8_0_rows(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, str]:
+    """A tensor's rows ([rows, bytes]) as Q8_0 rows of the same weights if they are Q5_0, else as they are."""
+    if qtype != "Q5_0":
+        return raw, qtype
+    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1)
+    return q5_0_as_q8_0(rows).reshape(rows.shape[0], -1), "Q8_0"
 
 
 def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
