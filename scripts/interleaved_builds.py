@@ -2,8 +2,9 @@
 
 `kernel_builds.py` alternates whole rounds (decode, every T(k), prefill on one build, then the next);
 on a VM whose speed moves by 1.5x within minutes, two copies of the same build then read 0.7-1.3x of
-each other. Here each build runs one forward (or one walk of the forward's linears) in turn, the
-order reversed every time, so neighbouring calls share the VM's minute; medians of many.
+each other. Here each build runs one forward (or one walk of the forward's linears) at each k in
+turn, the order reversed every time, so neighbouring calls share the VM's minute, both between
+builds and between row counts (T(k)/T(1) of one build); medians of many.
 
   forward:  one forward of k rows after 512 tokens, as the engine runs it (T(k))
   linears:  the forward's 121 linears at k rows, one call each (and beside them the floor,
@@ -64,6 +65,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     runs: dict[tuple[str, int], list[float]] = {}
     parts = floor_parts(lins)
+    calls = []  # (build, k, call): every build at every k, all timed in turn
     for k in KS:
         if a.what == "forward":
             f = step(m, cache, 512, k)
@@ -71,24 +73,24 @@ def main() -> None:
             def run(n, f=f):
                 use(builds[n])
                 return timed(f)
-            calls = [(n, lambda n=n: run(n)) for n in names]
+            calls += [(n, k, lambda n=n, run=run: run(n)) for n in names]
         else:
             xs = [lin.quantize(torch.randn(k, lin.qs.shape[1] * 32, generator=g)) for lin in lins]
 
             def walk(n, xs=xs):
                 use(builds[n])
                 return timed(lambda: [lin.matmul(xa) for lin, xa in zip(lins, xs)])
-            calls = [(n, lambda n=n: walk(n)) for n in names] + [
-                ("floor", lambda k=k: 1e3 * walk_floor(builds[names[0]], parts, k))]
-        for _, c in calls:  # warm
-            c()
-        for i in range(a.calls):
-            for n, c in (calls if i % 2 == 0 else calls[::-1]):
-                runs.setdefault((n, k), []).append(c())
+            calls += [(n, k, lambda n=n, walk=walk: walk(n)) for n in names] + [
+                ("floor", k, lambda k=k: 1e3 * walk_floor(builds[names[0]], parts, k))]
+    for _, _, c in calls:  # warm
+        c()
+    for i in range(a.calls):
+        for n, k, c in (calls if i % 2 == 0 else calls[::-1]):
+            runs.setdefault((n, k), []).append(c())
     med = {key: statistics.median(v) for key, v in runs.items()}
     rows = names + (["floor"] if a.what == "linears" else [])
     print(f"# {machine.line(machine.describe('cpu'))}; {a.what} at k rows after 512 tokens, {a.calls} calls a build "
-          f"in turn; medians ms")
+          f"and k in turn; medians ms")
     print("build".ljust(30) + "".join(f"k={k}".ljust(9) for k in KS) + "  over k=1")
     for n in rows:
         print(n.ljust(30) + "".join(f"{med[(n, k)]:<9.2f}" for k in KS) + "  " +

@@ -54,6 +54,11 @@ def describe(device: str | None = None) -> dict:
             "specplug": _version(), "commit": _git_commit()}
     if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    if isa == "avx512":
+        try:
+            info["kernel_pair_rows"] = native.pair_rows()
+        except Exception as exc:  # a wrong SPECPLUG_PAIR_ROWS: the loader says so; a report only records it
+            info["kernel_pair_rows"] = f"unknown ({exc})"
     info["pages"] = _pages()
     return info
 
@@ -73,7 +78,8 @@ def _pages() -> str:
 def line(info: dict) -> str:
     """One line for a report: 'machine: AMD EPYC, 2 cores, 2 threads, kernels avx512; torch ...'."""
     parts = [f"machine: {info.get('cpu')}", f"{info.get('cores')} cores", f"{info.get('threads')} threads",
-             f"kernels {info.get('kernel_isa') or 'none'}"]
+             f"kernels {info.get('kernel_isa') or 'none'}" +
+             (f" (tile pairs from {info['kernel_pair_rows']} rows)" if info.get("kernel_pair_rows") else "")]
     if info.get("pages"):
         parts.append(f"pages {info['pages']}")
     if info.get("gpu"):

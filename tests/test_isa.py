@@ -73,10 +73,75 @@ def test_no_avx2_means_no_gguf_kernels(cpu, monkeypatch):
 
 def test_describe_names_the_cpu_and_the_path(monkeypatch):
     monkeypatch.delenv(native.ISA_ENV, raising=False)
+    monkeypatch.delenv(native.PAIR_ROWS_ENV, raising=False)
     d = native.describe()
     assert d["cpu"] == native.cpu_model() and d["isa"] == native.available_isas()[0]
     assert d["isa_flags"] == list(native.ISA_CFLAGS[d["isa"]])
     assert native.kernels(d["isa"]).isa() == d["isa"]  # the build really is that path
+    if d["isa"] == "avx512":  # the tile-pair threshold it runs with
+        assert d["pair_rows"] == native.pair_rows() == native.kernels("avx512").pair_rows()
+    else:
+        assert d["pair_rows"] is None
+
+
+# ---- from how many rows the AVX-512 linears run on tile pairs: a tuning per CPU -----------------
+
+def test_the_pair_threshold_follows_the_cpu_and_specplug_pair_rows(monkeypatch):
+    monkeypatch.delenv(native.PAIR_ROWS_ENV, raising=False)
+    monkeypatch.setattr(native, "cpu_id", lambda: ("AuthenticAMD", 25))  # Zen 4: 256 bits up to 4 rows
+    assert native.pair_rows() == 5
+    monkeypatch.setattr(native, "cpu_id", lambda: ("GenuineIntel", 6))  # pairs from one row
+    assert native.pair_rows() == native.PAIR_ROWS_DEFAULT == 1
+    monkeypatch.setenv(native.PAIR_ROWS_ENV, "3")
+    assert native.pair_rows() == 3
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv(native.PAIR_ROWS_ENV, bad)
+        with pytest.raises(ModelError, match=f"SPECPLUG_PAIR_ROWS='{bad}': give a whole number of rows, 1 or more"):
+            native.pair_rows()
+
+
+def _linear_of(kind: str, n: int, k: int, seed: int):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from specplug.testing import random_k_quant
+
+    if kind == "Q4_1":
+        return _q4_1_linear(n, k, seed)
+    if kind == "Q8_0":
+        return _q8_0_linear(n, k, seed)
+    rng = np.random.default_rng(seed)
+    raw = (quantize((rng.standard_normal((n, k)) * 3).astype(np.float32), GGMLQuantizationType.Q5_0)
+           if kind == "Q5_0" else random_k_quant(n, k, kind, rng))
+    return native.QuantLinear.from_blocks(raw, kind, (n, k))
+
+
+@other_paths
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_tile_pairs_and_single_tiles_give_the_same_bits_at_any_threshold(kind):
+    """Which calls run on tile pairs is a tuning (native.pair_rows): a row's result is the same whether
+    its call ran on pairs or on single tiles, so it never depends on how many rows share the call."""
+    ext = native.kernels("avx512")
+    before = ext.pair_rows()
+    lin = _linear_of(kind, 44, 512, 7)  # 6 tiles: a partial last one, in a pair with the one before
+    lin.k = ext
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(9, 512, generator=g) * 2
+    res = torch.randn(9, 44, generator=g)
+    try:
+        outs = {}
+        for rows in (1, 5, 1000):  # pairs at every row count, from 5 rows, never
+            ext.set_pair_rows(rows)
+            assert ext.pair_rows() == rows
+            outs[rows] = [lin(x[:m], res[:m]) for m in range(1, 10)]
+            for m in range(1, 10):  # each row alone gives its bits in every call
+                assert torch.equal(outs[rows][m - 1], outs[rows][-1][:m]), (kind, rows, m)
+        assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[1000])), kind
+        assert all(torch.equal(a, b) for a, b in zip(outs[5], outs[1000])), kind
+    finally:
+        ext.set_pair_rows(before)
+    with pytest.raises(RuntimeError, match="rows must be >= 1"):
+        ext.set_pair_rows(0)
 
 
 # ---- every path computes the same bits ---------------------------------------------------------

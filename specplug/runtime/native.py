@@ -64,12 +64,17 @@ ISA_ENV = "SPECPLUG_ISA"
 
 
 @functools.lru_cache(maxsize=1)
+def _cpuinfo_text() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+@functools.lru_cache(maxsize=1)
 def _cpuinfo() -> tuple[str, frozenset[str]]:
     """(CPU model name, feature flags) from /proc/cpuinfo; elsewhere from torch's capability."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
+    text = _cpuinfo_text()
     model, flags = platform.processor() or platform.machine(), None
     for line in text.splitlines():
         key, _, value = line.partition(":")
@@ -86,6 +91,44 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
 
 def cpu_model() -> str:
     return _cpuinfo()[0]
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_id() -> tuple[str, int | None]:
+    """(vendor, family) from /proc/cpuinfo: ("AuthenticAMD", 25) on Zen 3 and Zen 4; ("", None) unknown."""
+    vendor, family = "", None
+    for line in _cpuinfo_text().splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "vendor_id" and not vendor:
+            vendor = value
+        elif key == "cpu family" and family is None and value.isdigit():
+            family = int(value)
+    return vendor, family
+
+
+# ---- the tile-pair threshold, a tuning per CPU -----------------------------------------------------
+# The AVX-512 build computes a linear two tiles at a time on 512-bit registers ("tile pairs") or one
+# at a time on 256-bit ones; both give the same bits, so which runs is a matter of speed only. Pairs
+# from one row suit Intel's server cores (Cascade Lake: the linears at one row 1.18x faster with the
+# pairs' software prefetch). Zen 4 issues a 512-bit operation as two 256-bit halves, and there the
+# 256-bit path is faster up to 4 rows: the forward at 1 / 2 / 4 rows 1.13 / 1.13 / 1.05x, at 8-16
+# the same (AMD EPYC Zen 4, 2 threads, `scripts/interleaved_builds.py`, docs/results/runtime.md).
+PAIR_ROWS_ENV = "SPECPLUG_PAIR_ROWS"
+PAIR_ROWS_BY_CPU = {("AuthenticAMD", 25): 5}  # (vendor, family): calls of fewer rows on 256 bits
+PAIR_ROWS_DEFAULT = 1
+
+
+def pair_rows() -> int:
+    """The row count from which the AVX-512 linears run on tile pairs: ${PAIR_ROWS_ENV} when set,
+    else this CPU's tuning (PAIR_ROWS_BY_CPU) or PAIR_ROWS_DEFAULT."""
+    forced = os.environ.get(PAIR_ROWS_ENV, "").strip()
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ModelError(f"{PAIR_ROWS_ENV}={forced!r}: give a whole number of rows, 1 or more "
+                             f"(linear calls of at least that many rows run on 512-bit tile pairs)")
+        return int(forced)
+    return PAIR_ROWS_BY_CPU.get(cpu_id(), PAIR_ROWS_DEFAULT)
 
 
 def available_isas() -> list[str]:
@@ -144,7 +187,7 @@ def describe(isa: str | None = None) -> dict:
     """Where the kernels run, for results JSON: CPU model, the ISA path and its compiler flags."""
     isa = isa or (chosen_isa() if not unavailable_reason() else None)
     return {"cpu": cpu_model(), "isa": isa, "isa_flags": list(ISA_CFLAGS.get(isa, ())),
-            "isas_available": available_isas()}
+            "isas_available": available_isas(), "pair_rows": pair_rows() if isa == "avx512" else None}
 
 
 _CFLAGS = ("-O3", "-fopenmp")  # every ISA's build; ISA_CFLAGS adds its own
@@ -214,6 +257,7 @@ def kernels(isa: str | None = None):
     ext = _ext.get(isa)
     if ext is not None:
         return ext
+    rows = pair_rows()  # a wrong ${PAIR_ROWS_ENV} stops here, before any build
     with _lock:
         if isa not in _ext:
             from torch.utils.cpp_extension import load
@@ -225,13 +269,15 @@ def kernels(isa: str | None = None):
                 with build_lock(folder, say):
                     if not any(folder.glob(f"{name}*.so")):
                         say(f"specplug: building the gguf CPU kernels for {isa} (~30 s) in {folder}...")
-                    _ext[isa] = load(name=name, sources=[str(_SRC)], extra_cflags=[*_CFLAGS, *ISA_CFLAGS[isa]],
-                                     extra_ldflags=list(_LDFLAGS), build_directory=str(folder),
-                                     verbose=bool(os.environ.get("SPECPLUG_VERBOSE_BUILD")))
+                    ext = load(name=name, sources=[str(_SRC)], extra_cflags=[*_CFLAGS, *ISA_CFLAGS[isa]],
+                               extra_ldflags=list(_LDFLAGS), build_directory=str(folder),
+                               verbose=bool(os.environ.get("SPECPLUG_VERBOSE_BUILD")))
             except Exception as exc:  # no compiler, no ninja, a broken toolchain, an unwritable folder
                 _ext_error[isa] = (f"could not build the gguf kernels ({isa}) in {folder} ({type(exc).__name__}: "
                                    f"{str(exc).strip()[-300:]}); install a C++ compiler and ninja, or use quant: none")
                 raise ModelError(_ext_error[isa]) from None
+            ext.set_pair_rows(rows)
+            _ext[isa] = ext
     return _ext[isa]
 
 

@@ -517,13 +517,17 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
 #define SPECPLUG_ZMM 0
 #endif
 
-// Calls of at least this many rows run on tile pairs (fewer: one tile at a time on 256 bits). One
-// row is bound by the weights' stream: without software prefetch the pairs were slower there
-// (Cascade Lake, decode 0.93-0.96x, scripts/decode_builds.py); with it (PAIR_AHEAD) they are faster:
-// the forward's linears at one row 1.18x (the 256-bit path with its own prefetch: 0.93x).
+// Calls of at least this many rows run on tile pairs (fewer: one tile at a time on 256 bits); the
+// default of g_pair_rows, which set_pair_rows changes at run time (native.py picks it per CPU). Both
+// give the same bits, so the choice moves only time. One row is bound by the weights' stream: on
+// Cascade Lake the pairs with their software prefetch (PAIR_AHEAD) make the forward's linears at one
+// row 1.18x faster (the 256-bit path with its own prefetch: 0.93x), so pairs from one row there. On
+// Zen 4 (512-bit operations issued as two 256-bit halves) the 256-bit path without prefetch is the
+// faster one up to 4 rows: the forward at 1 / 2 / 4 rows 1.13 / 1.13 / 1.05x (scripts/interleaved_builds.py).
 #ifndef ZMM_ROWS
 #define ZMM_ROWS 1
 #endif
+std::atomic<int64_t> g_pair_rows{ZMM_ROWS};
 // Activation rows per pass over a tile pair: AVX-512's 32 registers hold 8 rows' accumulators and
 // integer sums (AVX2's 16 hold 4). Against 4 a pass, Cascade Lake, one thread, SmolLM2's linears
 // at 8-16 rows: 1.10-1.35x the multiply-adds a second (the Q8_0 output head 1.26-1.36x).
@@ -707,7 +711,7 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
   float* yp = y.data_ptr<float>();
   const int64_t scale_bytes = nb * NC * (int64_t)sizeof(S) * NSC;  // a tile's d (and as many of m)
 #if SPECPLUG_ZMM
-  const bool pairs = M >= ZMM_ROWS;  // tile_pairs below, ZMM_RT rows a pass; else one_tile, RT
+  const bool pairs = M >= g_pair_rows.load(std::memory_order_relaxed);  // tile_pairs below, ZMM_RT rows a pass; else one_tile, RT
   const int64_t rows_a_pass = pairs ? ZMM_RT : RT;
 #else
   const int64_t rows_a_pass = RT;
@@ -1864,6 +1868,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_dots", &probes::stream_dots, "seconds for the least work of one linear call of `rows` rows on its "
         "weights (`bits` 4 or 8) and scales, `repeat` walks", py::arg("weights"), py::arg("extra"), py::arg("rows"),
         py::arg("bits"), py::arg("repeat") = 1, py::arg("ahead") = 0, nogil);
+  m.def("set_pair_rows", [](int64_t rows) {
+        TORCH_CHECK(rows >= 1, "set_pair_rows: rows must be >= 1, got ", rows);
+#if SPECPLUG_ZMM
+        g_pair_rows.store(rows, std::memory_order_relaxed);
+#endif
+      }, "linear calls of at least this many rows run on 512-bit tile pairs (a tuning: the same bits either way)");
+  m.def("pair_rows", []() -> int64_t { return SPECPLUG_ZMM ? g_pair_rows.load(std::memory_order_relaxed) : 0; },
+        "the row count from which linears run on tile pairs (0: this build has no tile pairs)");
   m.def("set_stage_timing", [](bool on) { g_timing.store(on, std::memory_order_relaxed); },
         "time every kernel call natively per family (off by default; for --profile)");
   m.def("stage_times", []() {
