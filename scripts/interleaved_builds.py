@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--builds", required=True, help="comma-separated; the first is the one the others are compared with")
     p.add_argument("--what", choices=("forward", "linears"), default="forward")
     p.add_argument("--calls", type=int, default=60, help="timed calls per build and k")
+    p.add_argument("--ks", type=int, nargs="+", default=list(KS), help="row counts (each forward computes every row's logits, as a verification does)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--json", default=None)
@@ -66,7 +67,8 @@ def main() -> None:
     runs: dict[tuple[str, int], list[float]] = {}
     parts = floor_parts(lins)
     calls = []  # (build, k, call): every build at every k, all timed in turn
-    for k in KS:
+    ks = a.ks
+    for k in ks:
         if a.what == "forward":
             f = step(m, cache, 512, k)
 
@@ -91,12 +93,12 @@ def main() -> None:
     rows = names + (["floor"] if a.what == "linears" else [])
     print(f"# {machine.line(machine.describe('cpu'))}; {a.what} at k rows after 512 tokens, {a.calls} calls a build "
           f"and k in turn; medians ms")
-    print("build".ljust(30) + "".join(f"k={k}".ljust(9) for k in KS) + "  over k=1")
+    print("build".ljust(30) + "".join(f"k={k}".ljust(9) for k in ks) + f"  over k={ks[0]}")
     for n in rows:
-        print(n.ljust(30) + "".join(f"{med[(n, k)]:<9.2f}" for k in KS) + "  " +
-              " / ".join(f"{med[(n, k)] / med[(n, 1)]:.2f}" for k in KS[1:]))
+        print(n.ljust(30) + "".join(f"{med[(n, k)]:<9.2f}" for k in ks) + "  " +
+              " / ".join(f"{med[(n, k)] / med[(n, ks[0])]:.2f}" for k in ks[1:]))
     for n in names[1:]:
-        print(f"{names[0]} / {n}: " + " ".join(f"k={k} {med[(names[0], k)] / med[(n, k)]:.3f}x" for k in KS))
+        print(f"{names[0]} / {n}: " + " ".join(f"k={k} {med[(names[0], k)] / med[(n, k)]:.3f}x" for k in ks))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"command": "python scripts/interleaved_builds.py " + " ".join(sys.argv[1:]),
