@@ -20,7 +20,7 @@ from specplug import hooks, plugins
 from specplug.cli import main
 from specplug.config import load_config
 from specplug.engine import Engine, Request
-from specplug.errors import ConfigError, PluginError
+from specplug.errors import ConfigError, ModelError, PluginError
 from specplug.hooks import hookimpl
 from specplug.runtime import native
 from specplug.testing import (Faulty, Oracle, RandomDrafts, assert_greedy_equal, greedy_outputs, make_engine,
@@ -68,6 +68,14 @@ def test_a_symlinked_checkout_builds_in_the_same_folder(tmp_path):
     assert str(tmp_path) not in src  # imported through the link, named by the real path
 
 
+class _FakeKernels:
+    """What a loaded build offers the loader: the tile-pair threshold it is given (native.pair_rows)."""
+    pair_rows = None
+
+    def set_pair_rows(self, rows: int) -> None:
+        self.pair_rows = rows
+
+
 def _fake_build(monkeypatch, tmp_path, calls):
     import torch.utils.cpp_extension as cpp
 
@@ -76,7 +84,7 @@ def _fake_build(monkeypatch, tmp_path, calls):
         so = Path(build_directory) / f"{name}.so"
         if not so.exists():
             so.write_bytes(b"")  # "built"
-        return object()
+        return _FakeKernels()
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpp, "load", fake_load)
@@ -89,12 +97,22 @@ def _fake_build(monkeypatch, tmp_path, calls):
 def test_kernel_build_says_building_each_time_it_builds_and_only_then(monkeypatch, tmp_path, capsys):
     calls: list[str] = []
     _fake_build(monkeypatch, tmp_path, calls)
-    native.kernels()
+    monkeypatch.setenv(native.PAIR_ROWS_ENV, "3")
+    assert native.kernels().pair_rows == 3  # the tuning reaches the loaded build
     assert "building the gguf CPU kernels" in capsys.readouterr().err
     monkeypatch.setattr(native, "_ext", {})  # a second process: the .so is there
     native.kernels()
     assert "building" not in capsys.readouterr().err
     assert calls == [str(native.build_dir())] * 2
+
+
+def test_a_wrong_specplug_pair_rows_is_one_clear_error_before_any_build(monkeypatch, tmp_path):
+    calls: list[str] = []
+    _fake_build(monkeypatch, tmp_path, calls)
+    monkeypatch.setenv(native.PAIR_ROWS_ENV, "two")
+    with pytest.raises(ModelError, match="SPECPLUG_PAIR_ROWS='two': give a whole number of rows"):
+        native.kernels()
+    assert calls == [] and native._ext == {}
 
 
 def test_kernel_build_recovers_from_a_stale_torch_lock(monkeypatch, tmp_path, capsys):

@@ -112,10 +112,13 @@ def cpu_id() -> tuple[str, int | None]:
 # at a time on 256-bit ones; both give the same bits, so which runs is a matter of speed only. Pairs
 # from one row suit Intel's server cores (Cascade Lake: the linears at one row 1.18x faster with the
 # pairs' software prefetch). Zen 4 issues a 512-bit operation as two 256-bit halves, and there the
-# 256-bit path is faster up to 4 rows: the forward at 1 / 2 / 4 rows 1.13 / 1.13 / 1.05x, at 8-16
-# the same (AMD EPYC Zen 4, 2 threads, `scripts/interleaved_builds.py`, docs/results/runtime.md).
+# 256-bit path is faster up to 4 rows: the forward at 1 / 2 / 4 rows 1.13-1.14 / 1.11-1.13 /
+# 1.00-1.05x, at 8-16 the same (AMD EPYC Zen 4, 2 threads, `scripts/interleaved_builds.py`,
+# docs/results/runtime.md). Other CPUs take the default until measured.
 PAIR_ROWS_ENV = "SPECPLUG_PAIR_ROWS"
-PAIR_ROWS_BY_CPU = {("AuthenticAMD", 25): 5}  # (vendor, family): calls of fewer rows on 256 bits
+# (vendor, family): calls of fewer rows on 256 bits. AMD family 25 is Zen 3 and Zen 4; of them only
+# Zen 4 has AVX-512, the only path with tile pairs.
+PAIR_ROWS_BY_CPU = {("AuthenticAMD", 25): 5}
 PAIR_ROWS_DEFAULT = 1
 
 

@@ -523,7 +523,8 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
 // Cascade Lake the pairs with their software prefetch (PAIR_AHEAD) make the forward's linears at one
 // row 1.18x faster (the 256-bit path with its own prefetch: 0.93x), so pairs from one row there. On
 // Zen 4 (512-bit operations issued as two 256-bit halves) the 256-bit path without prefetch is the
-// faster one up to 4 rows: the forward at 1 / 2 / 4 rows 1.13 / 1.13 / 1.05x (scripts/interleaved_builds.py).
+// faster one up to 4 rows: the forward at 1 / 2 / 4 rows 1.13-1.14 / 1.11-1.13 / 1.00-1.05x faster
+// (scripts/interleaved_builds.py, docs/results/runtime.md).
 #ifndef ZMM_ROWS
 #define ZMM_ROWS 1
 #endif
