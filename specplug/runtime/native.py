@@ -64,29 +64,30 @@ ISA_ENV = "SPECPLUG_ISA"
 
 
 @functools.lru_cache(maxsize=1)
-def _cpuinfo_text() -> str:
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first non-empty value of each key of /proc/cpuinfo ({} where there is none)."""
     try:
-        return Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ""
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if value.strip():
+            fields.setdefault(key.strip(), value.strip())
+    return fields
 
 
 @functools.lru_cache(maxsize=1)
 def _cpuinfo() -> tuple[str, frozenset[str]]:
     """(CPU model name, feature flags) from /proc/cpuinfo; elsewhere from torch's capability."""
-    text = _cpuinfo_text()
-    model, flags = platform.processor() or platform.machine(), None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and value.strip():
-            model = value.strip()
-        elif key == "flags" and flags is None:
-            flags = frozenset(value.split())
-    if flags is None:  # no /proc/cpuinfo: what torch says, without VNNI (it does not say)
-        cap = torch.backends.cpu.get_cpu_capability()
-        flags = frozenset(ISA_CPU_FLAGS["avx2"] if cap in ("AVX2", "AVX512") else ())
-    return model, flags
+    fields = _cpuinfo_fields()
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    if "flags" in fields:
+        return model, frozenset(fields["flags"].split())
+    # no /proc/cpuinfo: what torch says, without VNNI (it does not say)
+    cap = torch.backends.cpu.get_cpu_capability()
+    return model, frozenset(ISA_CPU_FLAGS["avx2"] if cap in ("AVX2", "AVX512") else ())
 
 
 def cpu_model() -> str:
@@ -96,15 +97,9 @@ def cpu_model() -> str:
 @functools.lru_cache(maxsize=1)
 def cpu_id() -> tuple[str, int | None]:
     """(vendor, family) from /proc/cpuinfo: ("AuthenticAMD", 25) on Zen 3 and Zen 4; ("", None) unknown."""
-    vendor, family = "", None
-    for line in _cpuinfo_text().splitlines():
-        key, _, value = line.partition(":")
-        key, value = key.strip(), value.strip()
-        if key == "vendor_id" and not vendor:
-            vendor = value
-        elif key == "cpu family" and family is None and value.isdigit():
-            family = int(value)
-    return vendor, family
+    fields = _cpuinfo_fields()
+    family = fields.get("cpu family", "")
+    return fields.get("vendor_id", ""), int(family) if family.isdigit() else None
 
 
 # ---- the tile-pair threshold, a tuning per CPU -----------------------------------------------------
