@@ -5,14 +5,14 @@ decode_ms at two contexts, T(k) for one forward of k new tokens after a 512-toke
 4 sequences x 1 token vs 1 x 1, and peak RSS. Medians over repeats; prints and writes JSON.
 
 `--profile` (the `gguf` runtime) adds the roofline report: this machine's limits (a streaming
-read of 1 GB with the run's threads; the build's dot instruction alone, the ISA's own ceiling; the
-matmul kernels' own peak on weights that stay in cache; the floor: the least work of the linears
+read of 1 GB with the run's threads; the build's dot instruction alone, the ISA's own ceiling, and
+its float multiply-add alone, attention's; the matmul kernels' own peak on weights that stay in cache; the floor: the least work of the linears
 on their own bytes, `stream_dots`), then per forward of k rows at several contexts, run as the engine runs it (all layers
 in one native call), the time in linears, activation quantization (norms fused), RoPE + KV
 store, attention and Gemma's extra norms, each timed inside the kernels (`stage_times`), and the
 rest (Python, the embedding, the final norm: the forward's time less its kernels), with the bytes
 of weights and KV read, the multiply-adds, and the achieved GB/s and G MAC/s of the linears; at
-ctx 512 the linears against their bound and floor, and the headroom: the forward with its linears
+ctx 512 the linears against their bound and floor, attention against its bound, and the headroom: the forward with its linears
 and attention at their least (`least_forward_ms`), how much faster kernels could still make it.
 """
 from __future__ import annotations
@@ -252,8 +252,9 @@ def _stage_ms(ext, fwd, repeats: int, beside=None) -> dict[str, float]:
 
 def _machine_limits(threads: int, ext) -> dict:
     """Streaming-read GB/s (a 1 GB float32 sum), the build's dot instruction alone (`ext.dot_peak`:
-    the ISA's own ceiling of G MAC/s on these threads) and the kernels' peak G MAC/s (Q4_1 and Q8_0
-    weights that stay in cache, 64 rows)."""
+    the ISA's own ceiling of G MAC/s on these threads), its float multiply-add alone (`ext.fma_peak`:
+    attention's ceiling) and the kernels' peak G MAC/s (Q4_1 and Q8_0 weights that stay in cache,
+    64 rows)."""
     from specplug.runtime.native import QuantLinear
 
     x = torch.ones(256 * 1024 * 1024)  # 1 GiB
@@ -262,7 +263,9 @@ def _machine_limits(threads: int, ext) -> dict:
     out = {"threads": threads, "stream_read_gb_s": round(gbs, 1), "isa": ext.isa(),
            "dot_instruction": ext.dot_instruction(),
            # the best of 7 (~25 ms each): the first wakes the threads, and a loud VM only ever slows a run
-           "peak_gmac_s_isa": round(max(ext.dot_peak() for _ in range(7)) / 1e9, 1)}
+           "peak_gmac_s_isa": round(max(ext.dot_peak() for _ in range(7)) / 1e9, 1),
+           "fma_instruction": ext.fma_instruction(),
+           "peak_gmac_s_fma": round(max(ext.fma_peak() for _ in range(7)) / 1e9, 1)}
     g = torch.Generator().manual_seed(0)
     w = torch.randn(512, 576, generator=g)
     a = torch.randn(64, 576, generator=g)
@@ -366,22 +369,31 @@ def linear_bound_ms(r: dict, lim: dict) -> float:
     return max(r["weight_mb"] / lim["stream_read_gb_s"], r["linear_gmacs"] / lim["peak_gmac_s_isa"] * 1e3)
 
 
+def attention_bound_ms(r: dict, lim: dict) -> float:
+    """The roofline bound of a row's attention: max(one read of its K/V bytes at the streaming rate,
+    its multiply-adds (scores and weighted V sums) at the float multiply-add's peak), ms. (A limits
+    record from before the multiply-add's peak was measured: the read alone.)"""
+    fma = lim.get("peak_gmac_s_fma")
+    return max(r["kv_mb"] / lim["stream_read_gb_s"], r["attn_gmacs"] / fma * 1e3 if fma else 0.0)
+
+
 def least_forward_ms(r: dict, lim: dict) -> float:
     """A profile row's forward with the parts a kernel path decides at their least: the linears at
-    the shorter of their floor and their bound, attention at one read of its K/V bytes at the
-    streaming rate; quantization, RoPE, norms and the rest as measured (the same code on every ISA).
-    The row's total over this is the most that kernels on this path's ISA could speed that forward up
-    (at one row the bound is the weights' stream, the same on every ISA)."""
+    the shorter of their floor and their bound, attention at its bound; quantization, RoPE, norms and
+    the rest as measured (the same code on every ISA). The row's total over this is the most that
+    kernels on this path's ISA could speed that forward up (at one row the bound is the weights'
+    stream, the same on every ISA)."""
     lin = min(r.get("floor_ms") or float("inf"), linear_bound_ms(r, lim))
-    attn = r["kv_mb"] / lim["stream_read_gb_s"]
-    return r["total_ms"] - r["linear_ms"] - r["attention_ms"] + lin + attn
+    return r["total_ms"] - r["linear_ms"] - r["attention_ms"] + lin + attention_bound_ms(r, lim)
 
 
 def format_profile(prof: dict) -> str:
     lim = prof["limits"]
     lines = [f"machine: streaming read {lim['stream_read_gb_s']} GB/s ({lim['threads']} threads); the dot instruction "
              f"alone ({lim['dot_instruction']}) {lim['peak_gmac_s_isa']} G MAC/s; kernel peak ({lim['isa']}) "
-             f"{lim['peak_gmac_s_q4_1']} G MAC/s (Q4_1), {lim['peak_gmac_s_q8_0']} G MAC/s (Q8_0)",
+             f"{lim['peak_gmac_s_q4_1']} G MAC/s (Q4_1), {lim['peak_gmac_s_q8_0']} G MAC/s (Q8_0)" +
+             (f"; the float multiply-add alone ({lim['fma_instruction']}) {lim['peak_gmac_s_fma']} G MAC/s"
+              if lim.get("peak_gmac_s_fma") else ""),
              "total: the forward as the engine runs it (all layers in one native call); the kernel families' "
              "time inside the same runs, by the kernels' own timers; rest: their wall time less their kernels' (Python, embedding, ...)",
              f"{'ctx':>5} {'k':>3} {'total':>7} {'linear':>7} {'quant':>6} {'rope':>6} {'attn':>6} {'norm':>6} {'rest':>6} "
@@ -409,9 +421,18 @@ def format_profile(prof: dict) -> str:
                      f"; measured {r['linear_ms']:6.2f} ms ({r['linear_ms'] / bound:.2f}x the bound" +
                      (f", {r['linear_ms'] / fl:.2f}x the floor" if fl else "") + ")")
     if at:
+        lines.append(f"roofline of attention per forward (ctx {FLOOR_CTX}): bound = max(K/V bytes / streaming GB/s, "
+                     "its multiply-adds / the float multiply-add's peak)")
+        for r in at:
+            bound = attention_bound_ms(r, lim)
+            fma = lim.get("peak_gmac_s_fma")
+            lines.append(f"  k={r['k']:<3} memory {r['kv_mb'] / lim['stream_read_gb_s']:6.2f} ms" +
+                         (f", compute {r['attn_gmacs'] / fma * 1e3:6.2f} ms" if fma else "") +
+                         f" -> bound {bound:6.2f} ms; measured {r['attention_ms']:6.2f} ms "
+                         f"({r['attention_ms'] / bound:.2f}x the bound)")
         least = [(r["k"], r["total_ms"], least_forward_ms(r, lim)) for r in at]
         lines.append(f"headroom (ctx {FLOOR_CTX}): the forward with its linears at the shorter of floor and bound and "
-                     "attention at one read of its K/V at the streaming rate, the rest as measured (the same code on "
-                     "every ISA; the bound on this path's ISA): " +
+                     "attention at its bound, the rest as measured (the same code on every ISA; the bounds on this "
+                     "path's ISA): " +
                      ", ".join(f"k={k} {ms:.2f} ms (measured {total / ms:.2f}x it)" for k, total, ms in least))
     return "\n".join(lines)

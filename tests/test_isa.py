@@ -300,11 +300,13 @@ def test_results_say_where_they_ran():
 
 @pytest.mark.parametrize("isa", native.available_isas())
 def test_the_probes_time_the_build_s_own_instruction_and_refuse_what_they_cannot_walk(isa):
-    """`dot_peak` and `stream_dots` (bench-runtime --profile's ISA ceiling and floor) run on each
+    """`dot_peak`, `fma_peak` and `stream_dots` (bench-runtime --profile's ISA ceilings and floor) run on each
     path the CPU has, with that path's instruction; bad arguments are one clear error each."""
     k = native.kernels(isa)
     assert k.dot_instruction().startswith("vpdpbusd zmm" if isa == "avx512" else "vpmaddubsw")
     assert k.dot_peak() > 0
+    assert k.fma_instruction() == ("vfmadd zmm" if isa == "avx512" else "vfmadd ymm")
+    assert k.fma_peak() > 0
     w = torch.randint(0, 256, (3 * 16384 + 100,), dtype=torch.uint8)  # a partial last chunk and load
     scales = torch.zeros(777, dtype=torch.float16)
     for rows in (0, 1, 2, 4, 8, 16):

@@ -330,7 +330,8 @@ def test_profile_times_the_engine_path_and_counts_what_the_linears_read(qtiny, m
     monkeypatch.setattr(bench_runtime, "PROFILE_K", (1, 2))
     monkeypatch.setattr(bench_runtime, "_machine_limits", lambda threads, ext: {
         "threads": threads, "stream_read_gb_s": 10.0, "isa": ext.isa(), "dot_instruction": ext.dot_instruction(),
-        "peak_gmac_s_isa": 200.0, "peak_gmac_s_q4_1": 100.0, "peak_gmac_s_q8_0": 50.0})
+        "peak_gmac_s_isa": 200.0, "peak_gmac_s_q4_1": 100.0, "peak_gmac_s_q8_0": 50.0,
+        "fma_instruction": ext.fma_instruction(), "peak_gmac_s_fma": 0.001})
     m = qtiny.model
     prof = bench_runtime.profile(m, repeats=3)
     rows = {(r["ctx"], r["k"]): r for r in prof["rows"]}
@@ -348,6 +349,10 @@ def test_profile_times_the_engine_path_and_counts_what_the_linears_read(qtiny, m
     text = bench_runtime.format_profile(prof)
     assert "k=1 " in text and "x the bound" in text and "x the floor" in text  # the roofline lines at ctx 512
     assert "headroom (ctx 512)" in text
+    # attention against its bound: at 1 M MAC/s of float multiply-adds (above) its multiply-adds bound it
+    r = rows[(512, 1)]
+    assert bench_runtime.attention_bound_ms(r, prof["limits"]) == pytest.approx(r["attn_gmacs"] / 0.001 * 1e3)
+    assert "roofline of attention per forward (ctx 512)" in text and "x the bound)" in text.split("attention per")[1]
 
 
 def test_headroom_puts_the_kernel_parts_at_their_least_and_keeps_the_rest():
@@ -363,6 +368,13 @@ def test_headroom_puts_the_kernel_parts_at_their_least_and_keeps_the_rest():
     assert bench_runtime.least_forward_ms({**row, "floor_ms": 4.0}, lim) == pytest.approx(6.5)
     # many rows: the multiply-adds bound the linears
     assert bench_runtime.linear_bound_ms({**row, "linear_gmacs": 0.8}, lim) == pytest.approx(8.0)
+    # attention: its multiply-adds at the float multiply-add's peak when they take longer than the read
+    row["attn_gmacs"] = 0.05
+    assert bench_runtime.attention_bound_ms(row, lim) == pytest.approx(0.5)  # no float peak measured: the read
+    fma = {**lim, "peak_gmac_s_fma": 50.0}
+    assert bench_runtime.attention_bound_ms(row, fma) == pytest.approx(1.0)  # 0.05 G MAC at 50 G/s > 0.5 ms read
+    assert bench_runtime.least_forward_ms(row, fma) == pytest.approx(8.0)
+    assert bench_runtime.attention_bound_ms({**row, "attn_gmacs": 0.005}, fma) == pytest.approx(0.5)
 
 
 def test_the_stack_refuses_mismatched_caches_and_taps(qtiny):

@@ -1866,6 +1866,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dot_peak", &probes::dot_peak, "multiply-adds a second of the build's dot instruction alone, on the runtime's threads",
         nogil);
   m.def("dot_instruction", []() { return std::string(PROBES_DOT); }, "the dot instruction dot_peak times");
+  m.def("fma_peak", &probes::fma_peak, "float multiply-adds a second of the build's multiply-add instruction alone, on "
+        "the runtime's threads", nogil);
+  m.def("fma_instruction", []() { return std::string(PROBES_FMA); }, "the multiply-add instruction fma_peak times");
   m.def("stream_dots", &probes::stream_dots, "seconds for the least work of one linear call of `rows` rows on its "
         "weights (`bits` 4 or 8) and scales, `repeat` walks", py::arg("weights"), py::arg("extra"), py::arg("rows"),
         py::arg("bits"), py::arg("repeat") = 1, py::arg("ahead") = 0, nogil);

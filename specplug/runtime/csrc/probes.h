@@ -6,6 +6,10 @@
 //    (AVX-512 VNNI: vpdpbusd on 512 bits, 64 multiply-adds; AVX2: vpmaddubsw + vpmaddwd + vpaddd on
 //    256 bits, 32), 16 independent accumulators a thread so its latency hides: the ISA's own
 //    ceiling of multiply-adds a second, which no kernel on this build can pass.
+//  - fma_peak(): the float multiply-add alone (vfmadd on the same registers: 16 lanes a 512-bit one, 8 a
+//    256-bit one), 16 independent accumulators a thread (12 in AVX2's 16 registers, where 16 spill and
+//    read half the peak): the ceiling of attention's float work (its
+//    scores and weighted V sums are multiply-adds), which no attention kernel on this build can pass.
 //  - stream_dots(): the floor of a linear, the least work a k-row linear does on the bytes of its
 //    weights: load, split 4-bit values into low and high nibbles (8-bit: offset by 128), one dot
 //    instruction per row per half, the scales read and not used, and nothing else (no float work,
@@ -44,6 +48,14 @@ inline V dot(V acc, V w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_
 inline int64_t vsum(V v) { return _mm512_reduce_add_epi32(v); }
 inline void opaque(V& v) { __asm__ volatile("" : "+v"(v)); }
 #define PROBES_DOT "vpdpbusd zmm"
+using F = __m512;
+constexpr int LANES_PER_FMA = 16;
+inline F fma_op(F acc, F w, F c) { return _mm512_fmadd_ps(acc, w, c); }
+inline F fset(float x) { return _mm512_set1_ps(x); }
+inline double fsum(F v) { return _mm512_reduce_add_ps(v); }
+inline void opaque(F& v) { __asm__ volatile("" : "+v"(v)); }
+#define PROBES_FMA "vfmadd zmm"
+constexpr int FMA_CHAINS = 16;  // accumulators a thread (with w and the addend, in the 32 registers)
 constexpr int PASS_ROWS = 8;
 #else
 using V = __m256i;
@@ -67,6 +79,20 @@ inline int64_t vsum(V v) {
 }
 inline void opaque(V& v) { __asm__ volatile("" : "+x"(v)); }
 #define PROBES_DOT "vpmaddubsw+vpmaddwd+vpaddd ymm"
+using F = __m256;
+constexpr int LANES_PER_FMA = 8;
+inline F fma_op(F acc, F w, F c) { return _mm256_fmadd_ps(acc, w, c); }
+inline F fset(float x) { return _mm256_set1_ps(x); }
+inline double fsum(F v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  double s = 0;
+  for (float x : t) s += x;
+  return s;
+}
+inline void opaque(F& v) { __asm__ volatile("" : "+x"(v)); }
+#define PROBES_FMA "vfmadd ymm"
+constexpr int FMA_CHAINS = 12;  // accumulators a thread, in the 16 registers beside w and the addend (16 spill)
 constexpr int PASS_ROWS = 4;
 #endif
 constexpr int VB = sizeof(V);            // bytes a load
@@ -105,6 +131,32 @@ inline double dot_peak() {
     }
   });
   return double(threads) * PEAK_DOTS * MACS_PER_DOT / seconds_since(t0);
+}
+
+// Float multiply-adds a second of the multiply-add instruction on the runtime's threads together
+// (acc = acc * w + c, PEAK_DOTS of them a thread, FMA_CHAINS independent: their latency hides; the
+// values stay about 1).
+inline double fma_peak() {
+  constexpr int CH = FMA_CHAINS;
+  const int threads = at::get_num_threads();
+  const auto t0 = std::chrono::steady_clock::now();
+  chunk_pool::parallel_for(threads, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      F acc[CH];
+      for (auto& a : acc) a = fset(1.0f);
+      F w = fset(0.5f), add = fset(0.5f);
+      for (int64_t i = 0; i < PEAK_DOTS / CH; ++i) {
+        for (int j = 0; j < CH; ++j) {
+          acc[j] = fma_op(acc[j], w, add);
+          opaque(w);
+        }
+      }
+      double s = 0;
+      for (auto& a : acc) s += fsum(a);
+      g_sink.fetch_add((int64_t)s, std::memory_order_relaxed);
+    }
+  });
+  return double(threads) * PEAK_DOTS * LANES_PER_FMA / seconds_since(t0);
 }
 
 // The least work of an R-row linear on n bytes at p: BITS = 4, two dots a load per row (low and high
