@@ -314,6 +314,37 @@ inline const int32_t* offset_sums(const int8_t* q, int64_t M, int64_t K) {
 #else
 #define SPECPLUG_VNNI 0
 #endif
+#if SPECPLUG_VNNI
+// acc + the dot of w's unsigned bytes with the 4 signed bytes at x, broadcast to every 32-bit lane.
+// GCC 12 loads the broadcast into a register first (vpbroadcastd), one more instruction for each
+// multiply-add one; as vpdpbusd's own memory operand ({1to8}, {1to16}) it is the same operation in
+// one instruction: on the Zen 4 the forward's linears at 8 / 16 rows 1.03x / 1.04x faster, the
+// forward 1.02x / 1.03x, 1-4 rows (256-bit tiles there) the same (scripts/interleaved_builds.py,
+// docs/results/runtime.md).
+// -DSPECPLUG_EMBED_BCAST=0: the intrinsics.
+#ifndef SPECPLUG_EMBED_BCAST
+#define SPECPLUG_EMBED_BCAST 1
+#endif
+inline __m256i dot_bcast(__m256i acc, __m256i w, const int32_t* x) {
+#if SPECPLUG_EMBED_BCAST
+  asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+#else
+  return _mm256_dpbusd_epi32(acc, w, _mm256_set1_epi32(*x));
+#endif
+}
+#if defined(__AVX512BW__)
+inline __m512i dot_bcast(__m512i acc, __m512i w, const int32_t* x) {
+#if SPECPLUG_EMBED_BCAST
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+#else
+  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(*x));
+#endif
+}
+#endif
+#endif
+
 // Software prefetch of weight tiles for calls of at most this many rows (see matmul_impl).
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS (SPECPLUG_VNNI ? 0 : 1)
@@ -362,8 +393,8 @@ inline void q4_1_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
 #if SPECPLUG_VNNI
-      s[r] = _mm256_dpbusd_epi32(s[r], lo, _mm256_set1_epi32(xr[p]));
-      s[r] = _mm256_dpbusd_epi32(s[r], hi, _mm256_set1_epi32(xr[p + 4]));
+      s[r] = dot_bcast(s[r], lo, xr + p);
+      s[r] = dot_bcast(s[r], hi, xr + p + 4);
 #else
       // A maddubs lane sums two products of at most 15*127 (Q4_1: 8 of them fit int16) or 31*127
       // (Q5_0: 2 fit, so its 16-bit sums are widened after every load).
@@ -403,7 +434,7 @@ inline void signed_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
       __m256i& acc = HALVES && j >= 4 ? hi[r] : lo[r];
-      acc = _mm256_dpbusd_epi32(acc, wu, _mm256_set1_epi32(xr[j]));
+      acc = dot_bcast(acc, wu, xr + j);
     }
   }
 #else
@@ -438,7 +469,7 @@ inline void u8_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
 #if SPECPLUG_VNNI
-      s[r] = _mm256_dpbusd_epi32(s[r], w, _mm256_set1_epi32(xr[j]));
+      s[r] = dot_bcast(s[r], w, xr + j);
 #else
       s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(xr[j])), ones));
 #endif
@@ -551,8 +582,9 @@ inline __m512 scales16(const float* p, int64_t step) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(p))),
                                              _mm256_castps_pd(_mm256_loadu_ps(p + step)), 1));
 }
-inline __m512i bcast_x(const Act& a, int64_t r, int64_t b, int j) {
-  return _mm512_set1_epi32(((const int32_t*)(a.q + r * a.K + b * QK))[j]);
+// acc + w . the activation's 4 bytes j of row r, block b (dot_bcast)
+inline __m512i dot_x(__m512i acc, __m512i w, const Act& a, int64_t r, int64_t b, int j) {
+  return dot_bcast(acc, w, (const int32_t*)(a.q + r * a.K + b * QK) + j);
 }
 
 // The block dots of tile pairs (q4_1_block_dot, u8_block_dot and signed_block_dot on 16 columns).
@@ -576,8 +608,8 @@ inline void q4_1_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t 
       hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(h0[2 * p + 1] | (uint64_t)h1[2 * p + 1] << 32), hi, sixteen);
     }
     for (int r = 0; r < R; ++r) {
-      s[r] = _mm512_dpbusd_epi32(s[r], lo, bcast_x(a, r0 + r, b, p));
-      s[r] = _mm512_dpbusd_epi32(s[r], hi, bcast_x(a, r0 + r, b, p + 4));
+      s[r] = dot_x(s[r], lo, a, r0 + r, b, p);
+      s[r] = dot_x(s[r], hi, a, r0 + r, b, p + 4);
     }
   }
 }
@@ -602,7 +634,7 @@ inline void bytes_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t
     if (SIGNED) w = _mm512_xor_si512(w, flip);
     for (int r = 0; r < R; ++r) {
       __m512i& acc = HALVES && j >= 4 ? hi[r] : lo[r];
-      acc = _mm512_dpbusd_epi32(acc, w, bcast_x(a, r0 + r, b, j));
+      acc = dot_x(acc, w, a, r0 + r, b, j);
     }
   }
 }
