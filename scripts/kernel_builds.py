@@ -35,6 +35,8 @@ def load_build(name: str):
     spec = importlib.util.spec_from_file_location(os.path.basename(so[0])[:-3], so[0])
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    if hasattr(mod, "set_pair_rows"):  # the run-time tuning the runtime gives its own build (native.kernels)
+        mod.set_pair_rows(native.pair_rows())
     return mod
 
 
