@@ -319,7 +319,7 @@ inline const int32_t* offset_sums(const int8_t* q, int64_t M, int64_t K) {
 // GCC 12 loads the broadcast into a register first (vpbroadcastd), one more instruction for each
 // multiply-add one; as vpdpbusd's own memory operand ({1to8}, {1to16}) it is the same operation in
 // one instruction: on the Zen 4 the forward's linears at 4-16 rows 1.03-1.05x faster, at one row
-// the same; the whole forward 1.01-1.02x (scripts/interleaved_builds.py, docs/results/runtime.md).
+// the same; the whole forward 1.00-1.02x (scripts/interleaved_builds.py, docs/results/runtime.md).
 // -DSPECPLUG_EMBED_BCAST=0: the intrinsics.
 #ifndef SPECPLUG_EMBED_BCAST
 #define SPECPLUG_EMBED_BCAST 1
