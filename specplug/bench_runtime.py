@@ -6,13 +6,14 @@ decode_ms at two contexts, T(k) for one forward of k new tokens after a 512-toke
 
 `--profile` (the `gguf` runtime) adds the roofline report: this machine's limits (a streaming
 read of 1 GB with the run's threads; the build's dot instruction alone, the ISA's own ceiling, and
-its float multiply-add alone, attention's; the matmul kernels' own peak on weights that stay in cache; the floor: the least work of the linears
-on their own bytes, `stream_dots`), then per forward of k rows at several contexts, run as the engine runs it (all layers
-in one native call), the time in linears, activation quantization (norms fused), RoPE + KV
-store, attention and Gemma's extra norms, each timed inside the kernels (`stage_times`), and the
-rest (Python, the embedding, the final norm: the forward's time less its kernels), with the bytes
-of weights and KV read, the multiply-adds, and the achieved GB/s and G MAC/s of the linears; at
-ctx 512 the linears against their bound and floor, attention against its bound, and the headroom: the forward with its linears
+its float multiply-add alone, attention's; the matmul kernels' own peak on weights that stay in
+cache; the floor: the least work of the linears on their own bytes, `stream_dots`), then per
+forward of k rows at several contexts, run as the engine runs it (all layers in one native call),
+the time in linears, activation quantization (norms fused), RoPE + KV store, attention and Gemma's
+extra norms, each timed inside the kernels (`stage_times`), and the rest (Python, the embedding,
+the final norm: the forward's time less its kernels), with the bytes of weights and KV read, the
+multiply-adds, and the achieved GB/s and G MAC/s of the linears; at ctx 512 the linears against
+their bound and floor, attention against its bound, and the headroom: the forward with its linears
 and attention at their least (`least_forward_ms`), how much faster kernels could still make it.
 """
 from __future__ import annotations

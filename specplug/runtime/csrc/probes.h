@@ -6,10 +6,10 @@
 //    (AVX-512 VNNI: vpdpbusd on 512 bits, 64 multiply-adds; AVX2: vpmaddubsw + vpmaddwd + vpaddd on
 //    256 bits, 32), 16 independent accumulators a thread so its latency hides: the ISA's own
 //    ceiling of multiply-adds a second, which no kernel on this build can pass.
-//  - fma_peak(): the float multiply-add alone (vfmadd on the same registers: 16 lanes a 512-bit one, 8 a
-//    256-bit one), 16 independent accumulators a thread (12 in AVX2's 16 registers, where 16 spill and
-//    read half the peak): the ceiling of attention's float work (its
-//    scores and weighted V sums are multiply-adds), which no attention kernel on this build can pass.
+//  - fma_peak(): the float multiply-add alone (vfmadd on the same registers: 16 lanes a 512-bit one,
+//    8 a 256-bit one), 16 independent accumulators a thread (12 in AVX2's 16 registers, where 16
+//    spill and read half the peak): the ceiling of attention's float work (its scores and weighted
+//    V sums are multiply-adds), which no attention kernel on this build can pass.
 //  - stream_dots(): the floor of a linear, the least work a k-row linear does on the bytes of its
 //    weights: load, split 4-bit values into low and high nibbles (8-bit: offset by 128), one dot
 //    instruction per row per half, the scales read and not used, and nothing else (no float work,
