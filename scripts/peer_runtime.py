@@ -6,6 +6,11 @@ For each file and thread count, in alternated rounds (so the machine's drift fal
 - specplug: `specplug bench-runtime` (decode at ctx 128, prefill 512, T(k) after 512 tokens).
 Medians over the rounds; JSON with every figure and the machine (specplug.machine).
 
+Beside each specplug run, the streaming read of this minute (`bench_runtime.stream_read_gb_s` on
+the same threads) gives the decode's roofline: the weights read once at that rate, a forward with
+no compute and no overhead. llama.cpp's decode over it is the most any kernel of ours could reach
+against llama.cpp in that round (`decode_ceiling`): a target above it is out of reach there.
+
     python scripts/peer_runtime.py --llama-bench /tmp/llama-build/bin/llama-bench \
         --models smollm2.Q4_1.gguf smollm2.Q8_0.gguf smollm2.Q4_K_M.gguf --threads 1 2 --rounds 3 \
         --json docs/results/peer-runtime.json
@@ -53,7 +58,18 @@ def ours(model: str, threads: int, repeats: int) -> dict:
         r = json.loads(path.read_text())
     return {"decode_ms": r["decode_ms"]["128"] if "128" in r["decode_ms"] else r["decode_ms"][128],
             "prefill_tok_s": r["prefill_tok_s"], "verify_ms": {int(k): v for k, v in r["verify_ms"].items()
-                                                              if int(k) in KS}, "machine": r.get("machine")}
+                                                              if int(k) in KS}, "machine": r.get("machine"),
+            "weights_mb": r["weights_mb"], "stream_read_gb_s": round(stream_now(threads), 1)}
+
+
+def stream_now(threads: int) -> float:
+    """This minute's streaming read on `threads` threads (GB/s)."""
+    import torch
+
+    from specplug.bench_runtime import stream_read_gb_s
+
+    torch.set_num_threads(threads)
+    return stream_read_gb_s()
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -69,8 +85,11 @@ def paired(raw: dict, name: str, t: int) -> dict:
     a, b = raw[f"{name}|{t}|specplug"], raw[f"{name}|{t}|llama.cpp"]
     dec = [y["decode_ms"] / x["decode_ms"] for x, y in zip(a, b)]
     pre = [x["prefill_tok_s"] / y["prefill_tok_s"] for x, y in zip(a, b)]
+    # llama.cpp's decode over ours at the roofline: the weights once at the round's streaming read
+    ceil = [y["decode_ms"] / (x["weights_mb"] / x["stream_read_gb_s"]) for x, y in zip(a, b)]
     return {"decode": [round(v, 3) for v in dec], "prefill": [round(v, 3) for v in pre],
-            "decode_median": round(statistics.median(dec), 3), "prefill_median": round(statistics.median(pre), 3)}
+            "decode_median": round(statistics.median(dec), 3), "prefill_median": round(statistics.median(pre), 3),
+            "decode_ceiling": [round(v, 3) for v in ceil], "decode_ceiling_median": round(statistics.median(ceil), 3)}
 
 
 def main() -> None:
@@ -113,7 +132,9 @@ def main() -> None:
                   f"{a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x llama.cpp's (medians' ratio); round by round "
                   f"decode {' '.join(f'{v:.2f}' for v in r['decode'])}, prefill "
                   f"{' '.join(f'{v:.2f}' for v in r['prefill'])} (medians {r['decode_median']:.2f}x / "
-                  f"{r['prefill_median']:.2f}x)")
+                  f"{r['prefill_median']:.2f}x); decode's roofline ceiling (the weights once at each round's "
+                  f"streaming read) {' '.join(f'{v:.2f}' for v in r['decode_ceiling'])}x "
+                  f"(median {r['decode_ceiling_median']:.2f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine,
                                                "llama_cpp": llama_build, "medians": table, "paired": ratios,

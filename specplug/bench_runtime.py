@@ -251,6 +251,15 @@ def _stage_ms(ext, fwd, repeats: int, beside=None) -> dict[str, float]:
     return {name: statistics.median(p[name] for p in parts) for name in parts[0]}
 
 
+def stream_read_gb_s() -> float:
+    """GB/s of a streaming read on torch's threads: the median of 5 sums of 1 GiB of float32."""
+    x = torch.ones(256 * 1024 * 1024)  # 1 GiB
+    try:
+        return 1024 ** 3 / (_median_ms(lambda: x.sum(), 5, warmup=1) / 1e3) / 1e9
+    finally:
+        del x
+
+
 def _machine_limits(threads: int, ext) -> dict:
     """Streaming-read GB/s (a 1 GB float32 sum), the build's dot instruction alone (`ext.dot_peak`:
     the ISA's own ceiling of G MAC/s on these threads), its float multiply-add alone (`ext.fma_peak`:
@@ -258,10 +267,7 @@ def _machine_limits(threads: int, ext) -> dict:
     64 rows)."""
     from specplug.runtime.native import QuantLinear
 
-    x = torch.ones(256 * 1024 * 1024)  # 1 GiB
-    gbs = 1024 ** 3 / (_median_ms(lambda: x.sum(), 5, warmup=1) / 1e3) / 1e9
-    del x
-    out = {"threads": threads, "stream_read_gb_s": round(gbs, 1), "isa": ext.isa(),
+    out = {"threads": threads, "stream_read_gb_s": round(stream_read_gb_s(), 1), "isa": ext.isa(),
            "dot_instruction": ext.dot_instruction(),
            # the best of 7 (~25 ms each): the first wakes the threads, and a loud VM only ever slows a run
            "peak_gmac_s_isa": round(max(ext.dot_peak() for _ in range(7)) / 1e9, 1),
