@@ -1,10 +1,21 @@
 """Shared fixtures: the real SmolLM2 model (skipped when its package is missing), and `launch`, which
-starts specplug subprocesses (tests/launch.py)."""
+starts specplug subprocesses (tests/launch.py); and `load_script`, a script of scripts/ as a module."""
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
+
+
+def load_script(name: str):
+    """A script of scripts/ (not a package) loaded as a module, for its functions' tests."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="session")

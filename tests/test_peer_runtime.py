@@ -1,22 +1,11 @@
 """scripts/peer_runtime.py's round-by-round ratios and the decode's roofline ceiling beside them
 (llama.cpp's decode over the weights read once at the round's streaming rate)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _peer():
-    spec = importlib.util.spec_from_file_location("peer_runtime", ROOT / "scripts" / "peer_runtime.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_script
 
 
 def test_paired_ratios_and_the_decode_ceiling_are_per_round():
-    peer = _peer()
+    peer = load_script("peer_runtime")
     ours = [{"decode_ms": 5.0, "prefill_tok_s": 1800.0, "weights_mb": 140.0, "stream_read_gb_s": 35.0},
             {"decode_ms": 4.0, "prefill_tok_s": 2000.0, "weights_mb": 140.0, "stream_read_gb_s": 28.0}]
     theirs = [{"decode_ms": 8.0, "prefill_tok_s": 600.0}, {"decode_ms": 7.0, "prefill_tok_s": 800.0}]
