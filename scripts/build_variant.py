@@ -16,8 +16,6 @@ import argparse
 import os
 import re
 
-from torch.utils.cpp_extension import load
-
 from specplug.runtime import native
 
 
@@ -33,14 +31,10 @@ def main() -> None:
     for d in a.defines:
         if not re.fullmatch(r"[A-Za-z_]\w*(=\S+)?", d):
             raise SystemExit(f"define {d!r}: NAME or NAME=VALUE")
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
-    name = f"specplug_gguf_{a.tag}"
-    folder = os.path.join(root, name)
-    os.makedirs(folder, exist_ok=True)
-    load(name=name, sources=[str(native._SRC)],
-         extra_cflags=[*native._CFLAGS, *native.ISA_CFLAGS[a.isa], *[f"-D{d}" for d in a.defines]],
-         extra_ldflags=list(native._LDFLAGS), build_directory=folder, verbose=False)
-    print(f"built {name} ({a.isa}{', ' if a.defines else ''}{' '.join('-D' + d for d in a.defines)}) in {folder}")
+    folder = native.extensions_root() / f"specplug_gguf_{a.tag}"
+    folder.mkdir(parents=True, exist_ok=True)
+    native.compile_kernels(folder, a.isa, a.defines)
+    print(f"built {folder.name} ({a.isa}{', ' if a.defines else ''}{' '.join('-D' + d for d in a.defines)}) in {folder}")
 
 
 if __name__ == "__main__":

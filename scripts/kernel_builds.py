@@ -28,15 +28,14 @@ KS = (1, 2, 4, 8, 16)
 def load_build(name: str):
     if name in native.ISA_CFLAGS:
         return native.kernels(name)
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
-    so = glob.glob(os.path.join(root, name, "*.so"))
+    folder = native.extensions_root() / name
+    so = glob.glob(str(folder / "*.so"))
     if not so:
-        raise SystemExit(f"no built kernels in {os.path.join(root, name)}")
+        raise SystemExit(f"no built kernels in {folder}")
     spec = importlib.util.spec_from_file_location(os.path.basename(so[0])[:-3], so[0])
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    if hasattr(mod, "set_pair_rows"):  # the run-time tuning the runtime gives its own build (native.kernels)
-        mod.set_pair_rows(native.pair_rows())
+    native.apply_tunings(mod)  # as native.kernels() gives its own build
     return mod
 
 

@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -206,12 +207,34 @@ def build_key(isa: str = "avx2") -> str:
     return h.hexdigest()[:16]
 
 
-def build_dir(isa: str = "avx2") -> Path:
-    """The build folder of this install's kernels for one ISA (under TORCH_EXTENSIONS_DIR or torch's default root)."""
+def extensions_root() -> Path:
+    """Where torch's extension builder keeps builds: TORCH_EXTENSIONS_DIR, or its default root."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / f"specplug_gguf_{isa}_{build_key(isa)}"
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def build_dir(isa: str = "avx2") -> Path:
+    """The build folder of this install's kernels for one ISA (under extensions_root())."""
+    return extensions_root() / f"specplug_gguf_{isa}_{build_key(isa)}"
+
+
+def compile_kernels(folder: Path, isa: str, defines: Sequence[str] = (), verbose: bool = False):
+    """Build (or load, when built) this checkout's kernels for `isa` in `folder`, the module named
+    after the folder; `defines` (NAME or NAME=VALUE) are passed as -D flags (the tools' variants)."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=folder.name, sources=[str(_SRC)],
+                extra_cflags=[*_CFLAGS, *ISA_CFLAGS[isa], *[f"-D{d}" for d in defines]],
+                extra_ldflags=list(_LDFLAGS), build_directory=str(folder), verbose=verbose)
+
+
+def apply_tunings(ext, rows: int | None = None) -> None:
+    """Give a loaded kernel build this CPU's run-time tunings (today the tile-pair threshold,
+    pair_rows(), or `rows`); every build the runtime or a tool loads gets them here. A build from
+    before a tuning existed has no setter for it and is left as it is."""
+    if hasattr(ext, "set_pair_rows"):
+        ext.set_pair_rows(pair_rows() if rows is None else rows)
 
 
 @contextlib.contextmanager
@@ -258,23 +281,18 @@ def kernels(isa: str | None = None):
     rows = pair_rows()  # a wrong ${PAIR_ROWS_ENV} stops here, before any build
     with _lock:
         if isa not in _ext:
-            from torch.utils.cpp_extension import load
-
             say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
             folder = build_dir(isa)
-            name = folder.name
             try:
                 with build_lock(folder, say):
-                    if not any(folder.glob(f"{name}*.so")):
+                    if not any(folder.glob(f"{folder.name}*.so")):
                         say(f"specplug: building the gguf CPU kernels for {isa} (~30 s) in {folder}...")
-                    ext = load(name=name, sources=[str(_SRC)], extra_cflags=[*_CFLAGS, *ISA_CFLAGS[isa]],
-                               extra_ldflags=list(_LDFLAGS), build_directory=str(folder),
-                               verbose=bool(os.environ.get("SPECPLUG_VERBOSE_BUILD")))
+                    ext = compile_kernels(folder, isa, verbose=bool(os.environ.get("SPECPLUG_VERBOSE_BUILD")))
             except Exception as exc:  # no compiler, no ninja, a broken toolchain, an unwritable folder
                 _ext_error[isa] = (f"could not build the gguf kernels ({isa}) in {folder} ({type(exc).__name__}: "
                                    f"{str(exc).strip()[-300:]}); install a C++ compiler and ninja, or use quant: none")
                 raise ModelError(_ext_error[isa]) from None
-            ext.set_pair_rows(rows)
+            apply_tunings(ext, rows)
             _ext[isa] = ext
     return _ext[isa]
 
