@@ -253,11 +253,8 @@ def _stage_ms(ext, fwd, repeats: int, beside=None) -> dict[str, float]:
 
 def stream_read_gb_s() -> float:
     """GB/s of a streaming read on torch's threads: the median of 5 sums of 1 GiB of float32."""
-    x = torch.ones(256 * 1024 * 1024)  # 1 GiB
-    try:
-        return 1024 ** 3 / (_median_ms(lambda: x.sum(), 5, warmup=1) / 1e3) / 1e9
-    finally:
-        del x
+    x = torch.ones(256 * 1024 * 1024)  # 1 GiB, freed on return
+    return 1024 ** 3 / (_median_ms(lambda: x.sum(), 5, warmup=1) / 1e3) / 1e9
 
 
 def _machine_limits(threads: int, ext) -> dict:
@@ -430,9 +427,9 @@ def format_profile(prof: dict) -> str:
     if at:
         lines.append(f"roofline of attention per forward (ctx {FLOOR_CTX}): bound = max(K/V bytes / streaming GB/s, "
                      "its multiply-adds / the float multiply-add's peak)")
+        fma = lim.get("peak_gmac_s_fma")
         for r in at:
             bound = attention_bound_ms(r, lim)
-            fma = lim.get("peak_gmac_s_fma")
             lines.append(f"  k={r['k']:<3} memory {r['kv_mb'] / lim['stream_read_gb_s']:6.2f} ms" +
                          (f", compute {r['attn_gmacs'] / fma * 1e3:6.2f} ms" if fma else "") +
                          f" -> bound {bound:6.2f} ms; measured {r['attention_ms']:6.2f} ms "
