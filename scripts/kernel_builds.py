@@ -26,16 +26,26 @@ KS = (1, 2, 4, 8, 16)
 
 
 def load_build(name: str):
+    """A build by name (above), with this CPU's run-time tunings as native.kernels() gives its own;
+    `<name>@pairs<N>` gives it tile pairs from N rows instead (the setting is the module's, so two
+    thresholds of one source need two copies of the build, under two tags)."""
+    name, _, tune = name.partition("@")
+    rows = None
+    if tune:
+        if not (tune.startswith("pairs") and tune[5:].isdigit() and int(tune[5:]) >= 1):
+            raise SystemExit(f"build {name}@{tune}: the only tuning is @pairs<N>, N >= 1 (tile pairs from N rows)")
+        rows = int(tune[5:])
     if name in native.ISA_CFLAGS:
-        return native.kernels(name)
-    folder = native.extensions_root() / name
-    so = glob.glob(str(folder / "*.so"))
-    if not so:
-        raise SystemExit(f"no built kernels in {folder}")
-    spec = importlib.util.spec_from_file_location(os.path.basename(so[0])[:-3], so[0])
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    native.apply_tunings(mod)  # as native.kernels() gives its own build
+        mod = native.kernels(name)
+    else:
+        folder = native.extensions_root() / name
+        so = glob.glob(str(folder / "*.so"))
+        if not so:
+            raise SystemExit(f"no built kernels in {folder}")
+        spec = importlib.util.spec_from_file_location(os.path.basename(so[0])[:-3], so[0])
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    native.apply_tunings(mod, rows)
     return mod
 
 

@@ -88,9 +88,10 @@ def test_describe_names_the_cpu_and_the_path(monkeypatch):
 
 def test_the_pair_threshold_follows_the_cpu_and_specplug_pair_rows(monkeypatch):
     monkeypatch.delenv(native.PAIR_ROWS_ENV, raising=False)
-    monkeypatch.setattr(native, "cpu_id", lambda: ("AuthenticAMD", 25))  # Zen 4: 256 bits up to 4 rows
+    monkeypatch.setattr(native, "PAIR_ROWS_BY_CPU", {("AuthenticAMD", 99): 5})  # a CPU tuned to 256 bits below 5 rows
+    monkeypatch.setattr(native, "cpu_id", lambda: ("AuthenticAMD", 99))
     assert native.pair_rows() == 5
-    monkeypatch.setattr(native, "cpu_id", lambda: ("GenuineIntel", 6))  # pairs from one row
+    monkeypatch.setattr(native, "cpu_id", lambda: ("GenuineIntel", 6))  # the others: pairs from one row
     assert native.pair_rows() == native.PAIR_ROWS_DEFAULT == 1
     monkeypatch.setenv(native.PAIR_ROWS_ENV, "3")
     assert native.pair_rows() == 3

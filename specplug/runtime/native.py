@@ -107,14 +107,13 @@ def cpu_id() -> tuple[str, int | None]:
 # The AVX-512 build computes a linear two tiles at a time on 512-bit registers ("tile pairs") or one
 # at a time on 256-bit ones; both give the same bits, so which runs is a matter of speed only. Pairs
 # from one row suit Intel's server cores (Cascade Lake: the linears at one row 1.18x faster with the
-# pairs' software prefetch). Zen 4 issues a 512-bit operation as two 256-bit halves, and there the
-# 256-bit path is faster up to 4 rows: the forward at 1 / 2 / 4 rows 1.13-1.14 / 1.11-1.13 /
-# 1.00-1.05x, at 8-16 the same (AMD EPYC Zen 4, 2 threads, `scripts/interleaved_builds.py`,
-# docs/results/runtime.md). Other CPUs take the default until measured.
+# pairs' software prefetch) and, since that prefetch goes to L2, Zen 4 too (the forward at 1 / 2 / 4
+# / 8 rows 1.00 / 1.02 / 1.06 / 1.05x against its earlier tuning, the 256-bit path up to 4 rows; AMD
+# EPYC Zen 4, 2 threads, `scripts/interleaved_builds.py`, docs/results/runtime.md). A CPU measured to
+# want another threshold gets an entry here; SPECPLUG_PAIR_ROWS overrides it for a run.
 PAIR_ROWS_ENV = "SPECPLUG_PAIR_ROWS"
-# (vendor, family): calls of fewer rows on 256 bits. AMD family 25 is Zen 3 and Zen 4; of them only
-# Zen 4 has AVX-512, the only path with tile pairs.
-PAIR_ROWS_BY_CPU = {("AuthenticAMD", 25): 5}
+# (vendor, family): calls of fewer rows on 256 bits. None known today.
+PAIR_ROWS_BY_CPU: dict[tuple[str, int], int] = {}
 PAIR_ROWS_DEFAULT = 1
 
 

@@ -548,13 +548,13 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
 #endif
 
 // Calls of at least this many rows run on tile pairs (fewer: one tile at a time on 256 bits); the
-// default of g_pair_rows, which set_pair_rows changes at run time (native.py picks it per CPU). Both
-// give the same bits, so the choice moves only time. One row is bound by the weights' stream: on
-// Cascade Lake the pairs with their software prefetch (PAIR_AHEAD) make the forward's linears at one
-// row 1.18x faster (the 256-bit path with its own prefetch: 0.93x), so pairs from one row there. On
-// Zen 4 (512-bit operations issued as two 256-bit halves) the 256-bit path without prefetch is the
-// faster one up to 4 rows: the forward at 1 / 2 / 4 rows 1.13-1.14 / 1.11-1.13 / 1.00-1.05x faster
-// (scripts/interleaved_builds.py, docs/results/runtime.md).
+// default of g_pair_rows, which set_pair_rows changes at run time (native.py: SPECPLUG_PAIR_ROWS or a
+// tuning per CPU). Both give the same bits, so the choice moves only time. One row is bound by the
+// weights' stream: on Cascade Lake the pairs with their software prefetch (PAIR_AHEAD) make the
+// forward's linears at one row 1.18x faster (the 256-bit path with its own prefetch: 0.93x). On Zen 4
+// the 256-bit path without prefetch was the faster one up to 4 rows while the pairs' prefetch went to
+// L1; with it going to L2 (PAIR_HINT) the pairs are as fast at one row and faster at 2-4, so pairs
+// from one row on both (scripts/interleaved_builds.py, docs/results/runtime.md).
 #ifndef ZMM_ROWS
 #define ZMM_ROWS 1
 #endif
@@ -649,6 +649,14 @@ inline void bytes_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t
 #ifndef PAIR_AHEAD
 #define PAIR_AHEAD -1
 #endif
+// Where those lines go: L2 (T1). Into L1 (T0) each prefetch holds one of the few L1 miss buffers
+// until its line arrives from memory, and on Zen 4 a Q8_0 linear too large for the caches (3072 x
+// 576) then ran 1.30x / 1.17x slower at 8 / 16 rows than with T1 (at the speed it has with its
+// weights in cache), the forward 1.04-1.06x at 4-16 rows with pairs from one row (T2 the same as T1,
+// NTA 0.87x at one row; docs/results/runtime.md). Cascade Lake was tuned with T0 and not re-measured.
+#ifndef PAIR_HINT
+#define PAIR_HINT _MM_HINT_T1
+#endif
 
 // R rows x 16 columns of tiles t and t + 1 (tb bytes apart; their scales sstep, offsets mstep
 // elements apart): tile<R, KIND> on both at once.
@@ -664,8 +672,8 @@ inline void tile_pair(const uint8_t* qs, int64_t tb, const typename KindOf<KIND>
       if (r0 == 0) {
         const char* ahead = (const char*)blk + (PAIR_AHEAD > 0 ? PAIR_AHEAD : -PAIR_AHEAD * 2 * tb);
         for (int l = 0; l < KO::bytes; l += 64) {
-          _mm_prefetch(ahead + l, _MM_HINT_T0);
-          _mm_prefetch(ahead + tb + l, _MM_HINT_T0);
+          _mm_prefetch(ahead + l, PAIR_HINT);
+          _mm_prefetch(ahead + tb + l, PAIR_HINT);
         }
       }
     }
