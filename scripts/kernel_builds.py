@@ -27,7 +27,7 @@ KS = (1, 2, 4, 8, 16)
 
 def load_build(name: str):
     """A build by name (above), with this CPU's run-time tunings as native.kernels() gives its own;
-    `<name>@pairs<N>` gives it tile pairs from N rows instead (the setting is the module's, so two
+    `<name>@pairs<N>` gives it tile pairs from N rows for every kind instead (the setting is the module's, so two
     thresholds of one source need two copies of the build, under two tags)."""
     name, _, tune = name.partition("@")
     rows = None
@@ -45,7 +45,7 @@ def load_build(name: str):
         spec = importlib.util.spec_from_file_location(os.path.basename(so[0])[:-3], so[0])
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-    native.apply_tunings(mod, rows)
+    native.apply_tunings(mod, None if rows is None else (rows, rows))
     return mod
 
 

@@ -56,7 +56,7 @@ def describe(device: str | None = None) -> dict:
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     if isa == "avx512":
         try:
-            info["kernel_pair_rows"] = native.pair_rows()
+            info["kernel_pair_rows"] = list(native.pair_rows())
         except Exception as exc:  # a wrong SPECPLUG_PAIR_ROWS: the loader says so; a report only records it
             info["kernel_pair_rows"] = f"unknown ({exc})"
     info["pages"] = _pages()
@@ -75,11 +75,20 @@ def _pages() -> str:
         f"{os.environ.get(pages.ENV)})"
 
 
+def _pairs(rows) -> str:
+    """' (tile pairs from 1 rows, 8-bit kinds from 3)' for a report line; '' where not recorded."""
+    if not rows:
+        return ""
+    if isinstance(rows, list) and len(rows) == 2:  # (4- and 5-bit kinds, 8-bit kinds)
+        return f" (tile pairs from {rows[0]} rows" + (f", 8-bit kinds from {rows[1]})" if rows[1] != rows[0] else ")")
+    return f" (tile pairs from {rows} rows)"  # one threshold (results before two), or why unknown
+
+
 def line(info: dict) -> str:
     """One line for a report: 'machine: AMD EPYC, 2 cores, 2 threads, kernels avx512; torch ...'."""
     parts = [f"machine: {info.get('cpu')}", f"{info.get('cores')} cores", f"{info.get('threads')} threads",
              f"kernels {info.get('kernel_isa') or 'none'}" +
-             (f" (tile pairs from {info['kernel_pair_rows']} rows)" if info.get("kernel_pair_rows") else "")]
+             _pairs(info.get("kernel_pair_rows"))]
     if info.get("pages"):
         parts.append(f"pages {info['pages']}")
     if info.get("gpu"):

@@ -72,8 +72,11 @@ class _FakeKernels:
     """What a loaded build offers the loader: the tile-pair threshold it is given (native.pair_rows)."""
     pair_rows = None
 
-    def set_pair_rows(self, rows: int) -> None:
-        self.pair_rows = rows
+    def set_pair_rows(self, rows: int, byte_rows: int = 0) -> None:
+        self.pair_rows = (rows, byte_rows or rows)
+
+    def byte_pair_rows(self) -> int:
+        return self.pair_rows[1]
 
 
 def _fake_build(monkeypatch, tmp_path, calls):
@@ -98,7 +101,7 @@ def test_kernel_build_says_building_each_time_it_builds_and_only_then(monkeypatc
     calls: list[str] = []
     _fake_build(monkeypatch, tmp_path, calls)
     monkeypatch.setenv(native.PAIR_ROWS_ENV, "3")
-    assert native.kernels().pair_rows == 3  # the tuning reaches the loaded build
+    assert native.kernels().pair_rows == (3, 3)  # the tuning reaches the loaded build
     assert "building the gguf CPU kernels" in capsys.readouterr().err
     monkeypatch.setattr(native, "_ext", {})  # a second process: the .so is there
     native.kernels()

@@ -79,7 +79,8 @@ def test_describe_names_the_cpu_and_the_path(monkeypatch):
     assert d["isa_flags"] == list(native.ISA_CFLAGS[d["isa"]])
     assert native.kernels(d["isa"]).isa() == d["isa"]  # the build really is that path
     if d["isa"] == "avx512":  # the tile-pair threshold it runs with
-        assert d["pair_rows"] == native.pair_rows() == native.kernels("avx512").pair_rows()
+        ext = native.kernels("avx512")
+        assert d["pair_rows"] == list(native.pair_rows()) == [ext.pair_rows(), ext.byte_pair_rows()]
     else:
         assert d["pair_rows"] is None
 
@@ -88,13 +89,12 @@ def test_describe_names_the_cpu_and_the_path(monkeypatch):
 
 def test_the_pair_threshold_follows_the_cpu_and_specplug_pair_rows(monkeypatch):
     monkeypatch.delenv(native.PAIR_ROWS_ENV, raising=False)
-    monkeypatch.setattr(native, "PAIR_ROWS_BY_CPU", {("AuthenticAMD", 99): 5})  # a CPU tuned to 256 bits below 5 rows
-    monkeypatch.setattr(native, "cpu_id", lambda: ("AuthenticAMD", 99))
-    assert native.pair_rows() == 5
+    monkeypatch.setattr(native, "cpu_id", lambda: ("AuthenticAMD", 25))  # Zen 4: the 8-bit kinds on 256 bits at 1-2 rows
+    assert native.pair_rows() == (1, 3)
     monkeypatch.setattr(native, "cpu_id", lambda: ("GenuineIntel", 6))  # the others: pairs from one row
-    assert native.pair_rows() == native.PAIR_ROWS_DEFAULT == 1
-    monkeypatch.setenv(native.PAIR_ROWS_ENV, "3")
-    assert native.pair_rows() == 3
+    assert native.pair_rows() == native.PAIR_ROWS_DEFAULT == (1, 1)
+    monkeypatch.setenv(native.PAIR_ROWS_ENV, "3")  # both
+    assert native.pair_rows() == (3, 3)
     for bad in ("0", "-2", "many"):
         monkeypatch.setenv(native.PAIR_ROWS_ENV, bad)
         with pytest.raises(ModelError, match=f"SPECPLUG_PAIR_ROWS='{bad}': give a whole number of rows, 1 or more"):
@@ -123,7 +123,7 @@ def test_tile_pairs_and_single_tiles_give_the_same_bits_at_any_threshold(kind):
     """Which calls run on tile pairs is a tuning (native.pair_rows): a row's result is the same whether
     its call ran on pairs or on single tiles, so it never depends on how many rows share the call."""
     ext = native.kernels("avx512")
-    before = ext.pair_rows()
+    before = ext.pair_rows(), ext.byte_pair_rows()
     lin = _linear_of(kind, 44, 512, 7)  # 6 tiles: a partial last one, in a pair with the one before
     lin.k = ext
     g = torch.Generator().manual_seed(8)
@@ -132,17 +132,20 @@ def test_tile_pairs_and_single_tiles_give_the_same_bits_at_any_threshold(kind):
     try:
         outs = {}
         for rows in (1, 5, 1000):  # pairs at every row count, from 5 rows, never
-            ext.set_pair_rows(rows)
-            assert ext.pair_rows() == rows
+            ext.set_pair_rows(rows)  # both thresholds
+            assert ext.pair_rows() == ext.byte_pair_rows() == rows
             outs[rows] = [lin(x[:m], res[:m]) for m in range(1, 10)]
             for m in range(1, 10):  # each row alone gives its bits in every call
                 assert torch.equal(outs[rows][m - 1], outs[rows][-1][:m]), (kind, rows, m)
         assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[1000])), kind
         assert all(torch.equal(a, b) for a, b in zip(outs[5], outs[1000])), kind
     finally:
-        ext.set_pair_rows(before)
+        ext.set_pair_rows(*before)
     with pytest.raises(RuntimeError, match="rows must be >= 1"):
         ext.set_pair_rows(0)
+    with pytest.raises(RuntimeError, match="rows must be >= 1"):
+        ext.set_pair_rows(1, -1)
+    assert (ext.pair_rows(), ext.byte_pair_rows()) == before
 
 
 # ---- every path computes the same bits ---------------------------------------------------------

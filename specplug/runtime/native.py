@@ -107,25 +107,28 @@ def cpu_id() -> tuple[str, int | None]:
 # The AVX-512 build computes a linear two tiles at a time on 512-bit registers ("tile pairs") or one
 # at a time on 256-bit ones; both give the same bits, so which runs is a matter of speed only. Pairs
 # from one row suit Intel's server cores (Cascade Lake: the linears at one row 1.18x faster with the
-# pairs' software prefetch) and, since that prefetch goes to L2, Zen 4 too (the forward at 1 / 2 / 4
-# / 8 rows 1.00 / 1.02 / 1.06 / 1.05x against its earlier tuning, the 256-bit path up to 4 rows; AMD
-# EPYC Zen 4, 2 threads, `scripts/interleaved_builds.py`, docs/results/runtime.md). A CPU measured to
-# want another threshold gets an entry here; SPECPLUG_PAIR_ROWS overrides it for a run.
+# pairs' software prefetch) and, since that prefetch goes to L2, Zen 4's 4-bit kinds too (the forward
+# at 1 / 2 / 4 / 8 rows 1.00 / 1.02 / 1.06 / 1.05x against its earlier tuning, the 256-bit path up to 4
+# rows); there the kinds with a byte a value (Q8_0, Q5_K, Q6_K) still stream 1.05x faster on 256 bits
+# at 1-2 rows (AMD EPYC Zen 4, 2 threads, `scripts/interleaved_builds.py`, docs/results/runtime.md). A
+# CPU measured to want other thresholds gets an entry here; SPECPLUG_PAIR_ROWS=n sets both for a run.
 PAIR_ROWS_ENV = "SPECPLUG_PAIR_ROWS"
-# (vendor, family): calls of fewer rows on 256 bits. None known today.
-PAIR_ROWS_BY_CPU: dict[tuple[str, int], int] = {}
-PAIR_ROWS_DEFAULT = 1
+# (vendor, family): (from how many rows the 4- and 5-bit kinds run on tile pairs, the 8-bit ones).
+# AMD family 25 is Zen 3 and Zen 4; of them only Zen 4 has AVX-512, the only path with tile pairs.
+PAIR_ROWS_BY_CPU: dict[tuple[str, int], tuple[int, int]] = {("AuthenticAMD", 25): (1, 3)}
+PAIR_ROWS_DEFAULT = (1, 1)
 
 
-def pair_rows() -> int:
-    """The row count from which the AVX-512 linears run on tile pairs: ${PAIR_ROWS_ENV} when set,
-    else this CPU's tuning (PAIR_ROWS_BY_CPU) or PAIR_ROWS_DEFAULT."""
+def pair_rows() -> tuple[int, int]:
+    """The row counts from which the AVX-512 linears run on tile pairs, (4- and 5-bit kinds, 8-bit
+    kinds): ${PAIR_ROWS_ENV} for both when set, else this CPU's tuning (PAIR_ROWS_BY_CPU) or
+    PAIR_ROWS_DEFAULT."""
     forced = os.environ.get(PAIR_ROWS_ENV, "").strip()
     if forced:
         if not forced.isdigit() or int(forced) < 1:
             raise ModelError(f"{PAIR_ROWS_ENV}={forced!r}: give a whole number of rows, 1 or more "
                              f"(linear calls of at least that many rows run on 512-bit tile pairs)")
-        return int(forced)
+        return int(forced), int(forced)
     return PAIR_ROWS_BY_CPU.get(cpu_id(), PAIR_ROWS_DEFAULT)
 
 
@@ -185,7 +188,7 @@ def describe(isa: str | None = None) -> dict:
     """Where the kernels run, for results JSON: CPU model, the ISA path and its compiler flags."""
     isa = isa or (chosen_isa() if not unavailable_reason() else None)
     return {"cpu": cpu_model(), "isa": isa, "isa_flags": list(ISA_CFLAGS.get(isa, ())),
-            "isas_available": available_isas(), "pair_rows": pair_rows() if isa == "avx512" else None}
+            "isas_available": available_isas(), "pair_rows": list(pair_rows()) if isa == "avx512" else None}
 
 
 _CFLAGS = ("-O3", "-fopenmp")  # every ISA's build; ISA_CFLAGS adds its own
@@ -228,12 +231,17 @@ def compile_kernels(folder: Path, isa: str, defines: Sequence[str] = (), verbose
                 extra_ldflags=list(_LDFLAGS), build_directory=str(folder), verbose=verbose)
 
 
-def apply_tunings(ext, rows: int | None = None) -> None:
-    """Give a loaded kernel build this CPU's run-time tunings (today the tile-pair threshold,
+def apply_tunings(ext, rows: tuple[int, int] | None = None) -> None:
+    """Give a loaded kernel build this CPU's run-time tunings (today the tile-pair thresholds,
     pair_rows(), or `rows`); every build the runtime or a tool loads gets them here. A build from
-    before a tuning existed has no setter for it and is left as it is."""
-    if hasattr(ext, "set_pair_rows"):
-        ext.set_pair_rows(pair_rows() if rows is None else rows)
+    before a tuning existed has no setter for it (or one threshold, not two) and takes what it can."""
+    if not hasattr(ext, "set_pair_rows"):
+        return
+    rows = pair_rows() if rows is None else rows
+    if hasattr(ext, "byte_pair_rows"):
+        ext.set_pair_rows(*rows)
+    else:
+        ext.set_pair_rows(rows[0])
 
 
 @contextlib.contextmanager

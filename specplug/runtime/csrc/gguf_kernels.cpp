@@ -559,6 +559,11 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
 #define ZMM_ROWS 1
 #endif
 std::atomic<int64_t> g_pair_rows{ZMM_ROWS};
+// The same for the kinds with a byte a value (Q8_0, Q5_K, Q6_K: 256-byte blocks), whose weights are
+// twice the bytes a multiply-add: on Zen 4 one tile at a time with no software prefetch streams them
+// 1.05x faster at 1-2 rows than tile pairs with it (the Q8_0 file's forward), the other kinds
+// 1.00-1.03x slower. set_pair_rows sets both.
+std::atomic<int64_t> g_byte_pair_rows{ZMM_ROWS};
 // Activation rows per pass over a tile pair: AVX-512's 32 registers hold 8 rows' accumulators and
 // integer sums (AVX2's 16 hold 4). Against 4 a pass, Cascade Lake, one thread, SmolLM2's linears
 // at 8-16 rows: 1.10-1.35x the multiply-adds a second (the Q8_0 output head 1.26-1.36x).
@@ -751,7 +756,8 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
   float* yp = y.data_ptr<float>();
   const int64_t scale_bytes = nb * NC * (int64_t)sizeof(S) * NSC;  // a tile's d (and as many of m)
 #if SPECPLUG_ZMM
-  const bool pairs = M >= g_pair_rows.load(std::memory_order_relaxed);  // tile_pairs below, ZMM_RT rows a pass; else one_tile, RT
+  const bool pairs = M >= (KindOf<KIND>::bytes == 256 ? g_byte_pair_rows : g_pair_rows).load(std::memory_order_relaxed);
+  // (tile_pairs below, ZMM_RT rows a pass; else one_tile, RT)
   const int64_t rows_a_pass = pairs ? ZMM_RT : RT;
 #else
   const int64_t rows_a_pass = RT;
@@ -1911,14 +1917,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_dots", &probes::stream_dots, "seconds for the least work of one linear call of `rows` rows on its "
         "weights (`bits` 4 or 8) and scales, `repeat` walks", py::arg("weights"), py::arg("extra"), py::arg("rows"),
         py::arg("bits"), py::arg("repeat") = 1, py::arg("ahead") = 0, nogil);
-  m.def("set_pair_rows", [](int64_t rows) {
-        TORCH_CHECK(rows >= 1, "set_pair_rows: rows must be >= 1, got ", rows);
+  m.def("set_pair_rows", [](int64_t rows, int64_t byte_rows) {
+        if (byte_rows == 0) byte_rows = rows;
+        TORCH_CHECK(rows >= 1 && byte_rows >= 1, "set_pair_rows: rows must be >= 1, got ", rows, " and ", byte_rows);
 #if SPECPLUG_ZMM
         g_pair_rows.store(rows, std::memory_order_relaxed);
+        g_byte_pair_rows.store(byte_rows, std::memory_order_relaxed);
 #endif
-      }, "linear calls of at least this many rows run on 512-bit tile pairs (a tuning: the same bits either way)");
+      }, "linear calls of at least `rows` rows run on 512-bit tile pairs, and of the kinds with a byte a value "
+         "(Q8_0, Q5_K, Q6_K) of at least `byte_rows` (0: `rows`); a tuning, the same bits either way",
+        py::arg("rows"), py::arg("byte_rows") = 0);
   m.def("pair_rows", []() -> int64_t { return SPECPLUG_ZMM ? g_pair_rows.load(std::memory_order_relaxed) : 0; },
         "the row count from which linears run on tile pairs (0: this build has no tile pairs)");
+  m.def("byte_pair_rows", []() -> int64_t { return SPECPLUG_ZMM ? g_byte_pair_rows.load(std::memory_order_relaxed) : 0; },
+        "the same for the kinds with a byte a value (Q8_0, Q5_K, Q6_K)");
   m.def("set_stage_timing", [](bool on) { g_timing.store(on, std::memory_order_relaxed); },
         "time every kernel call natively per family (off by default; for --profile)");
   m.def("stage_times", []() {
