@@ -553,16 +553,17 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
 // weights' stream: on Cascade Lake the pairs with their software prefetch (PAIR_AHEAD) make the
 // forward's linears at one row 1.18x faster (the 256-bit path with its own prefetch: 0.93x). On Zen 4
 // the 256-bit path without prefetch was the faster one up to 4 rows while the pairs' prefetch went to
-// L1; with it going to L2 (PAIR_HINT) the pairs are as fast at one row and faster at 2-4, so pairs
-// from one row on both (scripts/interleaved_builds.py, docs/results/runtime.md).
+// L1; with it going to L2 (PAIR_HINT) the pairs are as fast at one row and faster at 2-4, so the 4-
+// and 5-bit kinds run on pairs from one row on both (scripts/interleaved_builds.py,
+// docs/results/runtime.md); the 8-bit kinds have a threshold of their own, below.
 #ifndef ZMM_ROWS
 #define ZMM_ROWS 1
 #endif
 std::atomic<int64_t> g_pair_rows{ZMM_ROWS};
 // The same for the kinds with a byte a value (Q8_0, Q5_K, Q6_K: 256-byte blocks), whose weights are
 // twice the bytes a multiply-add: on Zen 4 one tile at a time with no software prefetch streams them
-// 1.05x faster at 1-2 rows than tile pairs with it (the Q8_0 file's forward), the other kinds
-// 1.00-1.03x slower. set_pair_rows sets both.
+// faster at 1-2 rows than tile pairs with it (the Q8_0 file's forward 1.08x / 1.05x at 1 / 2 rows),
+// where the other kinds are 1.00-1.03x slower on single tiles. set_pair_rows sets both.
 std::atomic<int64_t> g_byte_pair_rows{ZMM_ROWS};
 // Activation rows per pass over a tile pair: AVX-512's 32 registers hold 8 rows' accumulators and
 // integer sums (AVX2's 16 hold 4). Against 4 a pass, Cascade Lake, one thread, SmolLM2's linears
