@@ -1091,8 +1091,8 @@ inline void scores_span(const float* qs, int64_t nd, const T* const* kr, const T
 // values a step, each lane the same operations, and adds the halves to the 8 lanes in order, so
 // both builds give the same bits; only the padded last group is masked. Against one exp8 with its
 // clamps and mask a group, on the Zen 4 of session 34 (scripts/attention_builds.py, 30 layers after
-// 512 positions, from memory): attention 1.04 / 1.10 / 1.06x at 1 / 8 / 16 rows, the softmax with
-// the call's fixed work 1.20x; the forward within its noise (0.97-1.01x).
+// 512 positions): the softmax with the call's fixed work 1.20x at 1-16 rows; attention from memory
+// 0.95-1.10x over two runs and the forward 0.99-1.03x, within their noise (docs/results/runtime.md).
 inline float softmax_span(float* sc, int64_t n, float* m_out) {
   __m256 mx8 = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
