@@ -6,7 +6,7 @@ each other. Here each build runs one forward (or one walk of the forward's linea
 turn, the order reversed every time, so neighbouring calls share the VM's minute, both between
 builds and between row counts (T(k)/T(1) of one build); medians of many.
 
-  forward:  one forward of k rows after 512 tokens, as the engine runs it (T(k))
+  forward:  one forward of k rows after 512 tokens (--ctx), as the engine runs it (T(k))
   linears:  the forward's 121 linears at k rows, one call each (and beside them the floor,
             `stream_dots`: the least work on the same bytes, on the first build)
 
@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--ks", type=int, nargs="+", default=list(KS), help="row counts (each forward computes every row's logits, as a verification does)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--ctx", type=int, default=512, help="tokens in the cache before the timed rows")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     names = a.builds.split(",")
@@ -62,7 +63,9 @@ def main() -> None:
     lins = [x for layer in m.layers for x in layer.linears()] + [m.head]
     lins = [x for x in lins if isinstance(x, QuantLinear)]
     cache = m.new_cache(1, 2048)
-    fill(m, cache, 512)
+    if not 1 <= a.ctx <= 2048 - max(a.ks):
+        raise SystemExit(f"--ctx {a.ctx}: between 1 and {2048 - max(a.ks)} (the cache holds 2048 positions)")
+    fill(m, cache, a.ctx)
     g = torch.Generator().manual_seed(0)
     runs: dict[tuple[str, int], list[float]] = {}
     parts = floor_parts(lins)
@@ -70,7 +73,7 @@ def main() -> None:
     ks = a.ks
     for k in ks:
         if a.what == "forward":
-            f = step(m, cache, 512, k)
+            f = step(m, cache, a.ctx, k)
 
             def run(n, f=f):
                 use(builds[n])
@@ -91,7 +94,7 @@ def main() -> None:
             runs.setdefault((n, k), []).append(c())
     med = {key: statistics.median(v) for key, v in runs.items()}
     rows = names + (["floor"] if a.what == "linears" else [])
-    print(f"# {machine.line(machine.describe('cpu'))}; {a.what} at k rows after 512 tokens, {a.calls} calls a build "
+    print(f"# {machine.line(machine.describe('cpu'))}; {a.what} at k rows after {a.ctx} tokens, {a.calls} calls a build "
           f"and k in turn; medians ms")
     print("build".ljust(30) + "".join(f"k={k}".ljust(9) for k in ks) + f"  over k={ks[0]}")
     for n in rows:
@@ -102,7 +105,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"command": "python scripts/interleaved_builds.py " + " ".join(sys.argv[1:]),
-                       "machine": machine.describe("cpu"), "threads": a.threads, "what": a.what, "calls": a.calls,
+                       "machine": machine.describe("cpu"), "threads": a.threads, "what": a.what, "ctx": a.ctx,
+                       "calls": a.calls,
                        "medians_ms": {f"{n}@{k}": round(v, 3) for (n, k), v in med.items()}}, fh, indent=1)
 
 
