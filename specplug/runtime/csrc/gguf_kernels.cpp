@@ -1390,8 +1390,13 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   // arithmetic is the same whichever heads share its pass, and the spans are fixed), so the cut
   // follows the work: whole runs when there are enough of them for the threads (prefill), else
   // one span a task when enough spans hold many keys (long context), else all spans a task and
-  // fewer query heads (short context, where a span of a few keys is not worth a task).
-  const int64_t want = 4 * at::get_num_threads();
+  // fewer query heads (short context, where a span of a few keys is not worth a task). Two tasks a
+  // thread: with four (before session 34) a row after 129-511 positions was cut into one task per
+  // query head, each reading its K/V head's keys again with one head's accumulators; with two it
+  // takes the spans with all its heads. On the Zen 4, attention from memory after 128-256 positions
+  // 1.09-1.42x faster at 1-8 rows, the forward after 256 1.00 / 1.04 / 1.06 / 1.06x at 1 / 2 / 4 / 8
+  // rows; from 512 positions on both cut the same (docs/results/runtime.md).
+  const int64_t want = 2 * at::get_num_threads();
   const int64_t ps = D + 8;                       // floats per partial: acc[D], m, l (and padding)
   part0.assign(nrun * Hkv + 1, 0);  // (run, K/V head) -> its partials' first block
   // (span tasks share a buffer of their partials: at most 4 MB of them, else whole runs a task)
