@@ -63,8 +63,9 @@ def main() -> None:
     lins = [x for layer in m.layers for x in layer.linears()] + [m.head]
     lins = [x for x in lins if isinstance(x, QuantLinear)]
     cache = m.new_cache(1, 2048)
-    if not 1 <= a.ctx <= 2048 - max(a.ks):
-        raise SystemExit(f"--ctx {a.ctx}: between 1 and {2048 - max(a.ks)} (the cache holds 2048 positions)")
+    if not 1 <= a.ctx <= cache.max_ctx - max(a.ks):
+        raise SystemExit(f"--ctx {a.ctx}: between 1 and {cache.max_ctx - max(a.ks)} "
+                         f"(the cache holds {cache.max_ctx} positions)")
     fill(m, cache, a.ctx)
     g = torch.Generator().manual_seed(0)
     runs: dict[tuple[str, int], list[float]] = {}
