@@ -7,6 +7,7 @@ turn, the order reversed every time, so neighbouring calls share the VM's minute
 builds and between row counts (T(k)/T(1) of one build); medians of many.
 
   forward:  one forward of k rows after 512 tokens (--ctx), as the engine runs it (T(k))
+  prefill:  a prompt of k tokens into an empty sequence, the last one's logits (--ks 512 by default)
   linears:  the forward's 121 linears at k rows, one call each (and beside them the floor,
             `stream_dots`: the least work on the same bytes, on the first build)
 
@@ -44,12 +45,22 @@ def timed(f) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def prefill(m, cache, k: int):
+    """A callable: a prompt of k tokens into sequence 0, emptied first; the last token's logits."""
+    def f():
+        cache.clear(0)
+        m.forward(list(range(100, 100 + k)), list(range(k)), [0] * k, cache, logits_rows=[k - 1])
+    return f
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--builds", required=True, help="comma-separated; the first is the one the others are compared with")
-    p.add_argument("--what", choices=("forward", "linears"), default="forward")
+    p.add_argument("--what", choices=("forward", "linears", "prefill"), default="forward")
     p.add_argument("--calls", type=int, default=60, help="timed calls per build and k")
-    p.add_argument("--ks", type=int, nargs="+", default=list(KS), help="row counts (each forward computes every row's logits, as a verification does)")
+    p.add_argument("--ks", type=int, nargs="+", default=None,
+                   help="row counts (each forward computes every row's logits, as a verification does); "
+                        f"prompt lengths for prefill (default: {' '.join(map(str, KS))}; prefill 512)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--ctx", type=int, default=512, help="tokens in the cache before the timed rows")
@@ -63,18 +74,24 @@ def main() -> None:
     lins = [x for layer in m.layers for x in layer.linears()] + [m.head]
     lins = [x for x in lins if isinstance(x, QuantLinear)]
     cache = m.new_cache(1, 2048)
-    if not 1 <= a.ctx <= cache.max_ctx - max(a.ks):
+    if a.ks is None:
+        a.ks = [512] if a.what == "prefill" else list(KS)
+    if a.what == "prefill":
+        if not all(1 <= k <= cache.max_ctx for k in a.ks):
+            raise SystemExit(f"--ks {a.ks}: prompt lengths between 1 and {cache.max_ctx}")
+    elif not 1 <= a.ctx <= cache.max_ctx - max(a.ks):
         raise SystemExit(f"--ctx {a.ctx}: between 1 and {cache.max_ctx - max(a.ks)} "
                          f"(the cache holds {cache.max_ctx} positions)")
-    fill(m, cache, a.ctx)
+    else:
+        fill(m, cache, a.ctx)
     g = torch.Generator().manual_seed(0)
     runs: dict[tuple[str, int], list[float]] = {}
     parts = floor_parts(lins)
     calls = []  # (build, k, call): every build at every k, all timed in turn
     ks = a.ks
     for k in ks:
-        if a.what == "forward":
-            f = step(m, cache, a.ctx, k)
+        if a.what in ("forward", "prefill"):
+            f = step(m, cache, a.ctx, k) if a.what == "forward" else prefill(m, cache, k)
 
             def run(n, f=f):
                 use(builds[n])
@@ -95,8 +112,8 @@ def main() -> None:
             runs.setdefault((n, k), []).append(c())
     med = {key: statistics.median(v) for key, v in runs.items()}
     rows = names + (["floor"] if a.what == "linears" else [])
-    print(f"# {machine.line(machine.describe('cpu'))}; {a.what} at k rows after {a.ctx} tokens, {a.calls} calls a build "
-          f"and k in turn; medians ms")
+    what = "prefill of k tokens" if a.what == "prefill" else f"{a.what} at k rows after {a.ctx} tokens"
+    print(f"# {machine.line(machine.describe('cpu'))}; {what}, {a.calls} calls a build and k in turn; medians ms")
     print("build".ljust(30) + "".join(f"k={k}".ljust(9) for k in ks) + f"  over k={ks[0]}")
     for n in rows:
         print(n.ljust(30) + "".join(f"{med[(n, k)]:<9.2f}" for k in ks) + "  " +
@@ -106,7 +123,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"command": "python scripts/interleaved_builds.py " + " ".join(sys.argv[1:]),
-                       "machine": machine.describe("cpu"), "threads": a.threads, "what": a.what, "ctx": a.ctx,
+                       "machine": machine.describe("cpu"), "threads": a.threads, "what": a.what,
+                       "ctx": None if a.what == "prefill" else a.ctx,
                        "calls": a.calls,
                        "medians_ms": {f"{n}@{k}": round(v, 3) for (n, k), v in med.items()}}, fh, indent=1)
 
