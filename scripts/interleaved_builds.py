@@ -34,7 +34,7 @@ from specplug.bench_runtime import floor_parts, walk_floor
 from specplug.runtime.native import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernel_builds import fill, load_build, step, swappable_model  # noqa: E402
+from kernel_builds import fill, load_build, prefill, step, swappable_model  # noqa: E402
 
 KS = (1, 2, 4, 8, 16)
 
@@ -43,14 +43,6 @@ def timed(f) -> float:
     t0 = time.perf_counter()
     f()
     return (time.perf_counter() - t0) * 1e3
-
-
-def prefill(m, cache, k: int):
-    """A callable: a prompt of k tokens into sequence 0, emptied first; the last token's logits."""
-    def f():
-        cache.clear(0)
-        m.forward(list(range(100, 100 + k)), list(range(k)), [0] * k, cache, logits_rows=[k - 1])
-    return f
 
 
 def main() -> None:
@@ -79,10 +71,10 @@ def main() -> None:
     if a.what == "prefill":
         if not all(1 <= k <= cache.max_ctx for k in a.ks):
             raise SystemExit(f"--ks {a.ks}: prompt lengths between 1 and {cache.max_ctx}")
-    elif not 1 <= a.ctx <= cache.max_ctx - max(a.ks):
-        raise SystemExit(f"--ctx {a.ctx}: between 1 and {cache.max_ctx - max(a.ks)} "
-                         f"(the cache holds {cache.max_ctx} positions)")
     else:
+        if not 1 <= a.ctx <= cache.max_ctx - max(a.ks):
+            raise SystemExit(f"--ctx {a.ctx}: between 1 and {cache.max_ctx - max(a.ks)} "
+                             f"(the cache holds {cache.max_ctx} positions)")
         fill(m, cache, a.ctx)
     g = torch.Generator().manual_seed(0)
     runs: dict[tuple[str, int], list[float]] = {}

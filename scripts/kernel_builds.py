@@ -70,6 +70,15 @@ def fill(m, cache, ctx: int) -> None:
     m.forward(list(range(100, 100 + ctx)), list(range(ctx)), [0] * ctx, cache, logits_rows=None)
 
 
+def prefill(m, cache, k: int):
+    """A callable: a prompt of k tokens into sequence 0, emptied first, with the last token's logits
+    only, as `specplug bench-runtime` times a prefill (`fill` computes every row's)."""
+    def f():
+        cache.clear(0)
+        m.forward(list(range(100, 100 + k)), list(range(k)), [0] * k, cache, logits_rows=[k - 1])
+    return f
+
+
 def step(m, cache, ctx: int, k: int):
     """A callable: one forward of k rows after the `ctx` tokens `fill` left, the rows removed again."""
     def f():
