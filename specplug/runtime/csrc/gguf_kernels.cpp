@@ -1286,10 +1286,58 @@ inline void combine_spans(const float* part, int64_t step, int64_t nspan, int64_
   for (int64_t i = 0; i < nd; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
 }
 
+// A call's plan: its rows grouped into runs, the cells each run sees with each row's range in
+// them, the spans, the tasks. It depends on the rows' sequences, positions and limits, the valid
+// map, the layer's window, heads and cache cells, and the thread count; never on the queries or
+// the caches' values. So the layers of one forward that share those (every layer of SmolLM2; a
+// Gemma forward's sliding and global layers make one each) run on one plan, made by the first
+// (AttPlans below). 30 plans a forward were 0.16-0.23 ms of attention's 0.6-0.7 at one row; one
+// plan: the forward after 512-1024 positions 1.00-1.04x at one row, 1.00-1.03x at 2-16 (Zen 4).
+struct AttPlan {
+  struct Task {
+    int64_t grp, s0, s1, g0;  // (run, K/V head), spans [s0, s1), query heads from g0
+  };
+  int64_t M = 0, H = 0, Hkv = 0, D = 0, ncell = 0, window = 0;  // what the plan was made for
+  int64_t nrun = 0, hs = 0, ngs = 0;
+  bool span_tasks = false;
+  // run r: rows [run_start[r], run_start[r + 1]); its cells cell_list[list_start[r]...]; its
+  // spans span0[r]...; row i sees entries [ra[i], rn[i]) of its run's cells; (run, K/V head) ->
+  // its partials' first block part0
+  std::vector<int64_t> run_start, list_start, span0, nspan, part0, ra, rn, span_at;
+  std::vector<int32_t> cell_list, cpos;
+  std::vector<Task> tasks;
+
+  bool made_for(int64_t h, int64_t hkv, int64_t d, int64_t nc, int64_t w) const {
+    return H == h && Hkv == hkv && D == d && ncell == nc && window == w;
+  }
+  void make(const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid,
+            const c10::optional<torch::Tensor>& limit, int64_t M, int64_t H, int64_t Hkv, int64_t D, int64_t ncell,
+            int64_t window);
+};
+
+// The plans of one forward, looked up by what they were made for; clear() keeps their buffers.
+class AttPlans {
+ public:
+  void clear() { used_ = 0; }
+  const AttPlan& get(const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid,
+                     const c10::optional<torch::Tensor>& limit, int64_t M, int64_t H, int64_t Hkv, int64_t D,
+                     int64_t ncell, int64_t window) {
+    for (size_t i = 0; i < used_; ++i)
+      if (plans_[i].M == M && plans_[i].made_for(H, Hkv, D, ncell, window)) return plans_[i];
+    if (used_ == plans_.size()) plans_.emplace_back();
+    AttPlan& p = plans_[used_++];
+    p.make(seq, pos, valid, limit, M, H, Hkv, D, ncell, window);
+    return p;
+  }
+
+ private:
+  std::vector<AttPlan> plans_;
+  size_t used_ = 0;
+};
+
 template <typename T>
-torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp, const torch::Tensor& kc,
-                             const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
-                             double scale, const c10::optional<torch::Tensor>& limit, int64_t window);
+torch::Tensor attention_run(const AttPlan& plan, const torch::Tensor& q, const T* kcp, const T* vcp,
+                            const torch::Tensor& seq, double scale);
 
 // Attention of each query row over its own sequence's valid positions [0, limit] (causal: limit =
 // pos; a block drafter attends bidirectionally inside its block: limit = the block's last position);
@@ -1298,10 +1346,12 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
 // float16 (float16 halves the bytes attention reads; values are widened to float32 as they load):
 // position p lives in cell p % cells, so a sliding-window layer's cache can be a ring of a little
 // more than the window (the caller keeps the positions it reads there, KVCache); valid [n_seq, ctx]
-// says which positions hold a token.
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
-                        const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
-                        double scale, const c10::optional<torch::Tensor>& limit, int64_t window) {
+// says which positions hold a token. `plans`: a forward's plans, for its layers to share (none:
+// the call makes its own).
+torch::Tensor attention_planned(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
+                                const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid,
+                                int64_t H, double scale, const c10::optional<torch::Tensor>& limit, int64_t window,
+                                AttPlans* plans) {
   const StageTimer timer(ST_ATTENTION);
   const int64_t D = kc.size(3);
   TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
@@ -1309,23 +1359,27 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const t
   TORCH_CHECK(kc.scalar_type() == vc.scalar_type() &&
                   (kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kHalf),
               "the K/V caches must be float32 or float16");
+  thread_local AttPlans own;
+  if (!plans) own.clear(), plans = &own;
+  const AttPlan& plan = plans->get(seq, pos, valid, limit, q.size(0), H, kc.size(1), D, kc.size(2), window);
   if (kc.scalar_type() == torch::kHalf)
-    return attention_impl<uint16_t>(q, (const uint16_t*)kc.data_ptr(), (const uint16_t*)vc.data_ptr(), kc, seq, pos,
-                                    valid, H, scale, limit, window);
-  return attention_impl<float>(q, kc.data_ptr<float>(), vc.data_ptr<float>(), kc, seq, pos, valid, H, scale, limit,
-                               window);
+    return attention_run<uint16_t>(plan, q, (const uint16_t*)kc.data_ptr(), (const uint16_t*)vc.data_ptr(), seq,
+                                   scale);
+  return attention_run<float>(plan, q, kc.data_ptr<float>(), vc.data_ptr<float>(), seq, scale);
 }
 
-template <typename T>
-torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp, const torch::Tensor& kc,
-                             const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
-                             double scale, const c10::optional<torch::Tensor>& limit, int64_t window) {
-  const int64_t M = q.size(0), Hkv = kc.size(1), ncell = kc.size(2), D = kc.size(3), G = H / Hkv, nd = D / 8;
-  const int64_t ctx = valid.size(1);
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
+                        const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
+                        double scale, const c10::optional<torch::Tensor>& limit, int64_t window) {
+  return attention_planned(q, kc, vc, seq, pos, valid, H, scale, limit, window, nullptr);
+}
+
+void AttPlan::make(const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid,
+                   const c10::optional<torch::Tensor>& limit, int64_t M_, int64_t H_, int64_t Hkv_, int64_t D_,
+                   int64_t ncell_, int64_t window_) {
+  M = M_, H = H_, Hkv = Hkv_, D = D_, ncell = ncell_, window = window_;
+  const int64_t G = H / Hkv, ctx = valid.size(1);
   TORCH_CHECK(valid.dim() == 2 && valid.is_contiguous() && window >= 0, "valid must be [n_seq, ctx]; window >= 0");
-  auto out = torch::empty({M, H * D}, torch::kFloat32);
-  const float* qp = q.data_ptr<float>();
-  const int64_t ldq = q.stride(0);
   const int32_t* sp = seq.data_ptr<int32_t>();
   const int32_t* pp = pos.data_ptr<int32_t>();
   const int32_t* lp = limit.has_value() ? limit->data_ptr<int32_t>() : pp;
@@ -1333,24 +1387,17 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
               "limit must hold one int32 per row");
   for (int64_t r = 0; r < M; ++r) TORCH_CHECK(lp[r] >= 0 && lp[r] < ctx, "attention limit out of range");
   const bool* vp = valid.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
-  const float fscale = (float)scale;
   // the first position row r may see: 0, or the start of its sliding window
   auto first = [&](int64_t r) -> int64_t { return window > 0 ? std::max<int64_t>(0, pp[r] - window + 1) : 0; };
   // Runs of consecutive rows of one sequence (at most ATT_ROWS) share a task's K/V reads.
-  // (The call's bookkeeping lives in the calling thread's buffers across calls: no allocation per
-  // call. The tasks on other threads see it through the pointers taken below.)
-  thread_local std::vector<int64_t> run_start, list_start, span0, nspan, part0;
   run_start.assign(1, 0);
   for (int64_t r = 1; r < M; ++r)
     if (sp[r] != sp[r - 1] || r - run_start.back() == ATT_ROWS) run_start.push_back(r);
-  const int64_t nrun = (int64_t)run_start.size();
+  nrun = (int64_t)run_start.size();
   run_start.push_back(M);
   // Each run's list of the cells its rows see (the valid positions from the lowest first position
   // to the highest limit of its rows; row r sees entries [ra[r], rn[r]) of it), made once here for
   // all the run's tasks, and where each of its spans starts in the list.
-  thread_local std::vector<int32_t> cell_list, cpos;
-  thread_local std::vector<int64_t> ra, rn, span_at;
   list_start.assign(nrun, 0), span0.assign(nrun + 1, 0), nspan.assign(nrun, 0);
   int64_t full_spans = 0;  // (run, K/V head, span)s of at least a quarter of ATT_SPAN keys
   int64_t span_rows = 0;   // (span, row)s of all runs: one K/V head's partials for all its query heads
@@ -1397,18 +1444,14 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
   // 1.09-1.42x faster at 1-8 rows, the forward after 256 1.00 / 1.04 / 1.06 / 1.06x at 1 / 2 / 4 / 8
   // rows; from 512 positions on both cut the same (docs/results/runtime.md).
   const int64_t want = 2 * at::get_num_threads();
-  const int64_t ps = D + 8;                       // floats per partial: acc[D], m, l (and padding)
-  part0.assign(nrun * Hkv + 1, 0);  // (run, K/V head) -> its partials' first block
+  const int64_t ps = D + 8;  // floats per partial: acc[D], m, l (and padding)
   // (span tasks share a buffer of their partials: at most 4 MB of them, else whole runs a task)
-  const bool span_tasks = nrun * Hkv < want && full_spans >= want && span_rows * H * ps <= (int64_t(1) << 20);
-  int64_t hs = G;
+  span_tasks = nrun * Hkv < want && full_spans >= want && span_rows * H * ps <= (int64_t(1) << 20);
+  hs = G;
   if (nrun * Hkv < want && !span_tasks)
     while (hs > 1 && nrun * Hkv * ((G + hs - 1) / hs) < want) hs = (hs + 1) / 2;
-  const int64_t ngs = (G + hs - 1) / hs;
-  struct Task {
-    int64_t grp, s0, s1, g0;
-  };
-  thread_local std::vector<Task> tasks;
+  ngs = (G + hs - 1) / hs;
+  part0.assign(nrun * Hkv + 1, 0);
   tasks.clear();
   for (int64_t run = 0; run < nrun; ++run)
     for (int64_t h = 0; h < Hkv; ++h) {
@@ -1417,25 +1460,43 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
       for (int64_t s = 0; s < (span_tasks ? nspan[run] : 1); ++s)
         for (int64_t g0 = 0; g0 < G; g0 += hs) tasks.push_back({grp, s, span_tasks ? s + 1 : nspan[run], g0});
     }
+}
+
+// The call's tasks on the pool, by its plan.
+template <typename T>
+torch::Tensor attention_run(const AttPlan& plan, const torch::Tensor& q, const T* kcp, const T* vcp,
+                            const torch::Tensor& seq, double scale) {
+  const int64_t M = plan.M, H = plan.H, Hkv = plan.Hkv, ncell = plan.ncell, D = plan.D, G = H / Hkv, nd = D / 8;
+  const int64_t nrun = plan.nrun, hs = plan.hs, ngs = plan.ngs, ps = D + 8;
+  const bool span_tasks = plan.span_tasks;
+  TORCH_CHECK(q.size(0) == M && seq.numel() >= M, "attention: the plan is for ", M, " rows");
+  auto out = torch::empty({M, H * D}, torch::kFloat32);
+  const float* qp = q.data_ptr<float>();
+  const int64_t ldq = q.stride(0);
+  const int32_t* sp = seq.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = (float)scale;
   // Partials of tasks that share a (run, K/V head) live in one buffer of the call (few runs: a
   // verification's); a task that goes through all its spans keeps them in its thread's own (a
-  // prefill's many runs would need a buffer of runs x spans x rows x heads otherwise).
+  // prefill's many runs would need a buffer of runs x spans x rows x heads otherwise). (The
+  // calling thread's buffers live across calls: no allocation per call; the tasks on other
+  // threads see them through the pointers taken below.)
   thread_local std::vector<float> parts;
-  if (span_tasks) grow(parts, part0[nrun * Hkv] * G * ps);
+  if (span_tasks) grow(parts, plan.part0[nrun * Hkv] * G * ps);
   thread_local std::unique_ptr<std::atomic<int32_t>[]> left_buf;
   thread_local int64_t left_cap = 0;
   if (left_cap < nrun * Hkv * ngs) left_cap = nrun * Hkv * ngs, left_buf.reset(new std::atomic<int32_t>[left_cap]);
   std::atomic<int32_t>* left = left_buf.get();
   for (int64_t grp = 0; grp < nrun * Hkv; ++grp)
     for (int64_t gi = 0; gi < ngs; ++gi)
-      left[grp * ngs + gi].store((int32_t)(span_tasks ? nspan[grp / Hkv] : 1), std::memory_order_relaxed);
-  const int32_t* cells = cell_list.data();
-  const int64_t *rap = ra.data(), *rnp = rn.data(), *sat = span_at.data();  // (thread_local: workers see pointers)
-  const int64_t *runs = run_start.data(), *lists = list_start.data(), *spans0 = span0.data(), *nspans = nspan.data(),
-                *parts0 = part0.data();
-  const Task* taskp = tasks.data();
+      left[grp * ngs + gi].store((int32_t)(span_tasks ? plan.nspan[grp / Hkv] : 1), std::memory_order_relaxed);
+  const int32_t* cells = plan.cell_list.data();
+  const int64_t *rap = plan.ra.data(), *rnp = plan.rn.data(), *sat = plan.span_at.data();
+  const int64_t *runs = plan.run_start.data(), *lists = plan.list_start.data(), *spans0 = plan.span0.data(),
+                *nspans = plan.nspan.data(), *parts0 = plan.part0.data();
+  const AttPlan::Task* taskp = plan.tasks.data();
   float* partp = parts.data();
-  chunk_pool::parallel_for((int64_t)tasks.size(), 1, [&](int64_t t0, int64_t t1) {
+  chunk_pool::parallel_for((int64_t)plan.tasks.size(), 1, [&](int64_t t0, int64_t t1) {
     // each thread's buffers live across calls (no allocation per task)
     thread_local std::vector<float> qs, sc, own;
     const int64_t ldsc = ATT_SPAN + 8;
@@ -1447,7 +1508,7 @@ torch::Tensor attention_impl(const torch::Tensor& q, const T* kcp, const T* vcp,
     float* pr[ATT_ROWS];
     int64_t ar[ATT_ROWS], er[ATT_ROWS];
     for (int64_t t = t0; t < t1; ++t) {
-      const Task& task = taskp[t];
+      const AttPlan::Task& task = taskp[t];
       const int64_t grp = task.grp, g0 = task.g0, gn = std::min(hs, G - g0);
       const int64_t run = grp / Hkv, h = grp % Hkv;
       const int64_t r0 = runs[run], R = runs[run + 1] - r0, sq = sp[r0];
@@ -1530,10 +1591,11 @@ torch::Tensor layer_rest(const torch::Tensor& x, const std::vector<torch::Tensor
                          const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc,
                          const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid,
                          const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t Hkv, double scale,
-                         const c10::optional<torch::Tensor>& limit, const LayerKind& kind = LayerKind()) {
+                         const c10::optional<torch::Tensor>& limit, const LayerKind& kind = LayerKind(),
+                         AttPlans* plans = nullptr) {
   auto h = apply(qkv, xq, c10::nullopt);
   rope_store(h, seq, pos, cos, sin, H, Hkv, q_norm, k_norm, eps, kc, vc);
-  auto a = attention(h, kc, vc, seq, pos, valid, H, scale, limit, kind.window);
+  auto a = attention_planned(h, kc, vc, seq, pos, valid, H, scale, limit, kind.window, plans);
   auto x1 = add_out(o, quantize_rows(a, c10::nullopt, 0.0), x, kind.post_attn, eps);
   auto g = apply(gu, quantize_rows(x1, opt(gu.norm), eps), c10::nullopt);
   return add_out(down, kind.gelu ? gelu_mul_quantize(g) : silu_mul_quantize(g), x1, kind.post_ffn, eps);
@@ -1563,7 +1625,8 @@ torch::Tensor layer_forward(const torch::Tensor& x, const std::vector<torch::Ten
 // layer_rest calls in the same order as one layer_forward call per layer (so bit-identical to
 // them), without a Python frame and ~30 argument conversions per layer (~0.3 ms of a ~5 ms
 // one-row forward of SmolLM2's 30 layers). The caches and RoPE tables are passed per call (a
-// forward may use any cache); each layer names which of the call's tables it uses.
+// forward may use any cache); each layer names which of the call's tables it uses. The layers
+// share their attention plans (AttPlan: the same rows, positions and valid map in every layer).
 class LayerStack {
  public:
   struct Layer {
@@ -1602,13 +1665,15 @@ class LayerStack {
     std::vector<torch::Tensor> out{torch::Tensor()};
     size_t t = 0;
     x = x.contiguous();
+    thread_local AttPlans plans;  // the layers' attention plans, made by the first layer of each kind
+    plans.clear();
     for (int64_t li = 0; li < n; ++li) {
       const Layer& L = layers_[li];
       TORCH_CHECK(L.rope < (int64_t)cos.size(), "layer ", li, " uses RoPE table ", L.rope, " of ", cos.size());
       for (; t < taps.size() && taps[t] == li; ++t) out.push_back(x);
       x = layer_rest(x, quantize_rows(x, opt(L.qkv.norm), L.eps), L.qkv, L.o, L.gu, L.down, L.q_norm, L.k_norm, L.eps,
                      stacked ? kc[0].select(0, li) : kc[li], stacked ? vc[0].select(0, li) : vc[li], seq, pos, valid,
-                     cos[L.rope], sin[L.rope], L.H, L.Hkv, L.scale, limit, L.kind);
+                     cos[L.rope], sin[L.rope], L.H, L.Hkv, L.scale, limit, L.kind, &plans);
     }
     for (; t < taps.size() && taps[t] == n; ++t) out.push_back(x);
     TORCH_CHECK(t == taps.size(), "taps must be ascending layer indices in [0, n_layer]");
