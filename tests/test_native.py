@@ -237,7 +237,7 @@ def _three_ways(m, monkeypatch, run):
     and kernel by kernel (the profiler's way)."""
     from specplug.runtime.model import Transformer
 
-    assert m._layer_stack() is not None  # so a forward on the native kernels runs the stack
+    assert m._layer_stack() is not None and m._stack_tokens  # a forward on the kernels: ids to logits in one call
     stacked = run(m)
     with monkeypatch.context() as mp:
         mp.setattr(Transformer, "_layer_stack", lambda self: None)
@@ -270,6 +270,38 @@ def test_one_call_for_all_layers_equals_a_call_per_layer_and_kernel_by_kernel(qt
     stacked, per_layer, apart = _three_ways(qtiny.model, monkeypatch, _forward_two_sequences)
     assert all(torch.equal(a, b) for a, b in zip(stacked, per_layer))
     assert all(torch.equal(a, b) for a, b in zip(stacked, apart))
+
+
+def test_ids_to_logits_in_one_call_are_the_same_bits(qtiny):
+    """`LayerStack.forward_tokens` (the embedding, every layer and the head in one native call, what
+    a forward on the kernels runs) against the embedding and head called from Python around
+    `LayerStack.forward`: the same logits and taps bit for bit, for all rows, some rows in any order,
+    or none; a token id outside the table is still the embedding's IndexError."""
+    m = qtiny.model
+    assert m._layer_stack() is not None and m._stack_tokens
+    n_layer, toks = m.config.n_layer, list(range(30, 60))
+
+    def run(rows):
+        c = m.new_cache(2, 64)
+        m.forward(toks[:20], list(range(20)), [1] * 20, c, logits_rows=[19])
+        out = m.forward(toks[3:9], [20, 21, 22, 0, 1, 2], [1, 1, 1, 0, 0, 0], c, logits_rows=rows, taps={1, n_layer})
+        return out, c.k
+
+    try:
+        for rows in (None, [5, 0, 2], []):
+            m._stack_tokens = True
+            one, k_one = run(rows)
+            m._stack_tokens = False
+            apart, k_apart = run(rows)
+            assert (one.logits is None) == (apart.logits is None) == (rows == [])
+            assert rows == [] or torch.equal(one.logits, apart.logits)
+            assert one.hidden.keys() == apart.hidden.keys() == {1, n_layer}
+            assert all(torch.equal(one.hidden[t], apart.hidden[t]) for t in one.hidden)
+            assert torch.equal(k_one, k_apart)
+    finally:
+        m._stack_tokens = True
+    with pytest.raises(IndexError, match="out of range"):
+        m.forward([len(m.embed)], [0], [0], m.new_cache(1, 8))
 
 
 def test_gemma_layers_in_one_call_are_the_same_bits(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ cells up to its position. `cache.seq_rm(seq, p0)` rolls a sequence back.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -195,14 +196,24 @@ class Step:
             if cache.dtype not in (torch.float16, torch.float32) or cache.device.type != "cpu":
                 raise ValueError("the native kernels need a float16 or float32 CPU cache (make it with Backend.new_cache)")
             note_rows(positions, seq_ids, cache)
-            self.seq = torch.tensor(seq_ids, dtype=torch.int32)
-            self.pos = torch.tensor(positions, dtype=torch.int32)
+            self.positions, self.seq_ids = positions, seq_ids  # (the all-layers call takes them as lists)
             self.cos, self.sin = rope.cos_sin(cache.max_ctx)
             self.limit = None if limits is None else torch.tensor([int(x) for x in limits], dtype=torch.int32)
             self.plan = None
         else:
             self.plan = _Plan(positions, seq_ids, cache, cache.device, backend.dtype, limits)
             self.rope = self.rotation(rope)
+
+    # The rows' sequences and positions as int32 tensors for the native kernels, made when first
+    # asked for: a small tensor made from Python costs ~65 us after a forward has evicted the
+    # interpreter's caches, and the all-layers call (Transformer._forward_tokens) takes lists.
+    @functools.cached_property
+    def seq(self) -> torch.Tensor:
+        return torch.tensor(self.seq_ids, dtype=torch.int32)
+
+    @functools.cached_property
+    def pos(self) -> torch.Tensor:
+        return torch.tensor(self.positions, dtype=torch.int32)
 
     def tables(self, rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of `rope` (default: the step's) for the native kernels (a layer with its own RoPE base)."""

@@ -232,6 +232,7 @@ class Transformer:
         self.governor = None  # a ThreadGovernor under `threads: auto` (specplug.runtime.governor)
         self.static = None  # a StaticRunner once use_static() is called (specplug.runtime.static)
         self._stack = None  # (kernels module, its LayerStack of the layers, their RoPEs): see _layer_stack
+        self._stack_tokens = False  # the stack also embeds and applies the head (forward_tokens)
 
         def t(name: str) -> torch.Tensor:
             return torch.from_numpy(gguf.tensor(name))
@@ -323,6 +324,14 @@ class Transformer:
             if layer.kind.rope not in ropes:
                 ropes.append(layer.kind.rope)
             stack.add(*layer.stack_args(ropes.index(layer.kind.rope)))
+        # ids in, logits out in the same call where the embedding and head are on these kernels
+        emb, head = self.embed, self.head
+        self._stack_tokens = (isinstance(emb, TokenEmbeddings) and emb._gather is not None and emb._gather[0] is k
+                              and isinstance(head, native.QuantLinear) and head.k is k
+                              and head.norm_weight is not None)
+        if self._stack_tokens:
+            stack.set_embedding(emb._gather[1], emb._gather[2], emb.shape[1], float(self.config.embed_scale))
+            stack.set_head(*head.packed(), float(self.config.rms_eps))
         self._stack = (k, stack, ropes)
         return stack, ropes
 
@@ -461,12 +470,14 @@ class Transformer:
             return ForwardOutput(logits=logits, hidden=hidden)
         cfg = self.config
         step = Step(positions, seq_ids, cache, self.rope, self.backend)
+        built = self._layer_stack() if step.native else None
+        if built is not None and self._stack_tokens and 0 <= min(token_ids) and max(token_ids) < len(self.embed):
+            return self._forward_tokens(built, token_ids, step, cache, logits_rows, taps)
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         x = step.rows(self.embed[ids if isinstance(self.embed, TokenEmbeddings) else ids.to(self.device)])
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         hidden: dict[int, torch.Tensor] = {}
-        built = self._layer_stack() if step.native else None
         if built is not None:  # all layers in one native call
             stack, ropes = built
             at = sorted(t for t in taps if 0 <= t <= cfg.n_layer)
@@ -486,6 +497,24 @@ class Transformer:
         logits = None
         if logits_rows is None or len(logits_rows) > 0:
             logits = self.head.norm_linear(step.select(x, logits_rows), cfg.rms_eps).float()
-            if cfg.logit_softcap:
-                logits = torch.tanh(logits / cfg.logit_softcap) * cfg.logit_softcap
+            logits = self._softcap(logits)
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def _forward_tokens(self, built, token_ids, step: Step, cache: KVCache, logits_rows, taps) -> ForwardOutput:
+        """_forward's native path in one call, ids to logits (LayerStack.forward_tokens): the same
+        kernel calls as its embedding lookup, layer stack and head one by one, so the same bits."""
+        stack, ropes = built
+        at = sorted(t for t in taps if 0 <= t <= self.config.n_layer)
+        tables = [step.tables(r) for r in ropes]
+        rows = None if logits_rows is None else [int(r) for r in logits_rows]
+        out = stack.forward_tokens([int(t) for t in token_ids],
+                                   [cache.k] if isinstance(cache.k, torch.Tensor) else cache.k,
+                                   [cache.v] if isinstance(cache.v, torch.Tensor) else cache.v, step.seq_ids,
+                                   step.positions, cache.valid, [c for c, _ in tables], [s for _, s in tables],
+                                   step.limit, at, rows)
+        logits = None if rows == [] else self._softcap(out[0])
+        return ForwardOutput(logits=logits, hidden={t: h.float() for t, h in zip(at, out[2:])})
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits

@@ -1621,6 +1621,8 @@ torch::Tensor layer_forward(const torch::Tensor& x, const std::vector<torch::Ten
                     valid, cos, sin, H, Hkv, scale, limit, LayerKind{window, post_attn, post_ffn, gelu});
 }
 
+torch::Tensor embed_rows(const torch::Tensor& raw, int64_t type, const torch::Tensor& ids, int64_t d);
+
 // A model's decoder layers held on the C++ side, run in one call from Python: the same
 // layer_rest calls in the same order as one layer_forward call per layer (so bit-identical to
 // them), without a Python frame and ~30 argument conversions per layer (~0.3 ms of a ~5 ms
@@ -1681,8 +1683,62 @@ class LayerStack {
     return out;
   }
 
+  // The token embedding table as the file stores it (embed_rows' types) and the factor its rows
+  // are multiplied by (Gemma: sqrt(n_embd); 1: none), for forward_tokens.
+  void set_embedding(const torch::Tensor& raw, int64_t type, int64_t d, double scale) {
+    emb_raw_ = raw, emb_type_ = type, emb_d_ = d, emb_scale_ = scale;
+  }
+
+  // The output head (a linear with its norm weight, as add takes one) and its RMSNorm epsilon.
+  void set_head(const std::vector<torch::Tensor>& w, int64_t n, double eps) {
+    head_ = unpack(w, n), head_eps_ = eps, has_head_ = true;
+  }
+
+  // Token ids to logits in one call: the embedding rows (set_embedding), forward, then the head
+  // (set_head) on the output rows `rows` (none given: every row; an empty list: no logits). The
+  // same kernel calls in the same order as Python's embedding lookup, forward and head, so the
+  // same bits, without ~0.2-0.3 ms a step of Python around them: after a forward's 96 MB of
+  // weights the interpreter's code and data come from memory, and each small tensor Python makes
+  // (ids, rows, positions, sequences; here made from lists in C++) cost ~65 us then. Returns
+  // [logits (empty when none), then forward()'s outputs].
+  std::vector<torch::Tensor> forward_tokens(const std::vector<int64_t>& ids, const std::vector<torch::Tensor>& kc,
+                                            const std::vector<torch::Tensor>& vc, const std::vector<int32_t>& seq,
+                                            const std::vector<int32_t>& pos, const torch::Tensor& valid,
+                                            const std::vector<torch::Tensor>& cos,
+                                            const std::vector<torch::Tensor>& sin,
+                                            const c10::optional<torch::Tensor>& limit,
+                                            const std::vector<int64_t>& taps,
+                                            const c10::optional<std::vector<int64_t>>& rows) {
+    TORCH_CHECK(emb_raw_.defined() && has_head_, "forward_tokens needs set_embedding and set_head first");
+    const int64_t n = (int64_t)ids.size();
+    TORCH_CHECK(n > 0 && (int64_t)seq.size() == n && (int64_t)pos.size() == n,
+                "one sequence and one position for each of the ", n, " token ids");
+    auto x = embed_rows(emb_raw_, emb_type_, ints(ids, torch::kInt64), emb_d_);
+    if (emb_scale_ != 1.0) x = x * emb_scale_;  // (as Python's x * scale: the same op)
+    auto out = forward(x, kc, vc, ints(seq, torch::kInt32), ints(pos, torch::kInt32), valid, cos, sin, limit, taps);
+    torch::Tensor logits = torch::empty({0}, torch::kFloat32);
+    if (!rows.has_value() || !rows->empty()) {
+      const torch::Tensor xs = rows.has_value() ? out[0].index_select(0, ints(*rows, torch::kInt64)) : out[0];
+      logits = apply(head_, quantize_rows(xs.contiguous(), opt(head_.norm), head_eps_), c10::nullopt);
+    }
+    out.insert(out.begin(), logits);
+    return out;
+  }
+
  private:
+  template <typename I>
+  static torch::Tensor ints(const std::vector<I>& v, torch::ScalarType type) {
+    auto t = torch::empty({(int64_t)v.size()}, type);
+    std::memcpy(t.data_ptr(), v.data(), v.size() * sizeof(I));
+    return t;
+  }
+
   std::vector<Layer> layers_;
+  torch::Tensor emb_raw_;
+  int64_t emb_type_ = -1, emb_d_ = 0;
+  double emb_scale_ = 1.0, head_eps_ = 0.0;
+  Lin head_;
+  bool has_head_ = false;
 };
 
 // Token embedding rows gathered from the table as the file stores it ([vocab, bytes per row] of
@@ -2020,7 +2076,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("add", &LayerStack::add, "append a layer (layer_forward's own arguments, then the index of its RoPE table)")
       .def("__len__", &LayerStack::size)
-      .def("forward", &LayerStack::forward, "every layer in one call: [x, tapped inputs...]", nogil);
+      .def("forward", &LayerStack::forward, "every layer in one call: [x, tapped inputs...]", nogil)
+      .def("set_embedding", &LayerStack::set_embedding, "the token embedding table for forward_tokens")
+      .def("set_head", &LayerStack::set_head, "the output head (a linear with its norm) for forward_tokens")
+      .def("forward_tokens", &LayerStack::forward_tokens,
+           "token ids to the logits of the given rows in one call: [logits, x, tapped inputs...]", nogil);
   m.def("embed_rows", &embed_rows, "token embedding rows from the file's blocks", nogil);
   m.def("isa", []() { return std::string(SPECPLUG_VNNI ? "avx512" : "avx2"); }, "the instruction set this build uses");
   m.def("dot_peak", &probes::dot_peak, "multiply-adds a second of the build's dot instruction alone, on the runtime's threads",
