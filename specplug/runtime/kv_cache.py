@@ -106,7 +106,12 @@ class KVCache:
     def mark(self, seq_ids: Sequence[int], positions: Sequence[int]) -> None:
         """Set the valid bit of each (seq, position) pair (the cells a forward writes)."""
         if self._valid_np is not None:
-            self._valid_np[seq_ids, positions] = True
+            if len(seq_ids) <= 16:  # a decode or verification step: item by item costs less than fancy indexing
+                v = self._valid_np
+                for s, p in zip(seq_ids, positions):
+                    v[s, p] = True
+            else:
+                self._valid_np[seq_ids, positions] = True
         else:
             self.valid[torch.as_tensor(seq_ids, device=self.device), torch.as_tensor(positions, device=self.device)] = True
 
