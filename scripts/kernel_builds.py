@@ -1,5 +1,7 @@
-"""Kernel builds side by side on the real target, alternated in rounds: decode at ctx 128, T(k) (one
-forward of k rows after 512 tokens) and prefill 512, as `specplug bench-runtime` measures them.
+"""Kernel builds side by side on the real target, alternated in rounds: decode at ctx 128 and T(k) (one
+forward of k rows after 512 tokens) as `specplug bench-runtime` measures them, and prefill 512 with
+every row's logits (`fill`; bench-runtime computes the last row's only, so the tok/s here read lower
+than its; the ratios between builds, all timed alike, are what this script is for).
 
 A build is `avx2` or `avx512` (this checkout's, built on first use) or the name of a folder in the
 torch extensions cache holding an older build (`specplug_gguf_<key>`), so a change can be timed
@@ -89,7 +91,9 @@ def step(m, cache, ctx: int, k: int):
 
 def measure(m, cache, reps: int = 40) -> dict:
     """One round on model `m` (its cache `cache`, one sequence, >= 528 cells): decode at ctx 128, T(k)
-    = one forward of k rows after 512 tokens (the rows removed again), prefill 512, in ms / tok/s."""
+    = one forward of k rows after 512 tokens (the rows removed again), prefill 512 with every row's
+    logits (`fill`, not `prefill`: kept so that the figures stay comparable with earlier rounds), in
+    ms / tok/s."""
     r = {}
     fill(m, cache, 128)
     r["decode128"] = _median_ms(step(m, cache, 128, 1), reps, warmup=3)
