@@ -481,10 +481,8 @@ class Transformer:
         if built is not None:  # all layers in one native call
             stack, ropes = built
             at = sorted(t for t in taps if 0 <= t <= cfg.n_layer)
-            tables = [step.tables(r) for r in ropes]
-            out = stack.forward(x, [cache.k] if isinstance(cache.k, torch.Tensor) else cache.k,
-                                [cache.v] if isinstance(cache.v, torch.Tensor) else cache.v, step.seq, step.pos,
-                                cache.valid, [c for c, _ in tables], [s for _, s in tables], step.limit, at)
+            kc, vc, cos, sin = self._stack_tables(step, cache, ropes)
+            out = stack.forward(x, kc, vc, step.seq, step.pos, cache.valid, cos, sin, step.limit, at)
             x, hidden = out[0], dict(zip(at, out[1:]))
         else:
             for li, layer in enumerate(self.layers):
@@ -505,15 +503,20 @@ class Transformer:
         kernel calls as its embedding lookup, layer stack and head one by one, so the same bits."""
         stack, ropes = built
         at = sorted(t for t in taps if 0 <= t <= self.config.n_layer)
-        tables = [step.tables(r) for r in ropes]
+        kc, vc, cos, sin = self._stack_tables(step, cache, ropes)
         rows = None if logits_rows is None else [int(r) for r in logits_rows]
-        out = stack.forward_tokens([int(t) for t in token_ids],
-                                   [cache.k] if isinstance(cache.k, torch.Tensor) else cache.k,
-                                   [cache.v] if isinstance(cache.v, torch.Tensor) else cache.v, step.seq_ids,
-                                   step.positions, cache.valid, [c for c, _ in tables], [s for _, s in tables],
-                                   step.limit, at, rows)
+        out = stack.forward_tokens([int(t) for t in token_ids], kc, vc, step.seq_ids, step.positions, cache.valid,
+                                   cos, sin, step.limit, at, rows)
         logits = None if rows == [] else self._softcap(out[0])
         return ForwardOutput(logits=logits, hidden={t: h.float() for t, h in zip(at, out[2:])})
+
+    @staticmethod
+    def _stack_tables(step: Step, cache: KVCache, ropes) -> tuple[list, list, list, list]:
+        """The LayerStack call's caches (one [n_layer, ...] tensor or one per layer) and RoPE tables."""
+        tables = [step.tables(r) for r in ropes]
+        return ([cache.k] if isinstance(cache.k, torch.Tensor) else cache.k,
+                [cache.v] if isinstance(cache.v, torch.Tensor) else cache.v,
+                [c for c, _ in tables], [s for _, s in tables])
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.logit_softcap
