@@ -52,8 +52,11 @@ def load_build(name: str):
 
 
 def swappable_model(model: str, threads: int):
-    """(the model loaded on the gguf kernels, use(kernels): run its linears and layers on that build
-    from now on), so that builds are timed on one model in one process."""
+    """(the model loaded on the gguf kernels, use(kernels): run its linears, layers and embedding
+    gather on that build from now on), so that builds are timed on one model in one process. A
+    forward then runs the build's own ids-to-logits call (`LayerStack.forward_tokens`), each build's
+    stack kept by the model (before session 36 every swap rebuilt it inside the next timed forward,
+    ~0.1 ms, and the embedding and head ran from Python)."""
     m = load_target(model, device="cpu", quant="gguf", threads=threads).model
     lins = [lin for layer in m.layers for lin in layer.linears()] + [m.head]
 
@@ -63,6 +66,8 @@ def swappable_model(model: str, threads: int):
                 lin.k = k
         for layer in m.layers:
             layer._k = k
+        if getattr(m.embed, "_gather", None) is not None:  # the embedding gather too
+            m.embed._gather = (k, *m.embed._gather[1:])
     return m, use
 
 

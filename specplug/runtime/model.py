@@ -231,7 +231,8 @@ class Transformer:
         self.backend = backend = Backend(device, dtype, quant)
         self.governor = None  # a ThreadGovernor under `threads: auto` (specplug.runtime.governor)
         self.static = None  # a StaticRunner once use_static() is called (specplug.runtime.static)
-        self._stack = None  # (kernels module, its LayerStack of the layers, their RoPEs): see _layer_stack
+        self._stack = None  # (kernels module, its LayerStack of the layers, their RoPEs, ids to logits): _layer_stack
+        self._stacks: dict[Any, tuple] = {}  # every kernels module's, kept
         self._stack_tokens = False  # the stack also embeds and applies the head (forward_tokens)
 
         def t(name: str) -> torch.Tensor:
@@ -310,30 +311,35 @@ class Transformer:
     def _layer_stack(self) -> tuple[Any, list[Rope | None]] | None:
         """(the kernels' LayerStack of every layer, the RoPEs of its tables: None for the step's own),
         or None where some layer is not one native call (then each layer is called from Python: the
-        same kernel calls in the same order, so the same bits). Built once per kernels module (tools
-        like scripts/kernel_builds.py swap the module) and while every layer is `fused` (the profiler
-        times the kernels apart)."""
+        same kernel calls in the same order, so the same bits). Built once per kernels module and kept
+        (tools like scripts/kernel_builds.py swap the module forward by forward: ~0.1 ms a rebuild)
+        while every layer is `fused` (the profiler times the kernels apart)."""
         k = getattr(self.layers[0], "_k", None)
         if k is None or not all(layer.fused and layer._fused is not None and layer._k is k for layer in self.layers):
             return None
-        if self._stack is not None and self._stack[0] is k:
-            return self._stack[1], self._stack[2]
+        if self._stack is None or self._stack[0] is not k:
+            self._stack = self._stacks.get(k) or self._stacks.setdefault(k, self._build_stack(k))
+            self._stack_tokens = self._stack[3]  # (a tool may turn it off while on one module)
+        return self._stack[1], self._stack[2]
+
+    def _build_stack(self, k) -> tuple[Any, Any, list[Rope | None], bool]:
+        """(k, its LayerStack of every layer, the RoPEs of its tables, whether it also embeds and
+        applies the head: ids in, logits out, all in k's code, where the embedding is gathered from
+        the file's blocks and the head is a quantized linear with its norm)."""
         ropes: list[Rope | None] = [None]
         stack = k.LayerStack()
         for layer in self.layers:
             if layer.kind.rope not in ropes:
                 ropes.append(layer.kind.rope)
             stack.add(*layer.stack_args(ropes.index(layer.kind.rope)))
-        # ids in, logits out in the same call where the embedding and head are on these kernels
         emb, head = self.embed, self.head
-        self._stack_tokens = (isinstance(emb, TokenEmbeddings) and emb._gather is not None and emb._gather[0] is k
-                              and isinstance(head, native.QuantLinear) and head.k is k
-                              and head.norm_weight is not None)
-        if self._stack_tokens:
+        tokens = (isinstance(emb, TokenEmbeddings) and emb._gather is not None
+                  and isinstance(head, native.QuantLinear) and head.norm_weight is not None
+                  and hasattr(stack, "forward_tokens"))  # (a build from before session 36 has not)
+        if tokens:
             stack.set_embedding(emb._gather[1], emb._gather[2], emb.shape[1], float(self.config.embed_scale))
             stack.set_head(*head.packed(), float(self.config.rms_eps))
-        self._stack = (k, stack, ropes)
-        return stack, ropes
+        return k, stack, ropes, tokens
 
     def _layer_kind(self, i: int, t, vec) -> LayerKind:
         """What layer i does beyond llama's (gemma3: window, its RoPE, post norms, GeGLU, scale)."""
