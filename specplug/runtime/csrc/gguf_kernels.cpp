@@ -1736,7 +1736,7 @@ class LayerStack {
  private:
   template <typename I>
   static torch::Tensor ints(const std::vector<I>& v, torch::ScalarType type) {
-    auto t = torch::empty({(int64_t)v.size()}, type);
+    auto t = new_tensor({(int64_t)v.size()}, type);
     std::memcpy(t.data_ptr(), v.data(), v.size() * sizeof(I));
     return t;
   }
