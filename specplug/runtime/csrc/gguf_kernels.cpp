@@ -942,20 +942,49 @@ inline void rms_norm_head(float* v, const float* w, int64_t D, float eps) {
   for (int64_t i = 0; i < D; ++i) v[i] = v[i] * sc * w[i];
 }
 
+// One layer's K and V caches as the kernels read them: [n_seq, Hkv, cells, D], contiguous, float32
+// or float16; from two such tensors, or layer li of stacked [n_layer, ...] ones without making
+// views (a view is ~775 ns, two a layer in every forward).
+struct CacheRef {
+  char *k, *v;
+  int64_t n_seq, heads, cells, D;
+  bool half;
+  CacheRef(const torch::Tensor& kc, const torch::Tensor& vc, int64_t li = -1) {
+    const int64_t o = li < 0 ? 0 : 1;  // the layer dimension in front
+    TORCH_CHECK(kc.dim() == 4 + o && kc.sizes() == vc.sizes() && kc.is_contiguous() && vc.is_contiguous() &&
+                    kc.scalar_type() == vc.scalar_type() &&
+                    (kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kHalf),
+                "the K/V caches must be contiguous float32 or float16 tensors of one shape ",
+                o ? "[n_layer, n_seq, heads, cells, head_dim]" : "[n_seq, heads, cells, head_dim]");
+    TORCH_CHECK(li < (o ? kc.size(0) : 1), "layer ", li, " of a cache of ", kc.size(0));
+    n_seq = kc.size(o), heads = kc.size(o + 1), cells = kc.size(o + 2), D = kc.size(o + 3);
+    half = kc.scalar_type() == torch::kHalf;
+    const int64_t off = o ? li * kc.stride(0) * kc.element_size() : 0;
+    k = (char*)kc.data_ptr() + off, v = (char*)vc.data_ptr() + off;
+  }
+};
+
+void rope_store_into(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& cos,
+                     const torch::Tensor& sin, int64_t H, int64_t Hkv, const c10::optional<torch::Tensor>& q_norm,
+                     const c10::optional<torch::Tensor>& k_norm, double eps, const CacheRef& cache);
+
 // In place on qkv rows [M, (H + 2 Hkv) * D]: optional per-head RMSNorm of q and k, RoPE on
 // interleaved pairs; then k and v are written to the caches [n_seq, Hkv, ctx, D] at (seq, pos).
 void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& cos,
                 const torch::Tensor& sin, int64_t H, int64_t Hkv, const c10::optional<torch::Tensor>& q_norm,
                 const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc) {
+  rope_store_into(qkv, seq, pos, cos, sin, H, Hkv, q_norm, k_norm, eps, CacheRef(kc, vc));
+}
+
+void rope_store_into(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& cos,
+                     const torch::Tensor& sin, int64_t H, int64_t Hkv, const c10::optional<torch::Tensor>& q_norm,
+                     const c10::optional<torch::Tensor>& k_norm, double eps, const CacheRef& cache) {
   const StageTimer timer(ST_ROPE);
   check_cpu_f32(qkv, "qkv");
-  const int64_t M = qkv.size(0), D = kc.size(3), ncell = kc.size(2);
+  const int64_t M = qkv.size(0), D = cache.D, ncell = cache.cells;
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qkv width does not match the heads");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == vc.scalar_type() &&
-                  (kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kHalf),
-              "the K/V caches must be contiguous float32 or float16 tensors");
   TORCH_CHECK(D % 8 == 0, "head_dim must be a multiple of 8");
-  const bool half = kc.scalar_type() == torch::kHalf;
+  const bool half = cache.half;
   float* p = qkv.data_ptr<float>();
   const int64_t ld = qkv.stride(0);
   const int32_t* sp = seq.data_ptr<int32_t>();
@@ -964,9 +993,9 @@ void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor
   const float* snp = sin.data_ptr<float>();
   const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
-  char* kcp = (char*)kc.data_ptr();
-  char* vcp = (char*)vc.data_ptr();
-  const int64_t es = kc.element_size();
+  char* kcp = cache.k;
+  char* vcp = cache.v;
+  const int64_t es = half ? 2 : 4;
   for (int64_t r = 0; r < M; ++r) {
     float* row = p + r * ld;
     const int64_t ps = pp[r], s = sp[r];
@@ -1356,30 +1385,25 @@ torch::Tensor attention_run(const AttPlan& plan, const torch::Tensor& q, const T
 // more than the window (the caller keeps the positions it reads there, KVCache); valid [n_seq, ctx]
 // says which positions hold a token. `plans`: a forward's plans, for its layers to share (none:
 // the call makes its own).
-torch::Tensor attention_planned(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
-                                const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid,
-                                int64_t H, double scale, const c10::optional<torch::Tensor>& limit, int64_t window,
-                                AttPlans* plans) {
+torch::Tensor attention_planned(const torch::Tensor& q, const CacheRef& cache, const torch::Tensor& seq,
+                                const torch::Tensor& pos, const torch::Tensor& valid, int64_t H, double scale,
+                                const c10::optional<torch::Tensor>& limit, int64_t window, AttPlans* plans) {
   const StageTimer timer(ST_ATTENTION);
-  const int64_t D = kc.size(3);
+  const int64_t D = cache.D;
   TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256");
   TORCH_CHECK(q.stride(1) == 1 && q.scalar_type() == torch::kFloat32);
-  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() &&
-                  (kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kHalf),
-              "the K/V caches must be float32 or float16");
   thread_local AttPlans own;
   if (!plans) own.clear(), plans = &own;
-  const AttPlan& plan = plans->get(seq, pos, valid, limit, q.size(0), H, kc.size(1), D, kc.size(2), window);
-  if (kc.scalar_type() == torch::kHalf)
-    return attention_run<uint16_t>(plan, q, (const uint16_t*)kc.data_ptr(), (const uint16_t*)vc.data_ptr(), seq,
-                                   scale);
-  return attention_run<float>(plan, q, kc.data_ptr<float>(), vc.data_ptr<float>(), seq, scale);
+  const AttPlan& plan = plans->get(seq, pos, valid, limit, q.size(0), H, cache.heads, D, cache.cells, window);
+  if (cache.half)
+    return attention_run<uint16_t>(plan, q, (const uint16_t*)cache.k, (const uint16_t*)cache.v, seq, scale);
+  return attention_run<float>(plan, q, (const float*)cache.k, (const float*)cache.v, seq, scale);
 }
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
                         const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid, int64_t H,
                         double scale, const c10::optional<torch::Tensor>& limit, int64_t window) {
-  return attention_planned(q, kc, vc, seq, pos, valid, H, scale, limit, window, nullptr);
+  return attention_planned(q, CacheRef(kc, vc), seq, pos, valid, H, scale, limit, window, nullptr);
 }
 
 void AttPlan::make(const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid,
@@ -1596,14 +1620,14 @@ torch::Tensor add_out(const Lin& l, const std::vector<torch::Tensor>& xa, const 
 // o with the residual x, then the FFN.
 torch::Tensor layer_rest(const torch::Tensor& x, const std::vector<torch::Tensor>& xq, const Lin& qkv, const Lin& o,
                          const Lin& gu, const Lin& down, const c10::optional<torch::Tensor>& q_norm,
-                         const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc,
+                         const c10::optional<torch::Tensor>& k_norm, double eps, const CacheRef& cache,
                          const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid,
                          const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t Hkv, double scale,
                          const c10::optional<torch::Tensor>& limit, const LayerKind& kind = LayerKind(),
                          AttPlans* plans = nullptr) {
   auto h = apply(qkv, xq, c10::nullopt);
-  rope_store(h, seq, pos, cos, sin, H, Hkv, q_norm, k_norm, eps, kc, vc);
-  auto a = attention_planned(h, kc, vc, seq, pos, valid, H, scale, limit, kind.window, plans);
+  rope_store_into(h, seq, pos, cos, sin, H, Hkv, q_norm, k_norm, eps, cache);
+  auto a = attention_planned(h, cache, seq, pos, valid, H, scale, limit, kind.window, plans);
   auto x1 = add_out(o, quantize_rows(a, c10::nullopt, 0.0), x, kind.post_attn, eps);
   auto g = apply(gu, quantize_rows(x1, opt(gu.norm), eps), c10::nullopt);
   return add_out(down, kind.gelu ? gelu_mul_quantize(g) : silu_mul_quantize(g), x1, kind.post_ffn, eps);
@@ -1625,8 +1649,8 @@ torch::Tensor layer_forward(const torch::Tensor& x, const std::vector<torch::Ten
                             const torch::Tensor& valid, const torch::Tensor& cos, const torch::Tensor& sin,
                             const c10::optional<torch::Tensor>& limit) {
   const Lin qkv = unpack(qkv_w, qkv_n), o = unpack(o_w, o_n), gu = unpack(gu_w, gu_n), down = unpack(down_w, down_n);
-  return layer_rest(x, quantize_rows(x, opt(qkv.norm), eps), qkv, o, gu, down, q_norm, k_norm, eps, kc, vc, seq, pos,
-                    valid, cos, sin, H, Hkv, scale, limit, LayerKind{window, post_attn, post_ffn, gelu});
+  return layer_rest(x, quantize_rows(x, opt(qkv.norm), eps), qkv, o, gu, down, q_norm, k_norm, eps, CacheRef(kc, vc),
+                    seq, pos, valid, cos, sin, H, Hkv, scale, limit, LayerKind{window, post_attn, post_ffn, gelu});
 }
 
 torch::Tensor embed_rows(const torch::Tensor& raw, int64_t type, const torch::Tensor& ids, int64_t d);
@@ -1682,7 +1706,7 @@ class LayerStack {
       TORCH_CHECK(L.rope < (int64_t)cos.size(), "layer ", li, " uses RoPE table ", L.rope, " of ", cos.size());
       for (; t < taps.size() && taps[t] == li; ++t) out.push_back(x);
       x = layer_rest(x, quantize_rows(x, opt(L.qkv.norm), L.eps), L.qkv, L.o, L.gu, L.down, L.q_norm, L.k_norm, L.eps,
-                     stacked ? kc[0].select(0, li) : kc[li], stacked ? vc[0].select(0, li) : vc[li], seq, pos, valid,
+                     stacked ? CacheRef(kc[0], vc[0], li) : CacheRef(kc[li], vc[li]), seq, pos, valid,
                      cos[L.rope], sin[L.rope], L.H, L.Hkv, L.scale, limit, L.kind, &plans);
     }
     for (; t < taps.size() && taps[t] == n; ++t) out.push_back(x);
@@ -1857,11 +1881,11 @@ std::vector<torch::Tensor> pair_head_step(
   torch::Tensor out;
   if (proj_w.size() == 5 && proj_w[0].numel() > 0) {
     auto x = apply(unpack(proj_w, proj_n), pair, c10::nullopt);
-    out = layer_rest(x, quantize_rows(x, opt(qkv.norm), eps), qkv, o, gu, down, q_norm, k_norm, eps, kc, vc, seq,
-                     pos, valid, cos, sin, H, Hkv, scale, c10::nullopt);
+    out = layer_rest(x, quantize_rows(x, opt(qkv.norm), eps), qkv, o, gu, down, q_norm, k_norm, eps,
+                     CacheRef(kc, vc), seq, pos, valid, cos, sin, H, Hkv, scale, c10::nullopt);
   } else {
-    out = layer_rest(h.contiguous(), pair, qkv, o, gu, down, q_norm, k_norm, eps, kc, vc, seq, pos, valid, cos, sin,
-                     H, Hkv, scale, c10::nullopt);
+    out = layer_rest(h.contiguous(), pair, qkv, o, gu, down, q_norm, k_norm, eps, CacheRef(kc, vc), seq, pos, valid,
+                     cos, sin, H, Hkv, scale, c10::nullopt);
   }
   TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1, "rows must be a 1-D int64 tensor");
   const int64_t m = rows.numel();
