@@ -318,7 +318,9 @@ class Transformer:
         if k is None or not all(layer.fused and layer._fused is not None and layer._k is k for layer in self.layers):
             return None
         if self._stack is None or self._stack[0] is not k:
-            self._stack = self._stacks.get(k) or self._stacks.setdefault(k, self._build_stack(k))
+            if k not in self._stacks:
+                self._stacks[k] = self._build_stack(k)
+            self._stack = self._stacks[k]
             self._stack_tokens = self._stack[3]  # (a tool may turn it off while on one module)
         return self._stack[1], self._stack[2]
 

@@ -964,18 +964,8 @@ struct CacheRef {
   }
 };
 
-void rope_store_into(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& cos,
-                     const torch::Tensor& sin, int64_t H, int64_t Hkv, const c10::optional<torch::Tensor>& q_norm,
-                     const c10::optional<torch::Tensor>& k_norm, double eps, const CacheRef& cache);
-
 // In place on qkv rows [M, (H + 2 Hkv) * D]: optional per-head RMSNorm of q and k, RoPE on
-// interleaved pairs; then k and v are written to the caches [n_seq, Hkv, ctx, D] at (seq, pos).
-void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& cos,
-                const torch::Tensor& sin, int64_t H, int64_t Hkv, const c10::optional<torch::Tensor>& q_norm,
-                const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc) {
-  rope_store_into(qkv, seq, pos, cos, sin, H, Hkv, q_norm, k_norm, eps, CacheRef(kc, vc));
-}
-
+// interleaved pairs; then k and v are written to the layer's caches [n_seq, Hkv, ctx, D] at (seq, pos).
 void rope_store_into(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& cos,
                      const torch::Tensor& sin, int64_t H, int64_t Hkv, const c10::optional<torch::Tensor>& q_norm,
                      const c10::optional<torch::Tensor>& k_norm, double eps, const CacheRef& cache) {
@@ -1018,6 +1008,13 @@ void rope_store_into(torch::Tensor qkv, const torch::Tensor& seq, const torch::T
       store_row(vcp + cell, row + (H + Hkv + h) * D, D, half);
     }
   }
+}
+
+// rope_store_into on a layer's cache tensors [n_seq, Hkv, ctx, D] (the Python-facing kernel).
+void rope_store(torch::Tensor qkv, const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& cos,
+                const torch::Tensor& sin, int64_t H, int64_t Hkv, const c10::optional<torch::Tensor>& q_norm,
+                const c10::optional<torch::Tensor>& k_norm, double eps, torch::Tensor kc, torch::Tensor vc) {
+  rope_store_into(qkv, seq, pos, cos, sin, H, Hkv, q_norm, k_norm, eps, CacheRef(kc, vc));
 }
 
 // ---- attention ------------------------------------------------------------------------------
@@ -1344,8 +1341,8 @@ struct AttPlan {
   std::vector<int32_t> cell_list, cpos;
   std::vector<Task> tasks;
 
-  bool made_for(int64_t h, int64_t hkv, int64_t d, int64_t nc, int64_t w) const {
-    return H == h && Hkv == hkv && D == d && ncell == nc && window == w;
+  bool made_for(int64_t m, int64_t h, int64_t hkv, int64_t d, int64_t nc, int64_t w) const {
+    return M == m && H == h && Hkv == hkv && D == d && ncell == nc && window == w;
   }
   void make(const torch::Tensor& seq, const torch::Tensor& pos, const torch::Tensor& valid,
             const c10::optional<torch::Tensor>& limit, int64_t M, int64_t H, int64_t Hkv, int64_t D, int64_t ncell,
@@ -1360,7 +1357,7 @@ class AttPlans {
                      const c10::optional<torch::Tensor>& limit, int64_t M, int64_t H, int64_t Hkv, int64_t D,
                      int64_t ncell, int64_t window) {
     for (size_t i = 0; i < used_; ++i)
-      if (plans_[i].M == M && plans_[i].made_for(H, Hkv, D, ncell, window)) return plans_[i];
+      if (plans_[i].made_for(M, H, Hkv, D, ncell, window)) return plans_[i];
     if (used_ == plans_.size()) plans_.emplace_back();
     AttPlan& p = plans_[used_++];
     p.make(seq, pos, valid, limit, M, H, Hkv, D, ncell, window);
@@ -1723,7 +1720,7 @@ class LayerStack {
 
   // The output head (a linear with its norm weight, as add takes one) and its RMSNorm epsilon.
   void set_head(const std::vector<torch::Tensor>& w, int64_t n, double eps) {
-    head_ = unpack(w, n), head_eps_ = eps, has_head_ = true;
+    head_ = unpack(w, n), head_eps_ = eps;
   }
 
   // Token ids to logits in one call: the embedding rows (set_embedding), forward, then the head
@@ -1741,16 +1738,16 @@ class LayerStack {
                                             const c10::optional<torch::Tensor>& limit,
                                             const std::vector<int64_t>& taps,
                                             const c10::optional<std::vector<int64_t>>& rows) {
-    TORCH_CHECK(emb_raw_.defined() && has_head_, "forward_tokens needs set_embedding and set_head first");
+    TORCH_CHECK(emb_raw_.defined() && head_.qs.defined(), "forward_tokens needs set_embedding and set_head first");
     const int64_t n = (int64_t)ids.size();
     TORCH_CHECK(n > 0 && (int64_t)seq.size() == n && (int64_t)pos.size() == n,
                 "one sequence and one position for each of the ", n, " token ids");
-    auto x = embed_rows(emb_raw_, emb_type_, ints(ids, torch::kInt64), emb_d_);
+    auto x = embed_rows(emb_raw_, emb_type_, ints(ids), emb_d_);
     if (emb_scale_ != 1.0) x = x * emb_scale_;  // (as Python's x * scale: the same op)
-    auto out = forward(x, kc, vc, ints(seq, torch::kInt32), ints(pos, torch::kInt32), valid, cos, sin, limit, taps);
+    auto out = forward(x, kc, vc, ints(seq), ints(pos), valid, cos, sin, limit, taps);
     torch::Tensor logits = torch::empty({0}, torch::kFloat32);
     if (!rows.has_value() || !rows->empty()) {
-      const torch::Tensor xs = rows.has_value() ? out[0].index_select(0, ints(*rows, torch::kInt64)) : out[0];
+      const torch::Tensor xs = rows.has_value() ? out[0].index_select(0, ints(*rows)) : out[0];
       logits = apply(head_, quantize_rows(xs.contiguous(), opt(head_.norm), head_eps_), c10::nullopt);
     }
     out.insert(out.begin(), logits);
@@ -1759,8 +1756,8 @@ class LayerStack {
 
  private:
   template <typename I>
-  static torch::Tensor ints(const std::vector<I>& v, torch::ScalarType type) {
-    auto t = new_tensor({(int64_t)v.size()}, type);
+  static torch::Tensor ints(const std::vector<I>& v) {
+    auto t = new_tensor({(int64_t)v.size()}, c10::CppTypeToScalarType<I>::value);
     std::memcpy(t.data_ptr(), v.data(), v.size() * sizeof(I));
     return t;
   }
@@ -1769,8 +1766,7 @@ class LayerStack {
   torch::Tensor emb_raw_;
   int64_t emb_type_ = -1, emb_d_ = 0;
   double emb_scale_ = 1.0, head_eps_ = 0.0;
-  Lin head_;
-  bool has_head_ = false;
+  Lin head_;  // (qs undefined until set_head)
 };
 
 // Token embedding rows gathered from the table as the file stores it ([vocab, bytes per row] of
