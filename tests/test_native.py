@@ -461,3 +461,28 @@ def test_embedding_rows_gathered_natively_equal_the_gguf_dequantizer(qtype):
         fast[[50]]
     with pytest.raises(RuntimeError, match="outside the embedding table"):
         native.kernels().embed_rows(torch.from_numpy(raw), EMBED_TYPES[qtype], torch.tensor([50]), 64)
+
+
+def test_kernel_outputs_reuse_freed_blocks_and_keep_their_values():
+    """block_cache.h: a freed output's block serves the next output of its size; a live output is
+    never handed out again; blocks past the cache's limit go back to the C library."""
+    k = native.kernels()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 96, generator=g)
+    q, d, s = k.quantize_rows(x, None, 1e-6)
+    held = [t.clone() for t in (q, d, s)]
+    ptr = q.data_ptr()
+    del q, d, s
+    again = k.quantize_rows(x, None, 1e-6)
+    assert again[0].data_ptr() == ptr  # the freed block of that size, reused
+    # live outputs are never reused: 50 more calls of the same size leave these values intact
+    others = [k.quantize_rows(torch.randn(3, 96, generator=g), None, 1e-6) for _ in range(50)]
+    assert len({o[0].data_ptr() for o in others} | {again[0].data_ptr()}) == 51
+    assert all(torch.equal(a, b) for a, b in zip(again, held))
+    del others
+    kept, blocks = k.kept_blocks()
+    assert blocks >= 150 and kept < 64 << 20
+    # an output larger than a kept block may be (16 MB) is freed, not kept
+    big = k.quantize_rows(torch.zeros(1, 17 << 20, dtype=torch.float32)[:, : (17 << 20) // 32 * 32], None, 1e-6)
+    del big
+    assert k.kept_blocks()[0] - kept < 17 << 20

@@ -33,6 +33,7 @@
 #define CHUNK_BYTES 16384
 #endif
 
+#include "block_cache.h"
 #include "chunk_pool.h"
 #include "probes.h"  // (its probes walk chunks of CHUNK_BYTES too)
 
@@ -47,11 +48,12 @@
 
 namespace {
 
-// A new CPU tensor, uninitialized: torch::empty without the dispatcher (at::detail::empty_cpu,
-// what the CPU kernel of torch::empty calls): ~300 ns against ~455 a call, and a forward makes
-// ~14 of them a layer.
+// A new CPU tensor, uninitialized: torch::empty without the dispatcher (at::detail::empty_generic,
+// what the CPU kernel of torch::empty calls; ~300 ns against ~455 a call, and a forward makes ~14
+// of them a layer), its memory from the cache of freed blocks (block_cache.h).
 inline torch::Tensor new_tensor(c10::IntArrayRef sizes, c10::ScalarType type) {
-  return at::detail::empty_cpu(sizes, type, /*pin_memory=*/false);
+  return at::detail::empty_generic(sizes, &block_cache::Cache::get(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   type, c10::nullopt);
 }
 
 constexpr int QK = 32;  // values per quantization block
@@ -2111,6 +2113,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "token ids to the logits of the given rows in one call: [logits, x, tapped inputs...]", nogil);
   m.def("embed_rows", &embed_rows, "token embedding rows from the file's blocks", nogil);
   m.def("isa", []() { return std::string(SPECPLUG_VNNI ? "avx512" : "avx2"); }, "the instruction set this build uses");
+  m.def("kept_blocks", []() {
+        const auto k = block_cache::Cache::get().kept();
+        return py::make_tuple(k.first, k.second);
+      }, "(bytes, blocks) of freed kernel outputs kept for reuse (block_cache.h)");
   m.def("dot_peak", &probes::dot_peak, "multiply-adds a second of the build's dot instruction alone, on the runtime's threads",
         nogil);
   m.def("dot_instruction", []() { return std::string(PROBES_DOT); }, "the dot instruction dot_peak times");
