@@ -56,6 +56,12 @@ inline torch::Tensor new_tensor(c10::IntArrayRef sizes, c10::ScalarType type) {
                                    type, c10::nullopt);
 }
 
+// v holds at least n elements (a buffer kept across calls grows, never shrinks).
+template <typename V>
+inline void grow(std::vector<V>& v, int64_t n) {
+  if ((int64_t)v.size() < n) v.resize(n);
+}
+
 constexpr int QK = 32;  // values per quantization block
 constexpr int NC = 8;   // output columns per weight tile
 constexpr int RT = 4;   // activation rows per pass over a tile (more spills registers)
@@ -197,7 +203,8 @@ std::vector<torch::Tensor> quantize_each_row(int64_t M, int64_t K, const Row& ro
   float* sp = s.data_ptr<float>();
   // at least 16 rows a chunk: decoding's few rows are quantized inline, with no dispatch at all
   chunk_pool::parallel_for(M, std::max<int64_t>(16, CHUNK_BYTES / (4 * K)), [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(K);
+    thread_local std::vector<float> buf;  // a row's normalized values; kept across calls (no allocation, no zeroing)
+    grow(buf, K);
     for (int64_t r = r0; r < r1; ++r) {
       const float* src = row(r, buf.data());
       for (int64_t b = 0; b < nb; ++b)
@@ -1043,11 +1050,6 @@ constexpr bool ATT_REGS32 = false;
 // queries (or probabilities) and one loaded vector fit in the registers.
 constexpr int att_keys(int nq) { return ATT_REGS32 || nq <= 2 ? 4 : 2; }
 constexpr int att_vwidth(int nq) { return ATT_REGS32 ? (nq <= 3 ? 8 : 4) : (nq == 1 ? 8 : nq <= 3 ? 4 : 2); }
-
-template <typename V>
-inline void grow(std::vector<V>& v, int64_t n) {
-  if ((int64_t)v.size() < n) v.resize(n);
-}
 
 // Pointers to `cnt` cache rows (cells[0..cnt)).
 template <typename T>
