@@ -467,6 +467,8 @@ def test_kernel_outputs_reuse_freed_blocks_and_keep_their_values():
     """block_cache.h: a freed output's block serves the next output of its size; a live output is
     never handed out again; blocks past the cache's limit go back to the C library."""
     k = native.kernels()
+    k.release_kept_blocks()  # what earlier tests left (a full cache keeps nothing more)
+    assert k.kept_blocks() == (0, 0)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 96, generator=g)
     q, d, s = k.quantize_rows(x, None, 1e-6)
@@ -486,3 +488,5 @@ def test_kernel_outputs_reuse_freed_blocks_and_keep_their_values():
     big = k.quantize_rows(torch.zeros(1, 17 << 20, dtype=torch.float32)[:, : (17 << 20) // 32 * 32], None, 1e-6)
     del big
     assert k.kept_blocks()[0] - kept < 17 << 20
+    held_bytes = k.kept_blocks()[0]
+    assert k.release_kept_blocks() == held_bytes and k.kept_blocks() == (0, 0)

@@ -15,6 +15,7 @@
 // bytes, stored in a header before its data. At most MAX_KEPT bytes are kept (a forward reuses the
 // same few sizes, so a decode keeps well under 1 MB and a prefill of 512 tokens ~12 MB), and no
 // block larger than MAX_BLOCK (a prefill's every-row logits): those go back to the C library.
+// From Python, `kept_blocks()` says what is kept and `release_kept_blocks()` frees it all.
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -64,6 +65,21 @@ class Cache final : public c10::Allocator {
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+
+  // Frees every kept block (as torch.cuda.empty_cache does its cache's); returns the bytes freed.
+  size_t release() {
+    std::unordered_map<size_t, std::vector<void*>> blocks;
+    size_t bytes;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      blocks.swap(free_);
+      bytes = kept_;
+      kept_ = 0;
+    }
+    for (auto& kv : blocks)
+      for (void* base : kv.second) std::free(base);
+    return bytes;
+  }
 
   // (bytes kept for reuse, blocks kept)
   std::pair<size_t, size_t> kept() {

@@ -2119,6 +2119,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         const auto k = block_cache::Cache::get().kept();
         return py::make_tuple(k.first, k.second);
       }, "(bytes, blocks) of freed kernel outputs kept for reuse (block_cache.h)");
+  m.def("release_kept_blocks", []() { return block_cache::Cache::get().release(); },
+        "free the kept blocks of freed kernel outputs; returns the bytes freed");
   m.def("dot_peak", &probes::dot_peak, "multiply-adds a second of the build's dot instruction alone, on the runtime's threads",
         nogil);
   m.def("dot_instruction", []() { return std::string(PROBES_DOT); }, "the dot instruction dot_peak times");
