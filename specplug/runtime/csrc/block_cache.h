@@ -13,10 +13,10 @@
 //
 // Blocks are 64-byte aligned, as torch's own; a block's size class is its size rounded up to 64
 // bytes, stored in a header before its data. At most MAX_KEPT bytes are kept (a forward reuses the
-// same few sizes: SmolLM2's one-row steps keep 0.23 MB in 19 blocks, 8-row ones 2 MB more, a prefill
-// of 512 tokens 18 MB in all), and no
-// block larger than MAX_BLOCK (a prefill's every-row logits): those go back to the C library.
-// From Python, `kept_blocks()` says what is kept and `release_kept_blocks()` frees it all.
+// same few sizes: SmolLM2's one-row steps keep 0.23 MB in 19 blocks, 8-row ones 2 MB more, a
+// prefill of 512 tokens 18 MB in all), and no block larger than MAX_BLOCK (a prefill's every-row
+// logits): those go back to the C library. From Python, `kept_blocks()` says what is kept and
+// `release_kept_blocks()` frees it all.
 #pragma once
 
 #include <c10/core/Allocator.h>
