@@ -1,8 +1,9 @@
 """`specplug bench-runtime`: the cost curve of the target runtime that speculation lives on.
 
 decode_ms at two contexts, T(k) for one forward of k new tokens after a 512-token context
-(and T(k)/T(1), the number that decides whether verifying drafts pays), prefill speed,
-4 sequences x 1 token vs 1 x 1, and peak RSS. Medians over repeats; prints and writes JSON.
+(and T(k)/T(1), the number that decides whether verifying drafts pays; every k timed in turn, a
+call of each a round), prefill speed, 4 sequences x 1 token vs 1 x 1, and peak RSS. Medians over
+repeats; prints and writes JSON.
 
 `--profile` (the `gguf` runtime) adds the roofline report: this machine's limits (a streaming
 read of 1 GB with the run's threads; the build's dot instruction alone, the ISA's own ceiling, and
@@ -50,6 +51,27 @@ def _median_ms(fn, repeats: int, warmup: int = 2, sync=_no_sync) -> float:
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _medians_in_turn_ms(fns: dict, repeats: int, warmup: int = 2, sync=_no_sync) -> dict:
+    """{key: median wall time of fns[key]}, the calls taken in turn: each round calls every fn once,
+    the order reversed every other round, so that every fn's repeats share the same minutes. (This
+    VM's speed swings for seconds at a time, several-row forwards by up to 1.2-2.5x while one-row ones
+    barely move (docs/results/runtime.md, session 37): T(k) timed one k after another could pair a
+    T(1) from a fast stretch with a T(8) from a slow one.)"""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync()
+    keys = list(fns)
+    times: dict = {k: [] for k in keys}
+    for r in range(repeats):
+        for k in keys if r % 2 == 0 else reversed(keys):
+            t0 = time.perf_counter()
+            fns[k]()
+            sync()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _fill(model, cache, seq: int, n: int, chunk: int = 256) -> None:
@@ -106,8 +128,10 @@ def run_bench(model, repeats: int = 20) -> dict:
         res["decode_ms"][str(ctx)] = round(median_ms(lambda: step([0], ctx), repeats), 3 if cuda else 2)
     cache.clear(0)
     _fill(model, cache, 0, 512)
-    res["verify_ms"] = {str(k): round(median_ms(lambda: step([0], 512, k), repeats), 3 if cuda else 2)
-                        for k in (VERIFY_K_CUDA if cuda else VERIFY_K)}
+    # every k once a round, in turn (the ratios below compare them)
+    ks = VERIFY_K_CUDA if cuda else VERIFY_K
+    verify = _medians_in_turn_ms({k: (lambda k=k: step([0], 512, k)) for k in ks}, repeats, sync=sync)
+    res["verify_ms"] = {str(k): round(v, 3 if cuda else 2) for k, v in verify.items()}
     t1 = res["verify_ms"]["1"]
     res["verify_ratio"] = {k: round(v / t1, 3) for k, v in res["verify_ms"].items()}
 

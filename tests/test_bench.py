@@ -159,3 +159,28 @@ def test_drafting_policy_figures():
     assert f["draft_ms_per_accepted"] == pytest.approx(1.0)  # 12 ms over 12 accepted tokens
     assert f["first_token_match"] == pytest.approx(5 / 6, abs=1e-4)
     assert "60% / 40%" in markdown_table(build_report([a], ["v"], {}, 1.0))
+
+
+def test_runtime_bench_times_every_row_count_in_turn(monkeypatch):
+    """bench-runtime's T(k): a call of each k a round, the order reversed every other round, so all
+    share the machine's minutes; each k's median of its own calls."""
+    from specplug import bench_runtime
+
+    clock = iter(range(10_000))
+    monkeypatch.setattr(bench_runtime.time, "perf_counter", lambda: next(clock) / 1e3)  # 1 ms a reading
+    log, syncs = [], []
+    cost = {1: 0, 2: 1, 8: 5}  # extra clock readings a call: its duration, in ms, beyond the 1 ms tick
+
+    def call(k):
+        def fn():
+            log.append(k)
+            for _ in range(cost[k]):
+                next(clock)
+        return fn
+
+    ms = bench_runtime._medians_in_turn_ms({k: call(k) for k in cost}, repeats=4, warmup=1,
+                                           sync=lambda: syncs.append(1))
+    assert log[:3] == [1, 2, 8]  # one warm-up call each
+    assert log[3:] == [1, 2, 8, 8, 2, 1, 1, 2, 8, 8, 2, 1]  # then rounds, in turn, alternating
+    assert ms == pytest.approx({1: 1.0, 2: 2.0, 8: 6.0})
+    assert len(syncs) == 1 + 12  # after the warm-up, after every timed call
