@@ -9,8 +9,8 @@ repeats; prints and writes JSON.
 read of 1 GB with the run's threads; the build's dot instruction alone, the ISA's own ceiling, and
 its float multiply-add alone, attention's; the matmul kernels' own peak on weights that stay in
 cache; the floor: the least work of the linears on their own bytes, `stream_dots`), then per
-forward of k rows at several contexts, run as the engine runs it (all layers in one native call),
-the time in linears, activation quantization (norms fused), RoPE + KV store, attention and Gemma's
+forward of k rows at several contexts, run as the engine runs it (all layers in one native call;
+a context's row counts taken in turn), the time in linears, activation quantization (norms fused), RoPE + KV store, attention and Gemma's
 extra norms, each timed inside the kernels (`stage_times`), and the rest (Python, the embedding,
 the final norm: the forward's time less its kernels), with the bytes of weights and KV read, the
 multiply-adds, and the achieved GB/s and G MAC/s of the linears; at ctx 512 the linears against
@@ -53,24 +53,29 @@ def _median_ms(fn, repeats: int, warmup: int = 2, sync=_no_sync) -> float:
     return statistics.median(times)
 
 
+def _in_turn(keys: list, repeats: int):
+    """The keys, `repeats` rounds of each once, the order reversed every other round: the order in
+    which the benchmarks below take several forwards, so that each one's repeats share the same
+    minutes. (This VM's speed swings for seconds at a time, several-row forwards by up to 1.2-2.5x
+    while one-row ones barely move (docs/results/runtime.md, session 37): T(k) timed one k after
+    another could pair a T(1) from a fast stretch with a T(8) from a slow one.)"""
+    for r in range(repeats):
+        yield from keys if r % 2 == 0 else reversed(keys)
+
+
 def _medians_in_turn_ms(fns: dict, repeats: int, warmup: int = 2, sync=_no_sync) -> dict:
-    """{key: median wall time of fns[key]}, the calls taken in turn: each round calls every fn once,
-    the order reversed every other round, so that every fn's repeats share the same minutes. (This
-    VM's speed swings for seconds at a time, several-row forwards by up to 1.2-2.5x while one-row ones
-    barely move (docs/results/runtime.md, session 37): T(k) timed one k after another could pair a
-    T(1) from a fast stretch with a T(8) from a slow one.)"""
+    """{key: median wall time of fns[key]}, the calls taken in turn (`_in_turn`); `sync` waits for the
+    device after each call (torch.cuda.synchronize on CUDA, where a call only queues its kernels)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     sync()
-    keys = list(fns)
-    times: dict = {k: [] for k in keys}
-    for r in range(repeats):
-        for k in keys if r % 2 == 0 else reversed(keys):
-            t0 = time.perf_counter()
-            fns[k]()
-            sync()
-            times[k].append((time.perf_counter() - t0) * 1e3)
+    times: dict = {k: [] for k in fns}
+    for k in _in_turn(list(fns), repeats):
+        t0 = time.perf_counter()
+        fns[k]()
+        sync()
+        times[k].append((time.perf_counter() - t0) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -247,32 +252,35 @@ class _Counted:
         return fn
 
 
-def _stage_ms(ext, fwd, repeats: int, beside=None) -> dict[str, float]:
-    """Median ms per kernel family over `repeats` runs of fwd, timed inside the kernels, `rest`: the
-    median over the same runs of each one's wall time less its kernels' (Python, embedding, ...), and
-    `wall`: their median wall time (the timers cost one clock read per kernel call). `beside`: a
-    function run after each forward, returning {name: seconds} (the floor's walks, so that they and
-    the forward see the same minutes of a VM that drifts); their medians too."""
+def _stage_ms(ext, fwds: dict, repeats: int, besides: dict | None = None) -> dict:
+    """{key: stages} for the forwards `fwds` ({key: fn}), taken in turn (`_in_turn`), each fn's
+    stages: the median ms per
+    kernel family over its `repeats` runs, timed inside the kernels, `rest`: the median over the same
+    runs of each one's wall time less its kernels' (Python, embedding, ...), and `wall`: their median
+    wall time (the timers cost one clock read per kernel call). `besides[key]`: a function run after
+    each of that key's forwards, returning {name: seconds} (the floor's walks, so that they and the
+    forward see the same minutes of a VM that drifts); their medians too."""
+    besides = besides or {}
+    parts: dict = {k: [] for k in fwds}
     ext.set_stage_timing(True)
     try:
         ext.stage_times()  # zero
-        parts = []
-        for _ in range(repeats):
+        for k in _in_turn(list(fwds), repeats):
             t0 = time.perf_counter()
-            fwd()
+            fwds[k]()
             wall = (time.perf_counter() - t0) * 1e3
             part = {name: sec * 1e3 for name, (sec, _calls) in ext.stage_times().items()}
             part["rest"] = max(0.0, wall - sum(part.values()))
             part["wall"] = wall
-            if beside is not None:
+            if besides.get(k) is not None:
                 ext.set_stage_timing(False)
-                part.update({name: sec * 1e3 for name, sec in beside().items()})
+                part.update({name: sec * 1e3 for name, sec in besides[k]().items()})
                 ext.set_stage_timing(True)
-            parts.append(part)
+            parts[k].append(part)
     finally:
         ext.set_stage_timing(False)
     # the families as the kernels name them (linear, quantize, rope_store, attention, norm), rest, wall, beside's
-    return {name: statistics.median(p[name] for p in parts) for name in parts[0]}
+    return {k: {name: statistics.median(p[name] for p in ps) for name in ps[0]} for k, ps in parts.items()}
 
 
 def stream_read_gb_s() -> float:
@@ -365,19 +373,26 @@ def profile(model, repeats: int = 10) -> dict:
     for ctx in PROFILE_CTX:
         cache.clear(0)
         _fill(model, cache, 0, ctx)
-        for k in PROFILE_K:
+
+        def forward_of(k, ctx=ctx):
             def fwd():
                 model.forward([7] * k, list(range(ctx, ctx + k)), [0] * k, cache, logits_rows=None)
                 cache.seq_rm(0, ctx)
+            return fwd
+        fwds = {k: forward_of(k) for k in PROFILE_K}
+        for fwd in fwds.values():
             fwd()  # warm
-            # as the engine runs it (all layers in one native call), timed inside; at ctx 512 beside the floor
-            beside = _floor_walks(ext, quant_lins, k) if ctx == FLOOR_CTX else None
-            stages = _stage_ms(ext, fwd, repeats, beside)
+        # as the engine runs it (all layers in one native call), timed inside, the row counts in turn;
+        # at ctx 512 beside the floor
+        besides = {k: _floor_walks(ext, quant_lins, k) for k in PROFILE_K} if ctx == FLOOR_CTX else None
+        staged = _stage_ms(ext, fwds, repeats, besides)
+        for k in PROFILE_K:
+            stages = staged[k]
             total = stages.pop("wall")
             kernel_by_kernel(True)
             try:
                 counted.reset()
-                fwd()
+                fwds[k]()
             finally:
                 kernel_by_kernel(False)
             lin_s = stages["linear"] / 1e3
