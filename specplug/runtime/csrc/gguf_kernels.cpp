@@ -56,6 +56,15 @@ inline torch::Tensor new_tensor(c10::IntArrayRef sizes, c10::ScalarType type) {
                                    type, c10::nullopt);
 }
 
+// A 1-D tensor of T holding v's values (token ids, sequences, positions, rows passed as lists).
+template <typename T, typename I>
+torch::Tensor tensor_of(const std::vector<I>& v) {
+  auto t = new_tensor({(int64_t)v.size()}, c10::CppTypeToScalarType<T>::value);
+  T* p = t.template data_ptr<T>();
+  for (size_t i = 0; i < v.size(); ++i) p[i] = static_cast<T>(v[i]);
+  return t;
+}
+
 // v holds at least n elements (a buffer kept across calls grows, never shrinks).
 template <typename V>
 inline void grow(std::vector<V>& v, int64_t n) {
@@ -1746,12 +1755,12 @@ class LayerStack {
     const int64_t n = (int64_t)ids.size();
     TORCH_CHECK(n > 0 && (int64_t)seq.size() == n && (int64_t)pos.size() == n,
                 "one sequence and one position for each of the ", n, " token ids");
-    auto x = embed_rows(emb_raw_, emb_type_, ints(ids), emb_d_);
+    auto x = embed_rows(emb_raw_, emb_type_, tensor_of<int64_t>(ids), emb_d_);
     if (emb_scale_ != 1.0) x = x * emb_scale_;  // (as Python's x * scale: the same op)
-    auto out = forward(x, kc, vc, ints(seq), ints(pos), valid, cos, sin, limit, taps);
+    auto out = forward(x, kc, vc, tensor_of<int32_t>(seq), tensor_of<int32_t>(pos), valid, cos, sin, limit, taps);
     torch::Tensor logits = torch::empty({0}, torch::kFloat32);
     if (!rows.has_value() || !rows->empty()) {
-      const torch::Tensor xs = rows.has_value() ? out[0].index_select(0, ints(*rows)) : out[0];
+      const torch::Tensor xs = rows.has_value() ? out[0].index_select(0, tensor_of<int64_t>(*rows)) : out[0];
       logits = apply(head_, quantize_rows(xs.contiguous(), opt(head_.norm), head_eps_), c10::nullopt);
     }
     out.insert(out.begin(), logits);
@@ -1759,13 +1768,6 @@ class LayerStack {
   }
 
  private:
-  template <typename I>
-  static torch::Tensor ints(const std::vector<I>& v) {
-    auto t = new_tensor({(int64_t)v.size()}, c10::CppTypeToScalarType<I>::value);
-    std::memcpy(t.data_ptr(), v.data(), v.size() * sizeof(I));
-    return t;
-  }
-
   std::vector<Layer> layers_;
   torch::Tensor emb_raw_;
   int64_t emb_type_ = -1, emb_d_ = 0;
@@ -1989,17 +1991,10 @@ class PairHead {
     TORCH_CHECK((int64_t)seq.size() == n && (int64_t)pos.size() == n, "one sequence and position per token");
     TORCH_CHECK(lookup.empty() || (int64_t)lookup.size() == n, "one lookup per row (or none)");
     TORCH_CHECK(!raw || (pre_w_.size() == 5 && pre_w_[0].numel() > 0), "raw states need a `pre` linear");
-    auto tok_t = torch::empty({n}, torch::kInt64), rows_t = torch::empty({m}, torch::kInt64);
-    auto seq_t = torch::empty({n}, torch::kInt32), pos_t = torch::empty({n}, torch::kInt32);
-    for (int64_t i = 0; i < n; ++i) {
-      tok_t.data_ptr<int64_t>()[i] = tokens[i];
-      seq_t.data_ptr<int32_t>()[i] = (int32_t)seq[i];
-      pos_t.data_ptr<int32_t>()[i] = (int32_t)pos[i];
-    }
-    for (int64_t r = 0; r < m; ++r) {
+    for (int64_t r = 0; r < m; ++r)
       TORCH_CHECK(rows[r] >= 0 && rows[r] < n, "asked row ", rows[r], " is outside the ", n, " rows");
-      rows_t.data_ptr<int64_t>()[r] = rows[r];
-    }
+    const auto tok_t = tensor_of<int64_t>(tokens), rows_t = tensor_of<int64_t>(rows);
+    const auto seq_t = tensor_of<int32_t>(seq), pos_t = tensor_of<int32_t>(pos);
     const torch::Tensor none = torch::empty({0});
     torch::Tensor h_add = none, boost_rows = torch::empty({0}, torch::kInt64), gate = none;
     bool any = false;
