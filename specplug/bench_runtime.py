@@ -10,12 +10,13 @@ read of 1 GB with the run's threads; the build's dot instruction alone, the ISA'
 its float multiply-add alone, attention's; the matmul kernels' own peak on weights that stay in
 cache; the floor: the least work of the linears on their own bytes, `stream_dots`), then per
 forward of k rows at several contexts, run as the engine runs it (all layers in one native call;
-a context's row counts taken in turn), the time in linears, activation quantization (norms fused), RoPE + KV store, attention and Gemma's
-extra norms, each timed inside the kernels (`stage_times`), and the rest (Python, the embedding,
-the final norm: the forward's time less its kernels), with the bytes of weights and KV read, the
-multiply-adds, and the achieved GB/s and G MAC/s of the linears; at ctx 512 the linears against
-their bound and floor, attention against its bound, and the headroom: the forward with its linears
-and attention at their least (`least_forward_ms`), how much faster kernels could still make it.
+a context's row counts taken in turn), the time in linears, activation quantization (norms fused),
+RoPE + KV store, attention and Gemma's extra norms, each timed inside the kernels (`stage_times`),
+and the rest (Python, the embedding, the final norm: the forward's time less its kernels), with the
+bytes of weights and KV read, the multiply-adds, and the achieved GB/s and G MAC/s of the linears;
+at ctx 512 the linears against their bound and floor, attention against its bound, and the
+headroom: the forward with its linears and attention at their least (`least_forward_ms`), how much
+faster kernels could still make it.
 """
 from __future__ import annotations
 
@@ -36,21 +37,6 @@ VERIFY_K_CUDA = VERIFY_K + (48, 64)
 
 def _no_sync() -> None:
     pass
-
-
-def _median_ms(fn, repeats: int, warmup: int = 2, sync=_no_sync) -> float:
-    """Median wall time of fn; `sync` waits for the device after each call (torch.cuda.synchronize
-    on CUDA, where a call only queues its kernels)."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _in_turn(keys: list, repeats: int):
@@ -77,6 +63,11 @@ def _medians_in_turn_ms(fns: dict, repeats: int, warmup: int = 2, sync=_no_sync)
         sync()
         times[k].append((time.perf_counter() - t0) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _median_ms(fn, repeats: int, warmup: int = 2, sync=_no_sync) -> float:
+    """Median wall time of fn (`_medians_in_turn_ms` of it alone)."""
+    return _medians_in_turn_ms({0: fn}, repeats, warmup, sync)[0]
 
 
 def _fill(model, cache, seq: int, n: int, chunk: int = 256) -> None:
@@ -254,12 +245,12 @@ class _Counted:
 
 def _stage_ms(ext, fwds: dict, repeats: int, besides: dict | None = None) -> dict:
     """{key: stages} for the forwards `fwds` ({key: fn}), taken in turn (`_in_turn`), each fn's
-    stages: the median ms per
-    kernel family over its `repeats` runs, timed inside the kernels, `rest`: the median over the same
-    runs of each one's wall time less its kernels' (Python, embedding, ...), and `wall`: their median
-    wall time (the timers cost one clock read per kernel call). `besides[key]`: a function run after
-    each of that key's forwards, returning {name: seconds} (the floor's walks, so that they and the
-    forward see the same minutes of a VM that drifts); their medians too."""
+    stages: the median ms per kernel family over its `repeats` runs, timed inside the kernels, `rest`:
+    the median over the same runs of each one's wall time less its kernels' (Python, embedding, ...),
+    and `wall`: their median wall time (the timers cost one clock read per kernel call).
+    `besides[key]`: a function run after each of that key's forwards, returning {name: seconds} (the
+    floor's walks, so that they and the forward see the same minutes of a VM that drifts); their
+    medians too."""
     besides = besides or {}
     parts: dict = {k: [] for k in fwds}
     ext.set_stage_timing(True)
