@@ -119,8 +119,9 @@ def test_a_model_on_2mb_pages_computes_the_same_bits(tmp_path, monkeypatch):
         models.append(m)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+    # SPECPLUG_HUGE_PAGES=0: each weight in torch's own memory (whether glibc's heap around it has a
+    # 2 MB page depends on what else shares that heap, numpy's madvised arrays for one: not checked)
+    assert all(layer.qkv.qs.untyped_storage().nbytes() == layer.qkv.qs.nbytes for layer in models[0].layers)
     if pages.enabled():
         placed = [layer.qkv.qs for layer in models[1].layers]
         assert _ptrs_in_one_chunk(placed) and pages.huge_page_bytes(placed)[0] > 0  # an arena chunk
-        if pages.thp_mode() == "madvise":
-            assert pages.huge_page_bytes([layer.qkv.qs for layer in models[0].layers])[0] == 0
