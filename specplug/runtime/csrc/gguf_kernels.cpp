@@ -1056,8 +1056,11 @@ constexpr bool ATT_REGS32 = true;  // 32 vector registers (AVX-512 VL encodes ym
 constexpr bool ATT_REGS32 = false;
 #endif
 // Keys per pass of the scores and 8-lane groups of V per pass, so that the accumulators, the
-// queries (or probabilities) and one loaded vector fit in the registers.
-constexpr int att_keys(int nq) { return ATT_REGS32 || nq <= 2 ? 4 : 2; }
+// queries (or probabilities) and one loaded vector fit in the registers. Three heads of 4 keys on
+// AVX2's 16 registers are 12 accumulators with the queries read from memory: each reduce4 then sums
+// 4 scores, not 2 and 2 copies, and attention ran 1.03-1.09x faster than with 2 keys at 1-8 rows after
+// 512-1024 positions on the Zen 1 of session 38 (the same bits; docs/results/runtime.md).
+constexpr int att_keys(int nq) { return ATT_REGS32 || nq <= 3 ? 4 : 2; }
 constexpr int att_vwidth(int nq) { return ATT_REGS32 ? (nq <= 3 ? 8 : 4) : (nq == 1 ? 8 : nq <= 3 ? 4 : 2); }
 
 // Pointers to `cnt` cache rows (cells[0..cnt)).
@@ -1225,37 +1228,99 @@ inline void pv_lanes16(const float* p, int64_t ldp, const T* const* vr, int64_t 
 #define ATT_ZMM 0
 #endif
 
+// One row's V sums over a piece for all nd groups of 8 lanes, W groups a pass (16-lane passes first
+// where the build has them).
+template <int NQ, int W, typename T>
+inline void pv_rows(const float* p, int64_t ldp, const T* const* vr, int64_t cnt, int64_t nd, float* acc,
+                    int64_t lda) {
+  int64_t i = 0;
+#if ATT_ZMM
+  if constexpr (W % 2 == 0)
+    for (; i + W <= nd; i += W) pv_lanes16<NQ, W, T>(p, ldp, vr, cnt, i, acc, lda);
+#endif
+  for (; i + W <= nd; i += W) pv_lanes<NQ, W, T>(p, ldp, vr, cnt, i, acc, lda);
+  for (; i < nd; ++i) pv_lanes<NQ, 1, T>(p, ldp, vr, cnt, i, acc, lda);
+}
+
 // Keys per piece of a span that a task's rows go through together, so that the piece's K (V)
 // rows, read from memory by the first row, serve the others from L1.
 constexpr int64_t ATT_PIECE = 32;
+
+// A float16 cache's piece widened to float32 once for all the rows of a task, from this many rows on
+// (0: never), instead of each row widening every K and V value it reads. The same values, the same
+// bits. Where widening costs about a multiply-add (Zen 1: vcvtph2ps ymm at 2 cycles; 8 of them a key
+// beside 24 multiply-adds, a third of a key's scores) it pays from 3 rows: 1.08-1.09x at 3, 1.13-1.24x
+// at 4-8 on the Zen 1 of session 38 (even at 2). Where it is cheap (Zen 4's AVX-512 build, session 36)
+// a separate pass waits on the memory reads the scores had overlapped: 0.75-0.87x, so the AVX-512 build
+// never widens (docs/results/runtime.md).
+#ifndef ATT_WIDEN_ROWS
+#if defined(__AVX512F__)
+#define ATT_WIDEN_ROWS 0
+#else
+#define ATT_WIDEN_ROWS 3
+#endif
+#endif
+static_assert(ATT_WIDEN_ROWS >= 0, "ATT_WIDEN_ROWS: 0 (never) or the rows from which a piece is widened once");
+// The piece buffer of this thread (ATT_PIECE rows of up to 256 values: head_dim <= 256).
+inline float* widened_piece() {
+  thread_local std::vector<float> buf(ATT_PIECE * 256);
+  return buf.data();
+}
+// rows[0..cnt) widened into buf, out[j] the widened row j; asking for cache lines as scores_span
+// does: K rows ATT_AHEAD keys ahead (`ahead`, n_ahead known) into L1, the piece's V rows into L2.
+inline void widen_rows(const uint16_t* const* rows, int64_t cnt, int64_t D, float* buf, const float** out,
+                       const uint16_t* const* ahead = nullptr, int64_t n_ahead = 0,
+                       const uint16_t* const* v_next = nullptr) {
+  for (int64_t j = 0; j < cnt; ++j) {
+    if (ATT_AHEAD > 0 && j + ATT_AHEAD < n_ahead) prefetch_row<_MM_HINT_T0>(ahead[j + ATT_AHEAD], D);
+    if (ATT_AHEAD > 0 && v_next) prefetch_row<_MM_HINT_T1>(v_next[j], D);
+    float* d = buf + j * D;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= D; i += 16) _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rows[j] + i))));
+#endif
+    for (; i < D; i += 8) _mm256_storeu_ps(d + i, load8(rows[j] + i));
+    out[j] = d;
+  }
+}
 
 // The rows of one task over one span, for NQ query heads that share a K/V head: row r (q[r]: its
 // first head's D values, the others ldq apart) sees the span's keys kr/vr[a[r]..e[r]) (none when
 // a[r] >= e[r]); each head's partial (acc[0..D), then m, l) goes to part[r] + g * ps. Scores, then
 // per row and head its span softmax, then the V sums; pieces of ATT_PIECE keys at a time for all
-// the rows. `avail`: K rows known from kr[0] (the next span's first keys, prefetched ahead).
+// the rows (a float16 piece widened once for them from ATT_WIDEN_ROWS rows). `avail`: K rows known from kr[0] (the next span's first keys, prefetched ahead).
 template <int NQ, int ND, typename T>
 void attend_span(int64_t R, const float* const* q, int64_t ldq, int64_t nd_rt, float scale, const T* const* kr,
                  const T* const* vr, const int64_t* a, const int64_t* e, int64_t avail, float* const* part, int64_t ps,
                  float* qs, float* sc, int64_t ldsc) {
   const int64_t nd = ND > 0 ? ND : nd_rt, D = nd * 8;
-  int64_t lo = INT64_MAX, hi = 0, first = -1;
+  int64_t lo = INT64_MAX, hi = 0, first = -1, rows = 0;
   for (int64_t r = 0; r < R; ++r) {
     if (a[r] >= e[r]) continue;
-    lo = std::min(lo, a[r]), hi = std::max(hi, e[r]), first = first < 0 ? r : first;
+    lo = std::min(lo, a[r]), hi = std::max(hi, e[r]), first = first < 0 ? r : first, ++rows;
     for (int g = 0; g < NQ; ++g)
       for (int64_t i = 0; i < nd; ++i)
         _mm256_storeu_ps(qs + (r * NQ + g) * D + 8 * i,
                          _mm256_mul_ps(_mm256_loadu_ps(q[r] + g * ldq + 8 * i), _mm256_set1_ps(scale)));
   }
   if (first < 0) return;
-  for (int64_t b0 = lo; b0 < hi; b0 += ATT_PIECE)
+  constexpr bool half = std::is_same_v<T, uint16_t>;
+  const bool widen = half && ATT_WIDEN_ROWS > 0 && rows >= ATT_WIDEN_ROWS;
+  const float* wr[ATT_PIECE];
+  float* wbuf = widen ? widened_piece() : nullptr;
+  for (int64_t b0 = lo; b0 < hi; b0 += ATT_PIECE) {
+    if constexpr (half)
+      if (widen) widen_rows(kr + b0, std::min(ATT_PIECE, hi - b0), D, wbuf, wr, kr + b0, avail - b0, vr + b0);
     for (int64_t r = first; r < R; ++r) {
       const int64_t s = std::max(b0, a[r]), t = std::min(b0 + ATT_PIECE, e[r]);
-      if (s < t)  // the first row asks for the cache lines ahead; the others find them in L1
-        scores_span<NQ, ND, T>(qs + r * NQ * D, nd, kr + s, vr + s, t - s, r == first ? avail - s : 0,
-                           sc + r * NQ * ldsc + (s - a[r]), ldsc);
+      if (s >= t) continue;
+      float* out = sc + r * NQ * ldsc + (s - a[r]);
+      if (widen)
+        scores_span<NQ, ND, float>(qs + r * NQ * D, nd, wr + (s - b0), nullptr, t - s, 0, out, ldsc);
+      else
+        scores_span<NQ, ND, T>(qs + r * NQ * D, nd, kr + s, vr + s, t - s, r == first ? avail - s : 0, out, ldsc);
     }
+  }
   constexpr int W = att_vwidth(NQ);
   for (int64_t r = first; r < R; ++r) {
     if (a[r] >= e[r]) continue;
@@ -1265,19 +1330,19 @@ void attend_span(int64_t R, const float* const* q, int64_t ldq, int64_t nd_rt, f
       for (int64_t i = 0; i < D; ++i) pg[i] = 0.0f;
     }
   }
-  for (int64_t b0 = lo; b0 < hi; b0 += ATT_PIECE)
+  for (int64_t b0 = lo; b0 < hi; b0 += ATT_PIECE) {
+    if constexpr (half)
+      if (widen) widen_rows(vr + b0, std::min(ATT_PIECE, hi - b0), D, wbuf, wr);
     for (int64_t r = first; r < R; ++r) {
       const int64_t s = std::max(b0, a[r]), t = std::min(b0 + ATT_PIECE, e[r]);
       if (s >= t) continue;
       const float* p = sc + r * NQ * ldsc + (s - a[r]);
-      int64_t i = 0;
-#if ATT_ZMM
-      if constexpr (W % 2 == 0)
-        for (; i + W <= nd; i += W) pv_lanes16<NQ, W, T>(p, ldsc, vr + s, t - s, i, part[r], ps);
-#endif
-      for (; i + W <= nd; i += W) pv_lanes<NQ, W, T>(p, ldsc, vr + s, t - s, i, part[r], ps);
-      for (; i < nd; ++i) pv_lanes<NQ, 1, T>(p, ldsc, vr + s, t - s, i, part[r], ps);
+      if (widen)
+        pv_rows<NQ, W, float>(p, ldsc, wr + (s - b0), t - s, nd, part[r], ps);
+      else
+        pv_rows<NQ, W, T>(p, ldsc, vr + s, t - s, nd, part[r], ps);
     }
+  }
 }
 
 template <int ND, typename T>
