@@ -7,8 +7,12 @@ source is tried by building the old source under one tag and the new under anoth
 
     python scripts/build_variant.py before                       # the source as it is now
     python scripts/build_variant.py ahead2 PAIR_AHEAD=-2          # one define
-    ISA=avx2 python scripts/build_variant.py avx2_noprefetch PREFETCH_ROWS=0
+    ISA=avx2 python scripts/build_variant.py avx2_noprefetch PREFETCH_ROWS=0   # (*)
     python scripts/interleaved_builds.py --builds avx512,specplug_gguf_ahead2 --what forward
+
+(*) A define that is also a run-time tuning is only the build's default: native.apply_tunings gives
+every build loaded the tuning instead (ZMM_ROWS always: pair_rows; PREFETCH_ROWS where this CPU or
+SPECPLUG_PREFETCH_ROWS sets one).
 """
 from __future__ import annotations
 

@@ -59,6 +59,11 @@ def describe(device: str | None = None) -> dict:
             info["kernel_pair_rows"] = list(native.pair_rows())
         except Exception as exc:  # a wrong SPECPLUG_PAIR_ROWS: the loader says so; a report only records it
             info["kernel_pair_rows"] = f"unknown ({exc})"
+    if isa is not None:
+        try:
+            info["kernel_prefetch_rows"] = native.prefetch_rows(isa)
+        except Exception as exc:  # a wrong SPECPLUG_PREFETCH_ROWS: the loader says so; a report only records it
+            info["kernel_prefetch_rows"] = f"unknown ({exc})"
     info["pages"] = _pages()
     return info
 

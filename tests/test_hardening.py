@@ -109,11 +109,12 @@ def test_kernel_build_says_building_each_time_it_builds_and_only_then(monkeypatc
     assert calls == [str(native.build_dir())] * 2
 
 
-def test_a_wrong_specplug_pair_rows_is_one_clear_error_before_any_build(monkeypatch, tmp_path):
+@pytest.mark.parametrize("env", ["SPECPLUG_PAIR_ROWS", "SPECPLUG_PREFETCH_ROWS"])
+def test_a_wrong_tuning_in_the_environment_is_one_clear_error_before_any_build(monkeypatch, tmp_path, env):
     calls: list[str] = []
     _fake_build(monkeypatch, tmp_path, calls)
-    monkeypatch.setenv(native.PAIR_ROWS_ENV, "two")
-    with pytest.raises(ModelError, match="SPECPLUG_PAIR_ROWS='two': give a whole number of rows"):
+    monkeypatch.setenv(env, "two")
+    with pytest.raises(ModelError, match=f"{env}='two': give a whole number of rows"):
         native.kernels()
     assert calls == [] and native._ext == {}
 

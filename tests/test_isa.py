@@ -83,6 +83,7 @@ def test_describe_names_the_cpu_and_the_path(monkeypatch):
         assert d["pair_rows"] == list(native.pair_rows()) == [ext.pair_rows(), ext.byte_pair_rows()]
     else:
         assert d["pair_rows"] is None
+    assert d["prefetch_rows"] == native.kernels(d["isa"]).prefetch_rows()  # what the loaded build runs with
 
 
 # ---- from how many rows the AVX-512 linears run on tile pairs: a tuning per CPU -----------------
@@ -99,6 +100,43 @@ def test_the_pair_threshold_follows_the_cpu_and_specplug_pair_rows(monkeypatch):
         monkeypatch.setenv(native.PAIR_ROWS_ENV, bad)
         with pytest.raises(ModelError, match=f"SPECPLUG_PAIR_ROWS='{bad}': give a whole number of rows, 1 or more"):
             native.pair_rows()
+
+
+# ---- up to how many rows the one-tile path prefetches weight tiles: a tuning per CPU -------------
+
+def test_the_tile_prefetch_follows_the_cpu_and_specplug_prefetch_rows(monkeypatch):
+    monkeypatch.delenv(native.PREFETCH_ROWS_ENV, raising=False)
+    monkeypatch.setattr(native, "cpu_id", lambda: ("AuthenticAMD", 23))  # Zen 1: never
+    assert native.prefetch_rows("avx2") == native.prefetch_rows("avx512") == 0
+    monkeypatch.setattr(native, "cpu_id", lambda: ("GenuineIntel", 6))  # the others: each build's own
+    assert (native.prefetch_rows("avx2"), native.prefetch_rows("avx512"), native.prefetch_rows()) == (1, 0, None)
+    monkeypatch.setenv(native.PREFETCH_ROWS_ENV, "2")
+    assert native.prefetch_rows("avx512") == 2
+    for bad in ("-1", "some", "1.5"):
+        monkeypatch.setenv(native.PREFETCH_ROWS_ENV, bad)
+        with pytest.raises(ModelError, match=f"SPECPLUG_PREFETCH_ROWS='{bad}': give a whole number of rows, 0 or more"):
+            native.prefetch_rows("avx2")
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_the_tile_prefetch_changes_no_bit(kind):
+    """Whether a call prefetches its weight tiles is a tuning (native.prefetch_rows): the same bits
+    with it at every row count, at one row only, and never."""
+    ext = native.kernels()
+    before = ext.prefetch_rows()
+    lin = _linear_of(kind, 44, 512, 3)
+    lin.k = ext
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4)) * 2
+    try:
+        outs = []
+        for rows in (1000, 1, 0):
+            ext.set_prefetch_rows(rows)
+            outs.append(torch.cat([lin(x[:1]), lin(x)]))
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        with pytest.raises(RuntimeError, match="rows must be >= 0"):
+            ext.set_prefetch_rows(-1)
+    finally:
+        ext.set_prefetch_rows(before)
 
 
 def _linear_of(kind: str, n: int, k: int, seed: int):

@@ -132,6 +132,39 @@ def pair_rows() -> tuple[int, int]:
     return PAIR_ROWS_BY_CPU.get(cpu_id(), PAIR_ROWS_DEFAULT)
 
 
+# ---- the one-tile path's software prefetch, a tuning per CPU --------------------------------------
+# On the 256-bit one-tile path (every linear of the AVX2 build; the AVX-512 build's below its pair
+# threshold) a call of at most this many rows asks for the weight tile two ahead while one computes.
+# Each build has its own default: 1 on AVX2, where a Zen 3 ran one row 8% faster with it; 0 on
+# AVX-512, where a Zen 4 ran 7-11% faster without. On a Zen 1 the AVX2 forward at one row is
+# 1.24-1.30x faster without it (AMD EPYC, 2 threads, `scripts/interleaved_builds.py`,
+# docs/results/runtime.md). A CPU measured to want another gets an entry here; SPECPLUG_PREFETCH_ROWS=n
+# sets it for a run (0: never). The same bits either way.
+PREFETCH_ROWS_ENV = "SPECPLUG_PREFETCH_ROWS"
+# (vendor, family): the rows. AMD family 23 is Zen 1, Zen+ and Zen 2 (measured: Zen 1).
+PREFETCH_ROWS_BY_CPU: dict[tuple[str, int], int] = {("AuthenticAMD", 23): 0}
+PREFETCH_ROWS_BUILT = {"avx2": 1, "avx512": 0}  # each build's own default (PREFETCH_ROWS in the kernels)
+
+
+def _prefetch_tuning() -> int | None:
+    """${PREFETCH_ROWS_ENV} when set, else this CPU's entry in PREFETCH_ROWS_BY_CPU; None: neither."""
+    forced = os.environ.get(PREFETCH_ROWS_ENV, "").strip()
+    if forced:
+        if not forced.isdigit():
+            raise ModelError(f"{PREFETCH_ROWS_ENV}={forced!r}: give a whole number of rows, 0 or more (linear "
+                             f"calls of at most that many rows prefetch their weight tiles; 0: never)")
+        return int(forced)
+    return PREFETCH_ROWS_BY_CPU.get(cpu_id())
+
+
+def prefetch_rows(isa: str | None = None) -> int | None:
+    """Up to how many rows a linear call on the one-tile path prefetches its weight tiles: the
+    tuning (${PREFETCH_ROWS_ENV}, else PREFETCH_ROWS_BY_CPU), else the `isa` build's own default
+    (None without an isa)."""
+    tuned = _prefetch_tuning()
+    return PREFETCH_ROWS_BUILT.get(isa) if tuned is None else tuned
+
+
 def available_isas() -> list[str]:
     """The kernel paths this CPU can run, best first (empty: not an x86 CPU with AVX2)."""
     flags = _cpuinfo()[1]
@@ -188,7 +221,8 @@ def describe(isa: str | None = None) -> dict:
     """Where the kernels run, for results JSON: CPU model, the ISA path and its compiler flags."""
     isa = isa or (chosen_isa() if not unavailable_reason() else None)
     return {"cpu": cpu_model(), "isa": isa, "isa_flags": list(ISA_CFLAGS.get(isa, ())),
-            "isas_available": available_isas(), "pair_rows": list(pair_rows()) if isa == "avx512" else None}
+            "isas_available": available_isas(), "pair_rows": list(pair_rows()) if isa == "avx512" else None,
+            "prefetch_rows": prefetch_rows(isa) if isa else None}
 
 
 _CFLAGS = ("-O3", "-fopenmp")  # every ISA's build; ISA_CFLAGS adds its own
@@ -232,9 +266,13 @@ def compile_kernels(folder: Path, isa: str, defines: Sequence[str] = (), verbose
 
 
 def apply_tunings(ext, rows: tuple[int, int] | None = None) -> None:
-    """Give a loaded kernel build this CPU's run-time tunings (today the tile-pair thresholds,
-    pair_rows(), or `rows`); every build the runtime or a tool loads gets them here. A build from
+    """Give a loaded kernel build this CPU's run-time tunings (the tile-pair thresholds, pair_rows(),
+    or `rows`; the one-tile prefetch where this CPU or the environment sets it, prefetch_rows(), else
+    the build keeps its own); every build the runtime or a tool loads gets them here. A build from
     before a tuning existed has no setter for it (or one threshold, not two) and takes what it can."""
+    tuned = _prefetch_tuning()
+    if tuned is not None and hasattr(ext, "set_prefetch_rows"):
+        ext.set_prefetch_rows(tuned)
     if not hasattr(ext, "set_pair_rows"):
         return
     rows = pair_rows() if rows is None else rows
@@ -285,7 +323,8 @@ def kernels(isa: str | None = None):
     ext = _ext.get(isa)
     if ext is not None:
         return ext
-    rows = pair_rows()  # a wrong ${PAIR_ROWS_ENV} stops here, before any build
+    rows = pair_rows()  # a wrong ${PAIR_ROWS_ENV} or ${PREFETCH_ROWS_ENV} stops here, before any build
+    _prefetch_tuning()
     with _lock:
         if isa not in _ext:
             say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

@@ -393,10 +393,13 @@ inline __m512i dot_bcast(__m512i acc, __m512i w, const int32_t* x) {
 #endif
 #endif
 
-// Software prefetch of weight tiles for calls of at most this many rows (see matmul_impl).
+// Software prefetch of weight tiles on the one-tile path for calls of at most this many rows (see
+// matmul_impl): the default of g_prefetch_rows, which set_prefetch_rows changes at run time
+// (native.py: SPECPLUG_PREFETCH_ROWS or a tuning per CPU; 0: never). The same bits either way.
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS (SPECPLUG_VNNI ? 0 : 1)
 #endif
+std::atomic<int64_t> g_prefetch_rows{PREFETCH_ROWS};
 
 // Q5_0: a block's value u = 0..31 (the weight is (u - 16) d) from Q4_1's nibble bytes and, after
 // them (128 bytes on), its fifth bits: for each load p of the nibbles a 32-bit mask over the load's
@@ -812,6 +815,7 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
 #else
   const int64_t rows_a_pass = RT;
 #endif
+  const int64_t prefetch_rows = g_prefetch_rows.load(std::memory_order_relaxed);
   // the bytes a tile costs: its weights and scales, read once a pass over the rows
   const int64_t tile_work = (tile_bytes + scale_bytes * (wmp ? 2 : 1)) * ((M + rows_a_pass - 1) / rows_a_pass);
   // a row's 8 columns of tile t: + bias, + residual, stored (the last tile may be partial)
@@ -838,9 +842,10 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
     // machine this was tuned on (Zen 3) asking for a later tile while this one computes saved 8%
     // at one row (and cost 7% at 4). On the AVX-512 one (Zen 4) its hardware prefetchers do
     // better alone: without the software prefetch one row is 7% (2 threads) to 11% (1 thread)
-    // faster, and two rows 16% faster than with it. Past the chunk's end too: a thread's next
-    // chunk is usually the next one of its share.
-    if (PREFETCH_TILES > 0 && M <= PREFETCH_ROWS && t + PREFETCH_TILES < ntile) {
+    // faster, and two rows 16% faster than with it; on a Zen 1 (AVX2) the forward at one row is
+    // 1.24-1.30x faster without it (to L1 or L2 alike, 2 or 6 tiles ahead alike). Past the chunk's
+    // end too: a thread's next chunk is usually the next one of its share.
+    if (PREFETCH_TILES > 0 && M <= prefetch_rows && t + PREFETCH_TILES < ntile) {
       const char* nq = (const char*)(tq + PREFETCH_TILES * tile_bytes);
       for (int64_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(nq + off, _MM_HINT_T0);
       const char* nd = (const char*)(td + PREFETCH_TILES * nb * NC * NSC);
@@ -2190,6 +2195,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_dots", &probes::stream_dots, "seconds for the least work of one linear call of `rows` rows on its "
         "weights (`bits` 4 or 8) and scales, `repeat` walks", py::arg("weights"), py::arg("extra"), py::arg("rows"),
         py::arg("bits"), py::arg("repeat") = 1, py::arg("ahead") = 0, nogil);
+  m.def("set_prefetch_rows", [](int64_t rows) {
+        TORCH_CHECK(rows >= 0, "set_prefetch_rows: rows must be >= 0, got ", rows);
+        g_prefetch_rows.store(rows, std::memory_order_relaxed);
+      }, "software prefetch of weight tiles on the one-tile path for calls of at most `rows` rows (0: never)",
+      py::arg("rows"));
+  m.def("prefetch_rows", []() { return g_prefetch_rows.load(std::memory_order_relaxed); },
+        "calls of at most this many rows prefetch weight tiles on the one-tile path");
   m.def("set_pair_rows", [](int64_t rows, int64_t byte_rows) {
         if (byte_rows == 0) byte_rows = rows;
         TORCH_CHECK(rows >= 1 && byte_rows >= 1, "set_pair_rows: rows must be >= 1, got ", rows, " and ", byte_rows);
