@@ -1253,9 +1253,9 @@ constexpr int64_t ATT_PIECE = 32;
 
 // A float16 cache's piece widened to float32 once for all the rows of a task, from this many rows on
 // (0: never), instead of each row widening every K and V value it reads. The same values, the same
-// bits. Where widening costs about a multiply-add (Zen 1: vcvtph2ps ymm at 2 cycles; 8 of them a key
-// beside 24 multiply-adds, a third of a key's scores) it pays from 3 rows: 1.08-1.09x at 3, 1.13-1.24x
-// at 4-8 on the Zen 1 of session 38 (even at 2). Where it is cheap (Zen 4's AVX-512 build, session 36)
+// bits. Where widening is dear (Zen 1: a key's scores of 3 heads took 18.7 ns on float16 rows, 12.5 on
+// float32 ones, its 8 vcvtph2ps ymm ~2 cycles each beside 24 multiply-adds) it pays from 3 rows:
+// 1.08-1.09x at 3, 1.13-1.24x at 4-8 on the Zen 1 of session 38 (even at 2). Where it is cheap (Zen 4's AVX-512 build, session 36)
 // a separate pass waits on the memory reads the scores had overlapped: 0.75-0.87x, so the AVX-512 build
 // never widens (docs/results/runtime.md).
 #ifndef ATT_WIDEN_ROWS
@@ -1293,7 +1293,8 @@ inline void widen_rows(const uint16_t* const* rows, int64_t cnt, int64_t D, floa
 // first head's D values, the others ldq apart) sees the span's keys kr/vr[a[r]..e[r]) (none when
 // a[r] >= e[r]); each head's partial (acc[0..D), then m, l) goes to part[r] + g * ps. Scores, then
 // per row and head its span softmax, then the V sums; pieces of ATT_PIECE keys at a time for all
-// the rows (a float16 piece widened once for them from ATT_WIDEN_ROWS rows). `avail`: K rows known from kr[0] (the next span's first keys, prefetched ahead).
+// the rows (a float16 piece widened once for them from ATT_WIDEN_ROWS rows). `avail`: K rows known
+// from kr[0] (the next span's first keys, prefetched ahead).
 template <int NQ, int ND, typename T>
 void attend_span(int64_t R, const float* const* q, int64_t ldq, int64_t nd_rt, float scale, const T* const* kr,
                  const T* const* vr, const int64_t* a, const int64_t* e, int64_t avail, float* const* part, int64_t ps,
