@@ -119,16 +119,24 @@ PAIR_ROWS_BY_CPU: dict[tuple[str, int], tuple[int, int]] = {("AuthenticAMD", 25)
 PAIR_ROWS_DEFAULT = (1, 1)
 
 
+def _rows_from_env(name: str, least: int, meaning: str) -> int | None:
+    """A row-count tuning forced by the environment variable `name` (None when unset); anything but
+    a whole number of at least `least` is a ModelError that says what the number means."""
+    forced = os.environ.get(name, "").strip()
+    if not forced:
+        return None
+    if not forced.isdigit() or int(forced) < least:
+        raise ModelError(f"{name}={forced!r}: give a whole number of rows, {least} or more ({meaning})")
+    return int(forced)
+
+
 def pair_rows() -> tuple[int, int]:
     """The row counts from which the AVX-512 linears run on tile pairs, (4- and 5-bit kinds, 8-bit
     kinds): ${PAIR_ROWS_ENV} for both when set, else this CPU's tuning (PAIR_ROWS_BY_CPU) or
     PAIR_ROWS_DEFAULT."""
-    forced = os.environ.get(PAIR_ROWS_ENV, "").strip()
-    if forced:
-        if not forced.isdigit() or int(forced) < 1:
-            raise ModelError(f"{PAIR_ROWS_ENV}={forced!r}: give a whole number of rows, 1 or more "
-                             f"(linear calls of at least that many rows run on 512-bit tile pairs)")
-        return int(forced), int(forced)
+    forced = _rows_from_env(PAIR_ROWS_ENV, 1, "linear calls of at least that many rows run on 512-bit tile pairs")
+    if forced is not None:
+        return forced, forced
     return PAIR_ROWS_BY_CPU.get(cpu_id(), PAIR_ROWS_DEFAULT)
 
 
@@ -148,13 +156,9 @@ PREFETCH_ROWS_BUILT = {"avx2": 1, "avx512": 0}  # each build's own default (PREF
 
 def _prefetch_tuning() -> int | None:
     """${PREFETCH_ROWS_ENV} when set, else this CPU's entry in PREFETCH_ROWS_BY_CPU; None: neither."""
-    forced = os.environ.get(PREFETCH_ROWS_ENV, "").strip()
-    if forced:
-        if not forced.isdigit():
-            raise ModelError(f"{PREFETCH_ROWS_ENV}={forced!r}: give a whole number of rows, 0 or more (linear "
-                             f"calls of at most that many rows prefetch their weight tiles; 0: never)")
-        return int(forced)
-    return PREFETCH_ROWS_BY_CPU.get(cpu_id())
+    forced = _rows_from_env(PREFETCH_ROWS_ENV, 0, "linear calls of at most that many rows prefetch their "
+                                                   "weight tiles; 0: never")
+    return PREFETCH_ROWS_BY_CPU.get(cpu_id()) if forced is None else forced
 
 
 def prefetch_rows(isa: str | None = None) -> int | None:
