@@ -441,8 +441,8 @@ def format_profile(prof: dict) -> str:
     loads = next((r["loads_ms"] for r in at if "loads_ms" in r), None)
     lines.append(f"roofline of the linears per forward (ctx {FLOOR_CTX}): bound = max(weight bytes / streaming GB/s, "
                  f"MACs / the dot instruction's peak); floor = their least work on their own bytes, measured beside "
-                 f"the forward (stream_dots: the weights loaded, nibbles split, one {lim['dot_instruction']} a row per "
-                 f"half, the scales read; one call a linear; without prefetch or {FLOOR_AHEAD} bytes ahead, the "
+                 f"the forward (stream_dots: the weights loaded, nibbles split, the dot instruction ({lim['dot_instruction']}) "
+                 f"a row per half, the scales read; one call a linear; without prefetch or {FLOOR_AHEAD} bytes ahead, the "
                  f"shorter)" + (f"; the loads alone {loads:.2f} ms" if loads else ""))
     for r in at:
         mem = r["weight_mb"] / lim["stream_read_gb_s"]

@@ -2,17 +2,21 @@
 // `bench-runtime --profile` (issue 38). Both run on the runtime's threads (chunk_pool), so they see
 // the cores, caches and memory the kernels see.
 //
-//  - dot_peak(): the integer dot instruction alone, on the widest registers the build uses
-//    (AVX-512 VNNI: vpdpbusd on 512 bits, 64 multiply-adds; AVX2: vpmaddubsw + vpmaddwd + vpaddd on
-//    256 bits, 32), 16 independent accumulators a thread so its latency hides: the ISA's own
-//    ceiling of multiply-adds a second, which no kernel on this build can pass.
+//  - dot_peak(): the integer dot instruction alone, on the widest registers the build uses, as the
+//    4-bit kernels use it (AVX-512 VNNI: vpdpbusd on 512 bits, 64 multiply-adds into 32 bits; AVX2:
+//    vpmaddubsw on 256 bits, 32, added into 16-bit sums, which one vpmaddwd + vpaddd widens after
+//    every 8, as q4_1_block_dot does), 16 independent accumulators a thread so its latency hides: the
+//    ISA's own ceiling of multiply-adds a second, which no kernel on this build can pass. (Until
+//    session 39 the AVX2 probe widened after every vpmaddubsw, the 8-bit kernels' mix: two multiplies
+//    per 32 multiply-adds, half the 4-bit ceiling on a Zen 1, whose Q4_1 kernel then ran above it.)
 //  - fma_peak(): the float multiply-add alone (vfmadd on the same registers: 16 lanes a 512-bit one,
 //    8 a 256-bit one), 16 independent accumulators a thread (12 in AVX2's 16 registers, where 16
 //    spill and read half the peak): the ceiling of attention's float work (its scores and weighted
 //    V sums are multiply-adds), which no attention kernel on this build can pass.
 //  - stream_dots(): the floor of a linear, the least work a k-row linear does on the bytes of its
 //    weights: load, split 4-bit values into low and high nibbles (8-bit: offset by 128), one dot
-//    instruction per row per half, the scales read and not used, and nothing else (no float work,
+//    instruction per row per half (AVX2, 4-bit: into 16-bit sums widened once a block, as above; 8-bit:
+//    widened every time, as its kernels must), the scales read and not used, and nothing else (no float work,
 //    activations at hand). Over the weights as the runtime holds them it tells what the kernels
 //    could at best do with their stream; walked again from the caches (`repeat`), what the same
 //    work costs without it. So it measures whether this core overlaps the stream with the
@@ -47,6 +51,10 @@ inline V flip_signs(V v) { return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x8
 inline V dot(V acc, V w, int32_t x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x)); }
 inline int64_t vsum(V v) { return _mm512_reduce_add_epi32(v); }
 inline void opaque(V& v) { __asm__ volatile("" : "+v"(v)); }
+// 4-bit weights: the dot goes into 32 bits directly (nothing to widen)
+constexpr bool WIDENS = false;
+inline V dot16(V acc, V w, int32_t x) { return dot(acc, w, x); }
+inline V widen(V acc, V) { return acc; }
 #define PROBES_DOT "vpdpbusd zmm"
 using F = __m512;
 constexpr int LANES_PER_FMA = 16;
@@ -78,7 +86,14 @@ inline int64_t vsum(V v) {
   return s;
 }
 inline void opaque(V& v) { __asm__ volatile("" : "+x"(v)); }
-#define PROBES_DOT "vpmaddubsw+vpmaddwd+vpaddd ymm"
+// 4-bit weights (values 0..15): a vpmaddubsw lane sums two products of at most 15 x 127, so 8 of
+// them add up in 16 bits (vpaddw), widened once a block (vpmaddwd by ones, vpaddd): one multiply
+// instruction per 32 multiply-adds, not two as `dot` (the 8-bit weights' mix)
+constexpr bool WIDENS = true;
+constexpr int WIDEN_EVERY = 8;  // vpmaddubsw results a 16-bit sum takes (one block of q4_1_block_dot)
+inline V dot16(V acc16, V w, int32_t x) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x))); }
+inline V widen(V acc, V acc16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, _mm256_set1_epi16(1))); }
+#define PROBES_DOT "vpmaddubsw+vpaddw ymm, vpmaddwd+vpaddd once in 8"
 using F = __m256;
 constexpr int LANES_PER_FMA = 8;
 inline F fma_op(F acc, F w, F c) { return _mm256_fmadd_ps(acc, w, c); }
@@ -108,29 +123,37 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 inline std::atomic<int64_t> g_sink{0};  // the probes' sums end here, so no loop is optimized away
 
-// Multiply-adds a second of the dot instruction on the runtime's threads together.
+// Multiply-adds a second of the dot instruction on the runtime's threads together, as the 4-bit
+// kernels use it (AVX2: into 16-bit sums, each widened after WIDEN_EVERY dots).
 inline double dot_peak() {
-  constexpr int CH = 16;
+  // accumulators a thread; AVX2: 6 16-bit sums and the 6 they widen into, beside w and the ones
+  constexpr int CH = WIDENS ? 6 : 16;
+  constexpr int E = [] { if constexpr (WIDENS) return WIDEN_EVERY; else return 1; }();  // dots a sum between widenings
+  constexpr int64_t GROUPS = PEAK_DOTS / (CH * E);
   const int threads = at::get_num_threads();
   const auto t0 = std::chrono::steady_clock::now();
   chunk_pool::parallel_for(threads, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      V acc[CH];
-      for (auto& a : acc) a = vzero();
+      V acc[CH], acc16[CH];
+      for (int j = 0; j < CH; ++j) acc[j] = acc16[j] = vzero();
       V w = vadd(vzero(), vzero());
       opaque(w);
-      for (int64_t i = 0; i < PEAK_DOTS / CH; ++i) {
-        for (int j = 0; j < CH; ++j) {
-          acc[j] = dot(acc[j], w, 0x01020304);
-          opaque(w);  // a "new" w each time: no part of one instruction is shared with the next
-        }
+      for (int64_t g = 0; g < GROUPS; ++g) {
+        for (int e = 0; e < E; ++e)
+          for (int j = 0; j < CH; ++j) {
+            if constexpr (WIDENS) acc16[j] = dot16(acc16[j], w, 0x01020304);
+            else acc[j] = dot(acc[j], w, 0x01020304);
+            opaque(w);  // a "new" w each time: no part of one instruction is shared with the next
+          }
+        if constexpr (WIDENS)
+          for (int j = 0; j < CH; ++j) acc[j] = widen(acc[j], acc16[j]), acc16[j] = vzero();
       }
       int64_t s = 0;
       for (auto& a : acc) s += vsum(a);
       g_sink.fetch_add(s, std::memory_order_relaxed);
     }
   });
-  return double(threads) * PEAK_DOTS * MACS_PER_DOT / seconds_since(t0);
+  return double(threads) * GROUPS * CH * E * MACS_PER_DOT / seconds_since(t0);
 }
 
 // Float multiply-adds a second of the multiply-add instruction on the runtime's threads together
@@ -163,18 +186,33 @@ inline double fma_peak() {
 // nibbles); BITS = 8, one (the bytes offset by 128, as the kernels' signed weights); R = 0, the loads
 // alone, added up. Bytes past the last whole pair of loads are not read (under 128 of a chunk).
 // `pass` varies the activations between passes over the same bytes; `ahead` > 0: software prefetch.
+// AVX2, 4-bit: a row's products go into one 16-bit sum (acc16), widened into its acc after every
+// two steps (8 dots, a block), as q4_1_block_dot does.
 template <int R, int BITS>
 inline int64_t dots_over(const uint8_t* p, int64_t n, int pass = 0, int64_t ahead = 0) {
-  constexpr int A = R >= 1 ? 2 : 1;  // accumulators a row
+  constexpr bool SUM16 = WIDENS && BITS == 4 && R >= 1;
+  constexpr int A = R >= 1 && !SUM16 ? 2 : 1;  // accumulators a row
   static_assert(R <= PASS_ROWS, "more rows a pass than the registers hold");
-  V acc[R == 0 ? 1 : R * A];
+  V acc[R == 0 ? 1 : R * A], acc16[SUM16 ? R : 1];
   for (auto& a : acc) a = vzero();
-  for (int64_t off = 0; off + 2 * VB <= n; off += 2 * VB) {  // two loads a step
+  for (auto& a : acc16) a = vzero();
+  int64_t step = 0;
+  for (int64_t off = 0; off + 2 * VB <= n; off += 2 * VB, ++step) {  // two loads a step
     if (ahead > 0)  // each cache line of the pair's, `ahead` bytes on (a prefetch never faults past the end)
       for (int64_t l = 0; l < 2 * VB; l += 64) _mm_prefetch((const char*)(p + off + ahead + l), _MM_HINT_T0);
     const V raw0 = vload(p + off), raw1 = vload(p + off + VB);
     if constexpr (R == 0) {
       acc[0] = vadd(acc[0], vadd(raw0, raw1));
+    } else if constexpr (SUM16) {
+      for (const V raw : {raw0, raw1}) {
+        const V lo = nibbles_lo(raw), hi = nibbles_hi(raw);
+        for (int r = 0; r < R; ++r) {
+          acc16[r] = dot16(acc16[r], lo, 0x01010101 * (2 * r + 1 + pass));
+          acc16[r] = dot16(acc16[r], hi, 0x01010101 * (2 * r + 2 + pass));
+        }
+      }
+      if (step % 2 == 1)
+        for (int r = 0; r < R; ++r) acc[r] = widen(acc[r], acc16[r]), acc16[r] = vzero();
     } else if constexpr (BITS == 4) {
       for (const V raw : {raw0, raw1}) {
         const V lo = nibbles_lo(raw), hi = nibbles_hi(raw);
@@ -191,6 +229,8 @@ inline int64_t dots_over(const uint8_t* p, int64_t n, int pass = 0, int64_t ahea
       }
     }
   }
+  if constexpr (SUM16)
+    for (int r = 0; r < R; ++r) acc[r] = widen(acc[r], acc16[r]);  // after an odd number of steps
   int64_t s = 0;
   for (auto& a : acc) s += vsum(a);
   return s;
