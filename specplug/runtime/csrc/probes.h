@@ -5,8 +5,9 @@
 //  - dot_peak(): the integer dot instruction alone, on the widest registers the build uses, as the
 //    4-bit kernels use it (AVX-512 VNNI: vpdpbusd on 512 bits, 64 multiply-adds into 32 bits; AVX2:
 //    vpmaddubsw on 256 bits, 32, added into 16-bit sums, which one vpmaddwd + vpaddd widens after
-//    every 8, as q4_1_block_dot does), 16 independent accumulators a thread so its latency hides: the
-//    ISA's own ceiling of multiply-adds a second, which no kernel on this build can pass. (Until
+//    every 8, as q4_1_block_dot does), 16 independent accumulators a thread (AVX2: 6 16-bit sums
+//    and the 6 they widen into, in its 16 registers) so its latency hides: the ISA's own ceiling of
+//    multiply-adds a second, which no kernel on this build can pass. (Until
 //    session 39 the AVX2 probe widened after every vpmaddubsw, the 8-bit kernels' mix: two multiplies
 //    per 32 multiply-adds, half the 4-bit ceiling on a Zen 1, whose Q4_1 kernel then ran above it.)
 //  - fma_peak(): the float multiply-add alone (vfmadd on the same registers: 16 lanes a 512-bit one,
@@ -53,6 +54,7 @@ inline int64_t vsum(V v) { return _mm512_reduce_add_epi32(v); }
 inline void opaque(V& v) { __asm__ volatile("" : "+v"(v)); }
 // 4-bit weights: the dot goes into 32 bits directly (nothing to widen)
 constexpr bool WIDENS = false;
+constexpr int WIDEN_EVERY = 1;
 inline V dot16(V acc, V w, int32_t x) { return dot(acc, w, x); }
 inline V widen(V acc, V) { return acc; }
 #define PROBES_DOT "vpdpbusd zmm"
@@ -128,7 +130,7 @@ inline std::atomic<int64_t> g_sink{0};  // the probes' sums end here, so no loop
 inline double dot_peak() {
   // accumulators a thread; AVX2: 6 16-bit sums and the 6 they widen into, beside w and the ones
   constexpr int CH = WIDENS ? 6 : 16;
-  constexpr int E = [] { if constexpr (WIDENS) return WIDEN_EVERY; else return 1; }();  // dots a sum between widenings
+  constexpr int E = WIDEN_EVERY;  // dots a sum takes between widenings
   constexpr int64_t GROUPS = PEAK_DOTS / (CH * E);
   const int threads = at::get_num_threads();
   const auto t0 = std::chrono::steady_clock::now();
