@@ -382,3 +382,27 @@ def test_the_probes_time_the_build_s_own_instruction_and_refuse_what_they_cannot
         k.stream_dots(w, [], 1, 5)
     with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
         k.stream_dots(w[::2], [], 1, 4)
+
+
+@pytest.mark.parametrize("isa", list(native.ISA_CFLAGS))
+def test_a_path_this_cpu_cannot_run_still_compiles(isa):
+    """Each kernel path this CPU lacks is still compiled, to the end of its semantic checks (-fsyntax-only:
+    no code, nothing loaded), with its own flags and torch's: on an AVX2-only machine no other test
+    builds the AVX-512 source, and session 39 broke it there unseen (a name only that path lacked, in
+    an `if constexpr` branch outside a template). ~50 s a path."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    if isa in native.available_isas():
+        pytest.skip(f"this CPU runs the {isa} path: the other tests build and run it")
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler here (the kernels need one to build at all)")
+    cmd = [cxx, "-fsyntax-only", "-std=c++20", "-w", *native._CFLAGS, *native.ISA_CFLAGS[isa],
+           "-DTORCH_EXTENSION_NAME=specplug_syntax_check", "-DTORCH_API_INCLUDE_EXTENSION_H",
+           *[f"-I{p}" for p in include_paths()], f"-I{sysconfig.get_paths()['include']}", str(native._SRC)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, f"the {isa} kernels do not compile:\n{r.stderr[-3000:]}"
