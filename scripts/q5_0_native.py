@@ -40,15 +40,11 @@ def load(path: str, threads: int, convert: bool):
         native.common_blocks, native.QuantLinear.from_blocks = common, classmethod(from_blocks)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model")
-    p.add_argument("--calls", type=int, default=60)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--json", default=None)
-    a = p.parse_args()
-    models = {"q5_0": load(a.model, a.threads, False), "as_q8_0": load(a.model, a.threads, True)}
+def compare(models: dict, ks, calls: int, command: str, json_path: str | None, model_path: str) -> None:
+    """Forwards of k rows after 512 tokens of each of `models` (name -> model; the first is the native
+    one, the second its former representation), timed in turn (the order reversed each call), medians
+    printed, the logits compared bit for bit; also written to `json_path`."""
+    names = list(models)
     kinds = {n: sorted({lin.kind for layer in m.layers for lin in layer.linears()}) for n, m in models.items()}
     weight_mb = {n: round(sum(t.numel() * t.element_size() for layer in m.layers for lin in layer.linears()
                               for t in (lin.qs, lin.d, lin.m) if t is not None) / 1e6, 1) for n, m in models.items()}
@@ -58,7 +54,7 @@ def main() -> None:
         fill(m, caches[n], 512)
     runs: dict[tuple[str, int], list[float]] = {}
     same = True
-    for k in a.ks:
+    for k in ks:
         def fwd(n, k=k):
             m, c = models[n], caches[n]
             t0 = time.perf_counter()
@@ -67,24 +63,36 @@ def main() -> None:
             c.seq_rm(0, 512)
             return ms, out.logits
         outs = {n: fwd(n)[1] for n in models}  # warm, and the logits side by side
-        same = same and torch.equal(outs["q5_0"], outs["as_q8_0"])
-        for i in range(a.calls):
-            for n in (list(models) if i % 2 == 0 else list(models)[::-1]):
+        same = same and torch.equal(outs[names[0]], outs[names[1]])
+        for i in range(calls):
+            for n in (names if i % 2 == 0 else names[::-1]):
                 runs.setdefault((n, k), []).append(fwd(n)[0])
     med = {key: statistics.median(v) for key, v in runs.items()}
-    print(f"# {machine.line(machine.describe('cpu'))}; {a.model}; forward of k rows after 512 tokens, "
-          f"{a.calls} calls each in turn; medians ms")
+    threads = torch.get_num_threads()
+    print(f"# {machine.line(machine.describe('cpu'))}; {model_path}; forward of k rows after 512 tokens, "
+          f"{calls} calls each in turn; medians ms")
     for n in models:
         print(f"{n:<8} kinds {','.join(kinds[n]):<22} layers' weights {weight_mb[n]:>6.1f} MB  " +
-              "  ".join(f"k={k} {med[(n, k)]:.2f}" for k in a.ks))
-    print("q5_0 natively: " + "  ".join(f"k={k} {med[('as_q8_0', k)] / med[('q5_0', k)]:.3f}x" for k in a.ks) +
+              "  ".join(f"k={k} {med[(n, k)]:.2f}" for k in ks))
+    print(f"{names[0]} natively: " + "  ".join(f"k={k} {med[(names[1], k)] / med[(names[0], k)]:.3f}x" for k in ks) +
           f"; logits bit-identical: {same}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({
-            "command": "python scripts/q5_0_native.py " + " ".join(sys.argv[1:]), "machine": machine.describe("cpu"),
-            "threads": a.threads, "calls": a.calls, "kinds": kinds, "weight_mb": weight_mb,
+    if json_path:
+        Path(json_path).write_text(json.dumps({
+            "command": command, "machine": machine.describe("cpu"),
+            "threads": threads, "calls": calls, "kinds": kinds, "weight_mb": weight_mb,
             "medians_ms": {f"{n}@{k}": round(v, 3) for (n, k), v in med.items()}, "logits_identical": same}, indent=1))
 
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--calls", type=int, default=60)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    models = {"q5_0": load(a.model, a.threads, False), "as_q8_0": load(a.model, a.threads, True)}
+    compare(models, a.ks, a.calls, "python scripts/q5_0_native.py " + " ".join(sys.argv[1:]), a.json, a.model)
 
 if __name__ == "__main__":
     main()

@@ -314,7 +314,7 @@ def _machine_limits(threads: int, ext) -> dict:
 def floor_parts(lins) -> list:
     """What `stream_dots` walks for each of these linears (QuantLinear): (its weights, its scale
     tensors, 4 or 8 bits a value)."""
-    return [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], 4 if lin.kind in ("q4_1", "q4_k", "q5_0") else 8)
+    return [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], 4 if lin.kind in ("q4_0", "q4_1", "q4_k", "q5_0") else 8)
             for lin in lins]
 
 

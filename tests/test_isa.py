@@ -118,7 +118,7 @@ def test_the_tile_prefetch_follows_the_cpu_and_specplug_prefetch_rows(monkeypatc
             native.prefetch_rows("avx2")
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
 def test_the_tile_prefetch_changes_no_bit(kind):
     """Whether a call prefetches its weight tiles is a tuning (native.prefetch_rows): the same bits
     with it at every row count, at one row only, and never."""
@@ -147,6 +147,8 @@ def _linear_of(kind: str, n: int, k: int, seed: int):
 
     if kind == "Q4_1":
         return _q4_1_linear(n, k, seed)
+    if kind == "Q4_0":
+        return _q4_0_linear(n, k, seed)
     if kind == "Q8_0":
         return _q8_0_linear(n, k, seed)
     rng = np.random.default_rng(seed)
@@ -156,7 +158,7 @@ def _linear_of(kind: str, n: int, k: int, seed: int):
 
 
 @other_paths
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_tile_pairs_and_single_tiles_give_the_same_bits_at_any_threshold(kind):
     """Which calls run on tile pairs is a tuning (native.pair_rows): a row's result is the same whether
     its call ran on pairs or on single tiles, so it never depends on how many rows share the call."""
@@ -196,6 +198,16 @@ def _q4_1_linear(n: int, k: int, seed: int):
     return native.QuantLinear.from_blocks(raw.reshape(n, -1), "Q4_1", (n, k))
 
 
+def _q4_0_linear(n: int, k: int, seed: int):
+    """Every nibble value in random blocks, as the kernels' own kind (no offsets: the dot starts at -8 sum(x))."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 32, 18), dtype=np.uint8)
+    raw[:, :, 0:2] = np.frombuffer(np.float16(0.017).tobytes(), np.uint8)
+    lin = native.QuantLinear.from_blocks(raw.reshape(n, -1), "Q4_0", (n, k))
+    assert lin.kind == "q4_0" and lin.m is None
+    return lin
+
+
 def _q8_0_linear(n: int, k: int, seed: int):
     """Every byte value as a weight, -128 included (the VNNI paths offset signed weights by 128)."""
     rng = np.random.default_rng(seed)
@@ -207,14 +219,15 @@ def _q8_0_linear(n: int, k: int, seed: int):
 
 @other_paths
 @pytest.mark.parametrize("isa", OTHER)
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q8_0 every byte"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q8_0 every byte"])
 def test_linears_are_bit_identical_to_avx2(isa, kind):
     g = torch.Generator().manual_seed(3)
     # 100 outputs: 13 tiles, the partial last one alone; 92: 12, the partial last one in a pair with
     # the one before it (AVX-512 builds compute two tiles at a time on 512-bit registers)
     for n, rows in [(100, r) for r in (1, 2, 3, 4, 5, 9, 16)] + [(92, 2), (92, 7)]:
         k = 192
-        lin = (_q4_1_linear(n, k, 3) if kind == "Q4_1" else _q8_0_linear(n, k, 3) if kind == "Q8_0 every byte"
+        lin = (_q4_1_linear(n, k, 3) if kind == "Q4_1" else _q4_0_linear(n, k, 3) if kind == "Q4_0"
+               else _q8_0_linear(n, k, 3) if kind == "Q8_0 every byte"
                else native.QuantLinear.from_float(torch.randn(n, k, generator=g)))
         lin.bias = torch.nn.functional.pad(torch.randn(n, generator=g), (0, (-n) % 8))
         x = torch.randn(rows, k, generator=g) * 3

@@ -129,6 +129,32 @@ def test_q5_0_and_q5_1_run_natively_on_their_own_values(qtype, kind):
 
 @pytest.mark.parametrize("isa", native.available_isas())
 @pytest.mark.parametrize("n", [36, 48])  # 5 tiles (a pair call's odd tile on its own) and 6
+def test_q4_0_runs_on_its_own_nibbles_with_the_bits_of_its_q8_0_blocks(isa, n):
+    """Q4_0 is (q - 8) d: Q4_1's nibble tiles with no offsets (18 bytes a block of 32 in the file, 16 +
+    2 in memory, where it was converted to Q4_1's 20), the dot started at -8 sum(x). It sums the same
+    integers as the Q8_0 blocks of the same weights, so every row's output is theirs bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    g = torch.Generator().manual_seed(12)
+    k = 160
+    raw = quantize((torch.randn(n, k, generator=g) * 3).numpy(), GGMLQuantizationType.Q4_0)
+    q8 = native.q4_0_as_q8_0(raw).reshape(n, -1)
+    assert np.array_equal(_dequantize(q8, "Q8_0", (n, k)), _dequantize(raw, "Q4_0", (n, k)))  # the same weights
+    nat = QuantLinear.from_blocks(raw, "Q4_0", (n, k))
+    conv = QuantLinear.from_blocks(q8, "Q8_0", (n, k))
+    assert (nat.kind, nat.m, conv.kind) == ("q4_0", None, "q8_0")
+    assert nat.qs.numel() == conv.qs.numel() // 2  # nibbles: 128 bytes a tile's block against 256
+    nat.k = conv.k = native.kernels(isa)
+    for m in (1, 2, 3, 5, 8, 9, 16, 17):
+        x = torch.randn(m, k, generator=g)
+        res = torch.randn(m, n, generator=g)
+        assert torch.equal(nat(x), conv(x)), (isa, m)
+        assert torch.equal(nat(x, res), conv(x, res)), (isa, m)
+
+
+@pytest.mark.parametrize("isa", native.available_isas())
+@pytest.mark.parametrize("n", [36, 48])  # 5 tiles (a pair call's odd tile on its own) and 6
 def test_q5_0_tiles_give_the_bits_of_their_q8_0_blocks(isa, n):
     """Q5_0 in 5.5 bits a weight (nibbles and a plane of fifth bits) sums the same integers as the
     Q8_0 blocks of the same weights, so every row's output is theirs bit for bit, at any row count."""
@@ -150,13 +176,14 @@ def test_q5_0_tiles_give_the_bits_of_their_q8_0_blocks(isa, n):
         assert torch.equal(nat(x, res), conv(x, res)), (isa, m)
 
 
-def test_a_q5_0_model_with_a_q8_0_tensor_fuses_them_natively(tmp_path, monkeypatch):
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_0"])
+def test_a_q5_0_model_with_a_q8_0_tensor_fuses_them_natively(tmp_path, monkeypatch, qtype):
     """A Q4_K_M file of a model whose widths are not multiples of 256 is mostly Q5_0, with a Q8_0
     attn_v in some layers: there the fused q/k/v linear takes both as Q8_0 bytes, elsewhere Q5_0
-    runs as stored; nothing re-quantized."""
+    runs as stored; nothing re-quantized. The same for Q4_0 beside Q8_0 ((q - 8) d: a byte too)."""
     import gguf
 
-    path = write_tiny_gguf(tmp_path / "q5.gguf", tensor_type="Q5_0", seed=8)
+    path = write_tiny_gguf(tmp_path / "q5.gguf", tensor_type=qtype, seed=8)
     # rewrite attn_v of layer 0 as Q8_0 (same shape) in a copy of the file
     r = gguf.GGUFReader(str(path))
     out = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "llama")
@@ -189,8 +216,8 @@ def test_a_q5_0_model_with_a_q8_0_tensor_fuses_them_natively(tmp_path, monkeypat
         t = load_target(str(tmp_path / "mixed.gguf"), device="cpu", quant="gguf")
     cfg = t.model.config
     assert requantized == [(cfg.vocab_size, cfg.n_embd)]  # only the tied output head (a float32 table here)
-    assert [layer.qkv.kind for layer in t.model.layers] == ["q8_0"] + ["q5_0"] * (len(t.model.layers) - 1)
-    assert t.model.layers[0].gate_up.kind == "q5_0"
+    assert [layer.qkv.kind for layer in t.model.layers] == ["q8_0"] + [qtype.lower()] * (len(t.model.layers) - 1)
+    assert t.model.layers[0].gate_up.kind == qtype.lower()
     prompts = [list(range(40, 60))]
     assert_greedy_equal(t, [RandomDrafts(t.model.config.vocab_size, seed=5)], prompts, max_tokens=16)
 

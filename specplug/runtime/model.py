@@ -242,7 +242,7 @@ class Transformer:
                 norm: torch.Tensor | None = None) -> Linear:
             """The named tensors stacked by rows; heads[i]: neox-permute part i. On the native backend
             the types the kernels know (native.NATIVE_TYPES) are computed as stored when all parts share
-            one; Q5_0 beside Q8_0 runs as Q8_0 of the same weights (native.common_blocks); other mixes
+            one; Q5_0 or Q4_0 beside Q8_0 runs as Q8_0 of the same weights (native.common_blocks); other mixes
             (Q4_K beside Q6_K) and other types become Q8_0."""
             heads = heads or [None] * len(names)
             if backend.native:

@@ -1,6 +1,6 @@
 """The `gguf` weight path: compute on the GGUF file's own quantized blocks, as llama.cpp does.
 
-Q4_1 and Q8_0 tensors are used as stored (Q4_0 becomes the equivalent Q4_1); Q4_K, Q5_K and
+Q4_0, Q4_1 and Q8_0 tensors are used as stored; Q4_K, Q5_K and
 Q6_K are unpacked at load into their integer values and float32 scales (exactly the weights gguf's
 dequantizer gives); any other type is dequantized and re-quantized to Q8_0. Activations are quantized per row to 8 bits
 per block of 32 and dotted in integers, on the best instruction set the CPU has (AVX-512 VNNI,
@@ -44,7 +44,8 @@ Q8_0_BLOCK = 34  # f16 d, 32 int8
 Q4_0_BLOCK = 18  # f16 d, 16 bytes of nibbles (value = (q - 8) * d)
 Q5_0_BLOCK = 22  # f16 d, 4 bytes of fifth bits, 16 bytes of nibbles (value = (q - 16) * d)
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # unpacked at load into integer values and float32 scales (exact)
-# computed on their own values (Q4_0 as the equal Q4_1, Q5_0 on its own 5-bit tiles, Q5_1 like Q5_K);
+# computed on their own values (Q4_0 on Q4_1's nibble tiles without offsets, Q5_0 on its own 5-bit
+# tiles, Q5_1 like Q5_K);
 # any other type is re-quantized to Q8_0
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") + K_QUANTS
 
@@ -394,21 +395,39 @@ def _q5_values(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
     return (lo | (hi.astype(np.uint8) << np.uint8(4))).astype(np.uint8)
 
 
+# types whose blocks are a signed byte times a float16 d, as Q8_0's: (q - 16) d, (q - 8) d
+AS_Q8_0 = ("Q4_0", "Q5_0", "Q8_0")
+
+
 def common_blocks(parts: list[tuple[np.ndarray, str]]) -> list[tuple[np.ndarray, str]]:
     """The parts of one linear (q/k/v: each [rows, bytes] and its type) in blocks that can be
-    stacked: Q5_0 beside Q8_0 (a Q4_K_M file's q/k beside its v) as the Q8_0 blocks of the same
-    weights ((q - 16) d is a signed byte times the same float16 d); otherwise as stored."""
-    if {qt for _, qt in parts} != {"Q5_0", "Q8_0"}:
+    stacked: Q5_0 or Q4_0 beside Q8_0 or each other (a Q4_K_M file's q/k beside its v) as the Q8_0
+    blocks of the same weights (a signed byte times the same float16 d); otherwise as stored."""
+    types = {qt for _, qt in parts}
+    if len(types) == 1 or not types <= set(AS_Q8_0):
         return parts
     return [as_q8_0_rows(raw, qt) for raw, qt in parts]
 
 
 def as_q8_0_rows(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, str]:
-    """A tensor's rows ([rows, bytes]) as Q8_0 rows of the same weights if they are Q5_0, else as they are."""
-    if qtype != "Q5_0":
+    """A tensor's rows ([rows, bytes]) as Q8_0 rows of the same weights if they are Q5_0 or Q4_0, else
+    as they are."""
+    if qtype not in ("Q5_0", "Q4_0"):
         return raw, qtype
     rows = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1)
-    return q5_0_as_q8_0(rows).reshape(rows.shape[0], -1), "Q8_0"
+    conv = q5_0_as_q8_0 if qtype == "Q5_0" else q4_0_as_q8_0
+    return conv(rows).reshape(rows.shape[0], -1), "Q8_0"
+
+
+def q4_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Q4_0 blocks ([n, 18]: f16 d, 16 bytes of nibbles, value i the low nibble of byte i and 16 + i
+    the high one) as the Q8_0 blocks ([n, 34]) of the same weights: (q - 8) as int8 beside the same d."""
+    b = np.ascontiguousarray(blocks).view(np.uint8).reshape(-1, Q4_0_BLOCK)
+    out = np.empty((b.shape[0], 34), np.uint8)
+    out[:, :2] = b[:, :2]
+    q = np.concatenate([b[:, 2:] & np.uint8(0x0F), b[:, 2:] >> np.uint8(4)], axis=1).astype(np.int16) - 8
+    out[:, 2:] = q.astype(np.int8).view(np.uint8)
+    return out
 
 
 def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -426,7 +445,7 @@ def _f16_as_i16(a: np.ndarray) -> torch.Tensor:
 
 
 class QuantLinear:
-    """y = x @ W.T (+ bias) with W in tiles of 8 output rows of Q4_1, Q5_0, Q8_0 or K-quant blocks.
+    """y = x @ W.T (+ bias) with W in tiles of 8 output rows of Q4_0, Q4_1, Q5_0, Q8_0 or K-quant blocks.
 
     `norm_weight` makes `norm_linear(x)` = linear(rms_norm(x) * norm_weight), fused into
     the activation quantization.
@@ -472,10 +491,10 @@ class QuantLinear:
             d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
             m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0]
             return cls._q4_1(blocks[:, :, 4:], d, m, n, **kw)
-        if qtype == "Q4_0":  # (q - 8) * d == q * d + m with m = -8 d, exact in float16
+        if qtype == "Q4_0":  # (q - 8) d: Q4_1's nibble tiles, no offsets; the kernels' dot starts at -8 sum(x)
             blocks = raw.reshape(n, nb, Q4_0_BLOCK)
             d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
-            return cls._q4_1(blocks[:, :, 2:], d, (d.astype(np.float32) * -8).astype(np.float16), n, **kw)
+            return cls._q4_1(blocks[:, :, 2:], d, None, n, kind="q4_0", **kw)
         raise ValueError(qtype)
 
     @classmethod
@@ -518,14 +537,15 @@ class QuantLinear:
         return _f16_as_i16(t) if t.dtype == np.float16 else torch.from_numpy(t.astype(np.float32))
 
     @classmethod
-    def _q4_1(cls, nibbles: np.ndarray, d: np.ndarray, m: np.ndarray, n: int, kind: str = "q4_1",
+    def _q4_1(cls, nibbles: np.ndarray, d: np.ndarray, m: np.ndarray | None, n: int, kind: str = "q4_1",
               **kw) -> "QuantLinear":
-        nib, d, m = cls._pad_rows(nibbles, n), cls._pad_rows(d, n), cls._pad_rows(m, n)
+        """Nibble tiles: Q4_1 and Q4_K (q d + m), Q4_0 (m None: (q - 8) d)."""
+        nib, d = cls._pad_rows(nibbles, n), cls._pad_rows(d, n)
         nt, nb = nib.shape[0] // 8, nib.shape[1]
         # [tile, col, block, p, i] -> [tile, block, p, col, i]: byte j = 4p + i keeps GGUF's nibble pairing
         qs = nib.reshape(nt, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(nt, nb, 128)
-        return cls(kind, torch.from_numpy(np.ascontiguousarray(qs)), cls._scale_tiles(d, nt, nb),
-                   cls._scale_tiles(m, nt, nb), n, **kw)
+        mt = None if m is None else cls._scale_tiles(cls._pad_rows(m, n), nt, nb)
+        return cls(kind, torch.from_numpy(np.ascontiguousarray(qs)), cls._scale_tiles(d, nt, nb), mt, n, **kw)
 
     @classmethod
     def _q5_0(cls, nibbles: np.ndarray, qh: np.ndarray, d: np.ndarray, n: int, **kw) -> "QuantLinear":

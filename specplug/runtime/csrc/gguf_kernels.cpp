@@ -331,10 +331,12 @@ struct Act {
   const float* d;
   const float* s;
   int64_t K, nb;
-  // Signed weights (Q8_0, Q6_K) on VNNI, and Q5_0 on every ISA: -128 times the sum of each half (16
-  // values) of each row's block, [M, nb, 2] (offset_sums); the block dots' starting values, see
-  // signed_block_dot and q4_1_block_dot.
+  // Signed weights (Q8_0, Q6_K) on VNNI: -128 times the sum of each half (16 values) of each row's
+  // block, [M, nb, 2] (offset_sums); the block dots' starting values, see signed_block_dot.
   const int32_t* off = nullptr;
+  // Q4_0 and Q5_0 on every ISA: -BIAS times the sum of each row's block, [M, nb] (bias_starts); the
+  // starting values of q4_1_block_dot<R, BIAS>.
+  const int32_t* start = nullptr;
 };
 
 // Act.off for the rows of q [M, K], in the calling thread's buffer (kept across calls: a decode
@@ -351,6 +353,22 @@ inline const int32_t* offset_sums(const int8_t* q, int64_t M, int64_t K) {
       off[r * nh + h] = -128 * sum;
     }
   return off.data();
+}
+
+// Act.start for weights (u - bias) d: -bias sum(x) for each row's block of q [M, K], in the calling
+// thread's buffer (as offset_sums).
+inline const int32_t* bias_starts(const int8_t* q, int64_t M, int64_t K, int32_t bias) {
+  const int64_t nb = K / QK;
+  thread_local std::vector<int32_t> start;
+  if ((int64_t)start.size() < M * nb) start.resize(M * nb);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* x = q + r * K + b * QK;
+      int32_t sum = 0;
+      for (int i = 0; i < QK; ++i) sum += x[i];
+      start[r * nb + b] = -bias * sum;
+    }
+  return start.data();
 }
 
 // The integer part of one weight block against R activation rows: s[r] = the 8 columns' exact
@@ -419,18 +437,17 @@ inline __m256i with_bit4(__m256i v, uint32_t bits) {
 }
 
 // Q4_1: qs holds nb blocks of 4 x 32 bytes; byte c*4+i of load p holds w[c][4p+i] (low nibble)
-// and w[c][16+4p+i] (high nibble), as GGUF stores them. FIFTH (Q5_0): the fifth bits after them
-// (with_bit4), values u = 0..31 for weights (u - 16) d; the dot then starts at -16 sum(x) (Act.off / 8),
-// so it is sum((u - 16) x), exactly the integer the Q8_0 blocks of the same weights give, and the
-// float code after it (Q8_0's) gives the same bits too.
-template <int R, bool FIFTH = false>
+// and w[c][16+4p+i] (high nibble), as GGUF stores them. BIAS > 0: the weights are (u - BIAS) d, and
+// the dot starts at -BIAS sum(x) (Act.start), so it is sum((u - BIAS) x):
+// Q4_0 (BIAS 8, u = 0..15) and Q5_0 (BIAS 16, FIFTH: the fifth bits after the nibbles, with_bit4,
+// u = 0..31). That is exactly the integer the Q8_0 blocks of the same weights give, and the float
+// code after it (Q8_0's) gives the same bits too.
+template <int R, int BIAS = 0, bool FIFTH = false>
 inline void q4_1_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* s) {
+  static_assert(BIAS == 0 || BIAS == 8 || BIAS == 16, "BIAS: 0 (Q4_1), 8 (Q4_0) or 16 (Q5_0)");
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const uint32_t* hb = (const uint32_t*)(blk + 128);
-  for (int r = 0; r < R; ++r) {
-    const int32_t* o = FIFTH ? a.off + ((r0 + r) * a.nb + b) * 2 : nullptr;
-    s[r] = FIFTH ? _mm256_set1_epi32((o[0] + o[1]) / 8) : _mm256_setzero_si256();
-  }
+  for (int r = 0; r < R; ++r) s[r] = BIAS ? _mm256_set1_epi32(a.start[(r0 + r) * a.nb + b]) : _mm256_setzero_si256();
 #if !SPECPLUG_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i s16[R];
@@ -535,7 +552,7 @@ inline __m256 scales8(const float* p) { return _mm256_loadu_ps(p); }
 
 // The weight kinds a tile can hold (QuantLinear.kind): bytes per block of a tile (4-bit nibbles or
 // bytes), scale type, a per-block offset m or not, and one scale per 32 values or two (per 16).
-enum Kind { KQ4_1 = 0, KQ8_0 = 1, KQ4_K = 2, KQ5_K = 3, KQ6_K = 4, KQ5_0 = 5 };
+enum Kind { KQ4_1 = 0, KQ8_0 = 1, KQ4_K = 2, KQ5_K = 3, KQ6_K = 4, KQ5_0 = 5, KQ4_0 = 6 };
 template <int K> struct KindOf;
 template <> struct KindOf<KQ4_1> { using S = uint16_t; static constexpr int bytes = 128, nsc = 1; static constexpr bool m = true; };
 template <> struct KindOf<KQ8_0> { using S = uint16_t; static constexpr int bytes = 256, nsc = 1; static constexpr bool m = false; };
@@ -543,6 +560,7 @@ template <> struct KindOf<KQ4_K> { using S = float; static constexpr int bytes =
 template <> struct KindOf<KQ5_K> { using S = float; static constexpr int bytes = 256, nsc = 1; static constexpr bool m = true; };
 template <> struct KindOf<KQ6_K> { using S = float; static constexpr int bytes = 256, nsc = 2; static constexpr bool m = false; };
 template <> struct KindOf<KQ5_0> { using S = uint16_t; static constexpr int bytes = 160, nsc = 1; static constexpr bool m = false; };
+template <> struct KindOf<KQ4_0> { using S = uint16_t; static constexpr int bytes = 128, nsc = 1; static constexpr bool m = false; };
 
 // R rows x 8 columns of one tile. Per block b, with s the integer dot of the row's 8-bit block with
 // each column's values:
@@ -567,7 +585,9 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
     else if constexpr (KIND == KQ5_K)
       u8_block_dot<R>(blk, a, r0, b, s32);
     else if constexpr (KIND == KQ5_0)
-      q4_1_block_dot<R, true>(blk, a, r0, b, s32);
+      q4_1_block_dot<R, 16, true>(blk, a, r0, b, s32);
+    else if constexpr (KIND == KQ4_0)
+      q4_1_block_dot<R, 8>(blk, a, r0, b, s32);
     else
       signed_block_dot<R, true>(blk, a, r0, b, s32, s_hi);
     for (int r = 0; r < R; ++r) {
@@ -645,17 +665,15 @@ inline __m512i dot_x(__m512i acc, __m512i w, const Act& a, int64_t r, int64_t b,
 }
 
 // The block dots of tile pairs (q4_1_block_dot, u8_block_dot and signed_block_dot on 16 columns).
-// Signed weights offset by 128 as in signed_block_dot. FIFTH (Q5_0): each half's fifth bits from its
-// own tile (the masks of tile t in the low 32 bits, of tile t + 1 in the high).
-template <int R, bool FIFTH = false>
+// Signed weights offset by 128 as in signed_block_dot. BIAS as in q4_1_block_dot; FIFTH (Q5_0): each
+// half's fifth bits from its own tile (the masks of tile t in the low 32 bits, of tile t + 1 in the high).
+template <int R, int BIAS = 0, bool FIFTH = false>
 inline void q4_1_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t r0, int64_t b, __m512i* s) {
+  static_assert(BIAS == 0 || BIAS == 8 || BIAS == 16, "BIAS: 0 (Q4_1), 8 (Q4_0) or 16 (Q5_0)");
   const __m512i m4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   const uint32_t* h0 = (const uint32_t*)(blk + 128);
   const uint32_t* h1 = (const uint32_t*)(blk + tb + 128);
-  for (int r = 0; r < R; ++r) {
-    const int32_t* o = FIFTH ? a.off + ((r0 + r) * a.nb + b) * 2 : nullptr;
-    s[r] = FIFTH ? _mm512_set1_epi32((o[0] + o[1]) / 8) : _mm512_setzero_si512();
-  }
+  for (int r = 0; r < R; ++r) s[r] = BIAS ? _mm512_set1_epi32(a.start[(r0 + r) * a.nb + b]) : _mm512_setzero_si512();
   for (int p = 0; p < 4; ++p) {
     const __m512i raw = load_pair(blk + p * 32, tb);
     __m512i lo = _mm512_and_si512(raw, m4);
@@ -740,7 +758,9 @@ inline void tile_pair(const uint8_t* qs, int64_t tb, const typename KindOf<KIND>
     if constexpr (KIND == KQ4_1 || KIND == KQ4_K) {
       q4_1_pair_dot<R>(blk, tb, a, r0, b, s32);
     } else if constexpr (KIND == KQ5_0) {
-      q4_1_pair_dot<R, true>(blk, tb, a, r0, b, s32);
+      q4_1_pair_dot<R, 16, true>(blk, tb, a, r0, b, s32);
+    } else if constexpr (KIND == KQ4_0) {
+      q4_1_pair_dot<R, 8>(blk, tb, a, r0, b, s32);
     } else {
       bytes_pair_dot<R, KIND != KQ5_K, KO::nsc == 2>(blk, tb, a, r0, b, s32, s_hi);
     }
@@ -787,7 +807,7 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
 #if SPECPLUG_VNNI
   if constexpr (KIND == KQ8_0 || KIND == KQ6_K) a.off = offset_sums(a.q, M, K);
 #endif
-  if constexpr (KIND == KQ5_0) a.off = offset_sums(a.q, M, K);  // on every ISA (q4_1_block_dot<R, true>)
+  if constexpr (KIND == KQ5_0 || KIND == KQ4_0) a.start = bias_starts(a.q, M, K, KIND == KQ5_0 ? 16 : 8);  // every ISA
   const uint8_t* qsp = qs.data_ptr<uint8_t>();
   const int64_t tile_bytes = qs.stride(0);
   using S = typename KindOf<KIND>::S;
@@ -901,14 +921,15 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
 }
 
 // Which kind a linear's tiles hold, from their shapes and types: nibble tiles (128 bytes a block)
-// are Q4_1 (float16 scales) or Q4_K (float32); nibbles and fifth bits (160) are Q5_0 (float16);
+// are Q4_1 (float16 scales and offsets), Q4_0 (float16 scales alone) or Q4_K (float32); nibbles and
+// fifth bits (160) are Q5_0 (float16);
 // byte tiles (256) are Q8_0 (float16), Q5_K (float32 with offsets) or Q6_K (float32, two scales a block).
 int kind_of(const torch::Tensor& qs, const torch::Tensor& wd, bool has_m) {
   TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous(),
               "weight tiles must be contiguous uint8 [tiles, blocks, bytes]");
   TORCH_CHECK(wd.is_contiguous(), "weight scales must be contiguous");
   const bool f32 = wd.scalar_type() == torch::kFloat32;
-  if (qs.size(2) == 128) return f32 ? KQ4_K : KQ4_1;
+  if (qs.size(2) == 128) return f32 ? KQ4_K : has_m ? KQ4_1 : KQ4_0;
   if (qs.size(2) == 160) {
     TORCH_CHECK(!f32 && !has_m, "Q5_0 tiles (160 bytes a block) take float16 scales and no offsets");
     return KQ5_0;
@@ -928,6 +949,7 @@ torch::Tensor matmul(const std::vector<torch::Tensor>& xa, const torch::Tensor& 
     case KQ4_K: return matmul_impl<KQ4_K>(xa, qs, wd, wm, bias, residual, n_out);
     case KQ5_K: return matmul_impl<KQ5_K>(xa, qs, wd, wm, bias, residual, n_out);
     case KQ5_0: return matmul_impl<KQ5_0>(xa, qs, wd, wm, bias, residual, n_out);
+    case KQ4_0: return matmul_impl<KQ4_0>(xa, qs, wd, wm, bias, residual, n_out);
     default: return matmul_impl<KQ6_K>(xa, qs, wd, wm, bias, residual, n_out);
   }
 }
