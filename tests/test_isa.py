@@ -106,8 +106,8 @@ def test_the_pair_threshold_follows_the_cpu_and_specplug_pair_rows(monkeypatch):
 
 def test_the_tile_prefetch_follows_the_cpu_and_specplug_prefetch_rows(monkeypatch):
     monkeypatch.delenv(native.PREFETCH_ROWS_ENV, raising=False)
-    monkeypatch.setattr(native, "cpu_id", lambda: ("AuthenticAMD", 23))  # Zen 1: never
-    assert native.prefetch_rows("avx2") == native.prefetch_rows("avx512") == 0
+    monkeypatch.setattr(native, "cpu_id", lambda: ("AuthenticAMD", 23))  # Zen 1: calls of up to 2 rows
+    assert native.prefetch_rows("avx2") == native.prefetch_rows("avx512") == 2
     monkeypatch.setattr(native, "cpu_id", lambda: ("GenuineIntel", 6))  # the others: each build's own
     assert (native.prefetch_rows("avx2"), native.prefetch_rows("avx512"), native.prefetch_rows()) == (1, 0, None)
     monkeypatch.setenv(native.PREFETCH_ROWS_ENV, "2")

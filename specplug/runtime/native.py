@@ -143,15 +143,17 @@ def pair_rows() -> tuple[int, int]:
 
 # ---- the one-tile path's software prefetch, a tuning per CPU --------------------------------------
 # On the 256-bit one-tile path (every linear of the AVX2 build; the AVX-512 build's below its pair
-# threshold) a call of at most this many rows asks for the weight tile two ahead while one computes.
-# Each build has its own default: 1 on AVX2, where a Zen 3 ran one row 8% faster with it; 0 on
-# AVX-512, where a Zen 4 ran 7-11% faster without. On a Zen 1 the AVX2 forward at one row is
-# 1.24-1.30x faster without it (AMD EPYC, 2 threads, `scripts/interleaved_builds.py`,
-# docs/results/runtime.md). A CPU measured to want another gets an entry here; SPECPLUG_PREFETCH_ROWS=n
-# sets it for a run (0: never). The same bits either way.
+# threshold) a call of at most this many rows asks, block by block, for the weights 4 KB on
+# (TILE_AHEAD in the kernels). Each build has its own default: 1 on AVX2, 0 on AVX-512, chosen when
+# the prefetch asked for a whole tile two ahead at once (a Zen 3 ran one row 8% faster with it, a
+# Zen 4 7-11% faster without, a Zen 1 1.24-1.30x faster without). Block by block (session 39), the
+# Zen 1 runs one row 1.12x (Q4_1) to 1.37x (Q8_0) faster than with none and 2 rows 1.00-1.04x, 4 rows
+# 0.98x (AMD EPYC, 2 threads, `scripts/interleaved_builds.py`, docs/results/runtime.md): 2 there. A CPU
+# measured to want another gets an entry here; SPECPLUG_PREFETCH_ROWS=n sets it for a run (0: never).
+# The same bits either way.
 PREFETCH_ROWS_ENV = "SPECPLUG_PREFETCH_ROWS"
 # (vendor, family): the rows. AMD family 23 is Zen 1, Zen+ and Zen 2 (measured: Zen 1).
-PREFETCH_ROWS_BY_CPU: dict[tuple[str, int], int] = {("AuthenticAMD", 23): 0}
+PREFETCH_ROWS_BY_CPU: dict[tuple[str, int], int] = {("AuthenticAMD", 23): 2}
 PREFETCH_ROWS_BUILT = {"avx2": 1, "avx512": 0}  # each build's own default (PREFETCH_ROWS in the kernels)
 
 

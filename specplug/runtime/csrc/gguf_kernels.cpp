@@ -74,8 +74,8 @@ inline void grow(std::vector<V>& v, int64_t n) {
 constexpr int QK = 32;  // values per quantization block
 constexpr int NC = 8;   // output columns per weight tile
 constexpr int RT = 4;   // activation rows per pass over a tile (more spills registers)
-#ifndef PREFETCH_TILES
-#define PREFETCH_TILES 2  // software prefetch distance in weight tiles (0: off)
+#ifndef TILE_AHEAD
+#define TILE_AHEAD 4096  // one-tile path: software prefetch distance in weight bytes (0: none; see tile)
 #endif
 
 // Native time per kernel family, for `bench-runtime --profile`: it times the forward as the engine
@@ -411,9 +411,10 @@ inline __m512i dot_bcast(__m512i acc, __m512i w, const int32_t* x) {
 #endif
 #endif
 
-// Software prefetch of weight tiles on the one-tile path for calls of at most this many rows (see
-// matmul_impl): the default of g_prefetch_rows, which set_prefetch_rows changes at run time
-// (native.py: SPECPLUG_PREFETCH_ROWS or a tuning per CPU; 0: never). The same bits either way.
+// Software prefetch of the weights on the one-tile path, block by block TILE_AHEAD bytes on (see
+// tile), for calls of at most this many rows: the default of g_prefetch_rows, which
+// set_prefetch_rows changes at run time (native.py: SPECPLUG_PREFETCH_ROWS or a tuning per CPU;
+// 0: never). The same bits either way.
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS (SPECPLUG_VNNI ? 0 : 1)
 #endif
@@ -568,7 +569,12 @@ template <> struct KindOf<KQ4_0> { using S = uint16_t; static constexpr int byte
 //   Q8_0:                             acc += s * (d_w d_x)
 //   Q6_K (two halves of 16):          acc += s_lo * (d_lo d_x) + s_hi * (d_hi d_x)
 // The same float operations in the same order on every ISA path.
-template <int R, int KIND>
+// AHEAD (calls of few rows, see matmul_impl): each block first asks for the cache lines TILE_AHEAD
+// bytes on in the weights' stream (a later block of this tile or of the tiles after it; a prefetch
+// never faults past the end), one block's worth at a time, so the requests go out at the pace of the
+// compute instead of a tile's worth at once. A template argument: as a run-time flag the test in
+// the block loop made the calls without it 2-5% slower at 3-8 rows on the Zen 1.
+template <int R, int KIND, bool AHEAD = false>
 inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const typename KindOf<KIND>::S* wm,
                  const Act& a, int64_t r0, __m256* out) {
   using KO = KindOf<KIND>;
@@ -576,6 +582,8 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = qs + b * KO::bytes;
+    if constexpr (TILE_AHEAD > 0 && AHEAD)
+      for (int l = 0; l < KO::bytes; l += 64) _mm_prefetch((const char*)blk + TILE_AHEAD + l, _MM_HINT_T0);
     const __m256 dw = scales8(wd + b * NC * KO::nsc);
     __m256i s32[R], s_hi[R];
     if constexpr (KIND == KQ4_1 || KIND == KQ4_K)
@@ -858,31 +866,30 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
     const uint8_t* tq = qsp + t * tile_bytes;
     const S* td = wdp + t * nb * NC * NSC;
     const S* tm = wmp ? wmp + t * nb * NC : nullptr;
-    // With one row a tile's compute is short and the weight stream sets the pace: on the AVX2
-    // machine this was tuned on (Zen 3) asking for a later tile while this one computes saved 8%
-    // at one row (and cost 7% at 4). On the AVX-512 one (Zen 4) its hardware prefetchers do
-    // better alone: without the software prefetch one row is 7% (2 threads) to 11% (1 thread)
-    // faster, and two rows 16% faster than with it; on a Zen 1 (AVX2) the forward at one row is
-    // 1.24-1.30x faster without it (to L1 or L2 alike, 2 or 6 tiles ahead alike). Past the chunk's
-    // end too: a thread's next chunk is usually the next one of its share.
-    if (PREFETCH_TILES > 0 && M <= prefetch_rows && t + PREFETCH_TILES < ntile) {
-      const char* nq = (const char*)(tq + PREFETCH_TILES * tile_bytes);
-      for (int64_t off = 0; off < tile_bytes; off += 64) _mm_prefetch(nq + off, _MM_HINT_T0);
-      const char* nd = (const char*)(td + PREFETCH_TILES * nb * NC * NSC);
-      for (int64_t off = 0; off < scale_bytes; off += 64) _mm_prefetch(nd + off, _MM_HINT_T0);
-      if (tm) {
-        const char* nm = (const char*)(tm + PREFETCH_TILES * nb * NC);
-        for (int64_t off = 0; off < scale_bytes; off += 64) _mm_prefetch(nm + off, _MM_HINT_T0);
-      }
-    }
+    // With few rows a tile's compute is short and the weight stream sets the pace: then each block
+    // asks for the weights TILE_AHEAD bytes on (tile's AHEAD), in calls of at most prefetch_rows
+    // rows (a tuning per CPU). Until session 39 a tile asked for the whole tile two ahead at its
+    // start: a Zen 3 (AVX2) ran one row 8% faster with it, a Zen 4 (AVX-512) 7-11% faster without,
+    // a Zen 1 (AVX2) 1.24-1.30x faster without; block by block, the Zen 1 runs one row 1.12x (Q4_1)
+    // and 1.37x (Q8_0) faster than with none, 2 rows 1.00-1.04x (docs/results/runtime.md).
+    const bool ahead = M <= prefetch_rows;
     __m256 out[RT];
     for (int64_t r0 = 0; r0 < M; r0 += RT) {
       const int64_t R = std::min<int64_t>(RT, M - r0);
-      switch (R) {
-        case 4: tile<4, KIND>(tq, td, tm, a, r0, out); break;
-        case 3: tile<3, KIND>(tq, td, tm, a, r0, out); break;
-        case 2: tile<2, KIND>(tq, td, tm, a, r0, out); break;
-        default: tile<1, KIND>(tq, td, tm, a, r0, out); break;
+      if (ahead && r0 == 0) {
+        switch (R) {
+          case 4: tile<4, KIND, true>(tq, td, tm, a, r0, out); break;
+          case 3: tile<3, KIND, true>(tq, td, tm, a, r0, out); break;
+          case 2: tile<2, KIND, true>(tq, td, tm, a, r0, out); break;
+          default: tile<1, KIND, true>(tq, td, tm, a, r0, out); break;
+        }
+      } else {
+        switch (R) {
+          case 4: tile<4, KIND>(tq, td, tm, a, r0, out); break;
+          case 3: tile<3, KIND>(tq, td, tm, a, r0, out); break;
+          case 2: tile<2, KIND>(tq, td, tm, a, r0, out); break;
+          default: tile<1, KIND>(tq, td, tm, a, r0, out); break;
+        }
       }
       for (int64_t r = 0; r < R; ++r) put(t, r0 + r, out[r]);
     }
