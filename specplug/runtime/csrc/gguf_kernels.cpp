@@ -610,6 +610,19 @@ inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const ty
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
+// tile<R, KIND, AHEAD> for R = n rows (1..RT).
+template <int KIND, bool AHEAD>
+inline void tile_rows(int64_t n, const uint8_t* qs, const typename KindOf<KIND>::S* wd,
+                      const typename KindOf<KIND>::S* wm, const Act& a, int64_t r0, __m256* out) {
+  static_assert(RT == 4, "tile_rows dispatches 1..4 rows");
+  switch (n) {
+    case 4: tile<4, KIND, AHEAD>(qs, wd, wm, a, r0, out); break;
+    case 3: tile<3, KIND, AHEAD>(qs, wd, wm, a, r0, out); break;
+    case 2: tile<2, KIND, AHEAD>(qs, wd, wm, a, r0, out); break;
+    default: tile<1, KIND, AHEAD>(qs, wd, wm, a, r0, out); break;
+  }
+}
+
 // Two neighbouring tiles at once on 512-bit registers (AVX-512 builds): the low half of a register
 // holds tile t's 4 bytes of 8 columns, the high half the same bytes of tile t + 1, so one instruction
 // does what two did on 256 bits, and an activation value is broadcast to 16 lanes. Each lane does
@@ -876,21 +889,10 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
     __m256 out[RT];
     for (int64_t r0 = 0; r0 < M; r0 += RT) {
       const int64_t R = std::min<int64_t>(RT, M - r0);
-      if (ahead && r0 == 0) {
-        switch (R) {
-          case 4: tile<4, KIND, true>(tq, td, tm, a, r0, out); break;
-          case 3: tile<3, KIND, true>(tq, td, tm, a, r0, out); break;
-          case 2: tile<2, KIND, true>(tq, td, tm, a, r0, out); break;
-          default: tile<1, KIND, true>(tq, td, tm, a, r0, out); break;
-        }
-      } else {
-        switch (R) {
-          case 4: tile<4, KIND>(tq, td, tm, a, r0, out); break;
-          case 3: tile<3, KIND>(tq, td, tm, a, r0, out); break;
-          case 2: tile<2, KIND>(tq, td, tm, a, r0, out); break;
-          default: tile<1, KIND>(tq, td, tm, a, r0, out); break;
-        }
-      }
+      if (ahead && r0 == 0)
+        tile_rows<KIND, true>(R, tq, td, tm, a, r0, out);
+      else
+        tile_rows<KIND, false>(R, tq, td, tm, a, r0, out);
       for (int64_t r = 0; r < R; ++r) put(t, r0 + r, out[r]);
     }
   };
