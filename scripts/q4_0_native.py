@@ -10,7 +10,6 @@ tests/test_kquants.py).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import numpy as np
 from specplug.runtime import load_target, native
 
 sys.path.insert(0, str(Path(__file__).parent))
-from q5_0_native import compare  # noqa: E402
+from q5_0_native import compare, parse_args  # noqa: E402
 
 
 def load(path: str, threads: int, as_q4_1: bool):
@@ -45,13 +44,7 @@ def load(path: str, threads: int, as_q4_1: bool):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model")
-    p.add_argument("--calls", type=int, default=60)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--json", default=None)
-    a = p.parse_args()
+    a = parse_args(__doc__)
     models = {"q4_0": load(a.model, a.threads, False), "as_q4_1": load(a.model, a.threads, True)}
     compare(models, a.ks, a.calls, "python scripts/q4_0_native.py " + " ".join(sys.argv[1:]), a.json, a.model)
 

@@ -83,14 +83,19 @@ def compare(models: dict, ks, calls: int, command: str, json_path: str | None, m
             "medians_ms": {f"{n}@{k}": round(v, 3) for (n, k), v in med.items()}, "logits_identical": same}, indent=1))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(doc: str) -> argparse.Namespace:
+    """The model file, calls, threads, row counts and JSON path (this script's and q4_0_native.py's)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
     p.add_argument("--calls", type=int, default=60)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--json", default=None)
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    a = parse_args(__doc__)
     models = {"q5_0": load(a.model, a.threads, False), "as_q8_0": load(a.model, a.threads, True)}
     compare(models, a.ks, a.calls, "python scripts/q5_0_native.py " + " ".join(sys.argv[1:]), a.json, a.model)
 

@@ -127,6 +127,18 @@ def test_q5_0_and_q5_1_run_natively_on_their_own_values(qtype, kind):
         assert np.array_equal(_dequantize(conv, "Q8_0", (n, k)), _dequantize(raw, qtype, (n, k)))
 
 
+def _assert_same_bits(nat, conv, ext, g):
+    """nat and conv (the same weights in two kinds) on the kernel build ext give the same bits at any
+    row count, with and without a residual."""
+    nat.k = conv.k = ext
+    n, k = nat.out_features, nat.qs.shape[1] * 32
+    for m in (1, 2, 3, 5, 8, 9, 16, 17):
+        x = torch.randn(m, k, generator=g)
+        res = torch.randn(m, n, generator=g)
+        assert torch.equal(nat(x), conv(x)), (ext.isa(), m)
+        assert torch.equal(nat(x, res), conv(x, res)), (ext.isa(), m)
+
+
 @pytest.mark.parametrize("isa", native.available_isas())
 @pytest.mark.parametrize("n", [36, 48])  # 5 tiles (a pair call's odd tile on its own) and 6
 def test_q4_0_runs_on_its_own_nibbles_with_the_bits_of_its_q8_0_blocks(isa, n):
@@ -145,12 +157,7 @@ def test_q4_0_runs_on_its_own_nibbles_with_the_bits_of_its_q8_0_blocks(isa, n):
     conv = QuantLinear.from_blocks(q8, "Q8_0", (n, k))
     assert (nat.kind, nat.m, conv.kind) == ("q4_0", None, "q8_0")
     assert nat.qs.numel() == conv.qs.numel() // 2  # nibbles: 128 bytes a tile's block against 256
-    nat.k = conv.k = native.kernels(isa)
-    for m in (1, 2, 3, 5, 8, 9, 16, 17):
-        x = torch.randn(m, k, generator=g)
-        res = torch.randn(m, n, generator=g)
-        assert torch.equal(nat(x), conv(x)), (isa, m)
-        assert torch.equal(nat(x, res), conv(x, res)), (isa, m)
+    _assert_same_bits(nat, conv, native.kernels(isa), g)
 
 
 @pytest.mark.parametrize("isa", native.available_isas())
@@ -168,12 +175,7 @@ def test_q5_0_tiles_give_the_bits_of_their_q8_0_blocks(isa, n):
     conv = QuantLinear.from_blocks(native.q5_0_as_q8_0(raw).reshape(n, -1), "Q8_0", (n, k))
     assert (nat.kind, conv.kind) == ("q5_0", "q8_0")
     assert nat.qs.numel() < 0.66 * conv.qs.numel()  # 160 bytes a tile's block against 256
-    nat.k = conv.k = native.kernels(isa)
-    for m in (1, 2, 3, 5, 8, 9, 16, 17):
-        x = torch.randn(m, k, generator=g)
-        res = torch.randn(m, n, generator=g)
-        assert torch.equal(nat(x), conv(x)), (isa, m)
-        assert torch.equal(nat(x, res), conv(x, res)), (isa, m)
+    _assert_same_bits(nat, conv, native.kernels(isa), g)
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q4_0"])
