@@ -332,43 +332,30 @@ struct Act {
   const float* s;
   int64_t K, nb;
   // Signed weights (Q8_0, Q6_K) on VNNI: -128 times the sum of each half (16 values) of each row's
-  // block, [M, nb, 2] (offset_sums); the block dots' starting values, see signed_block_dot.
+  // block, [M, nb, 2] (scaled_sums<16>); the block dots' starting values, see signed_block_dot.
   const int32_t* off = nullptr;
-  // Q4_0 and Q5_0 on every ISA: -BIAS times the sum of each row's block, [M, nb] (bias_starts); the
+  // Q4_0 and Q5_0 on every ISA: -BIAS times the sum of each row's block, [M, nb] (scaled_sums<32>); the
   // starting values of q4_1_block_dot<R, BIAS>.
   const int32_t* start = nullptr;
 };
 
-// Act.off for the rows of q [M, K], in the calling thread's buffer (kept across calls: a decode
-// step's one-row calls allocate nothing; the call's tasks read it while the caller waits for them).
-inline const int32_t* offset_sums(const int8_t* q, int64_t M, int64_t K) {
-  const int64_t nh = K / (QK / 2);
-  thread_local std::vector<int32_t> off;
-  if ((int64_t)off.size() < M * nh) off.resize(M * nh);
+// factor times the sum of each SEG values of each row of q [M, K], [M, K / SEG]: Act.off (SEG 16,
+// factor -128) and Act.start (SEG 32, factor -BIAS). In the calling thread's buffer (kept across
+// calls: a decode step's one-row calls allocate nothing; the call's tasks read it while the caller
+// waits for them).
+template <int SEG>
+inline const int32_t* scaled_sums(const int8_t* q, int64_t M, int64_t K, int32_t factor) {
+  const int64_t ns = K / SEG;
+  thread_local std::vector<int32_t> out;
+  if ((int64_t)out.size() < M * ns) out.resize(M * ns);
   for (int64_t r = 0; r < M; ++r)
-    for (int64_t h = 0; h < nh; ++h) {
-      const int8_t* x = q + r * K + h * (QK / 2);
+    for (int64_t j = 0; j < ns; ++j) {
+      const int8_t* x = q + r * K + j * SEG;
       int32_t sum = 0;
-      for (int i = 0; i < QK / 2; ++i) sum += x[i];
-      off[r * nh + h] = -128 * sum;
+      for (int i = 0; i < SEG; ++i) sum += x[i];
+      out[r * ns + j] = factor * sum;
     }
-  return off.data();
-}
-
-// Act.start for weights (u - bias) d: -bias sum(x) for each row's block of q [M, K], in the calling
-// thread's buffer (as offset_sums).
-inline const int32_t* bias_starts(const int8_t* q, int64_t M, int64_t K, int32_t bias) {
-  const int64_t nb = K / QK;
-  thread_local std::vector<int32_t> start;
-  if ((int64_t)start.size() < M * nb) start.resize(M * nb);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* x = q + r * K + b * QK;
-      int32_t sum = 0;
-      for (int i = 0; i < QK; ++i) sum += x[i];
-      start[r * nb + b] = -bias * sum;
-    }
-  return start.data();
+  return out.data();
 }
 
 // The integer part of one weight block against R activation rows: s[r] = the 8 columns' exact
@@ -826,9 +813,9 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
   auto y = new_tensor({M, n_out}, torch::kFloat32);
   Act a{xq.data_ptr<int8_t>(), xa[1].data_ptr<float>(), xa[2].data_ptr<float>(), K, nb};
 #if SPECPLUG_VNNI
-  if constexpr (KIND == KQ8_0 || KIND == KQ6_K) a.off = offset_sums(a.q, M, K);
+  if constexpr (KIND == KQ8_0 || KIND == KQ6_K) a.off = scaled_sums<QK / 2>(a.q, M, K, -128);
 #endif
-  if constexpr (KIND == KQ5_0 || KIND == KQ4_0) a.start = bias_starts(a.q, M, K, KIND == KQ5_0 ? 16 : 8);  // every ISA
+  if constexpr (KIND == KQ5_0 || KIND == KQ4_0) a.start = scaled_sums<QK>(a.q, M, K, KIND == KQ5_0 ? -16 : -8);  // every ISA
   const uint8_t* qsp = qs.data_ptr<uint8_t>();
   const int64_t tile_bytes = qs.stride(0);
   using S = typename KindOf<KIND>::S;
