@@ -397,16 +397,12 @@ def _q5_values(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
     return (lo | (hi.astype(np.uint8) << np.uint8(4))).astype(np.uint8)
 
 
-# types whose blocks are a signed byte times a float16 d, as Q8_0's: (q - 16) d, (q - 8) d
-AS_Q8_0 = ("Q4_0", "Q5_0", "Q8_0")
-
-
 def common_blocks(parts: list[tuple[np.ndarray, str]]) -> list[tuple[np.ndarray, str]]:
     """The parts of one linear (q/k/v: each [rows, bytes] and its type) in blocks that can be
     stacked: Q5_0 or Q4_0 beside Q8_0 or each other (a Q4_K_M file's q/k beside its v) as the Q8_0
     blocks of the same weights (a signed byte times the same float16 d); otherwise as stored."""
     types = {qt for _, qt in parts}
-    if len(types) == 1 or not types <= set(AS_Q8_0):
+    if len(types) == 1 or not types <= {"Q8_0", *TO_Q8_0}:
         return parts
     return [as_q8_0_rows(raw, qt) for raw, qt in parts]
 
@@ -414,11 +410,10 @@ def common_blocks(parts: list[tuple[np.ndarray, str]]) -> list[tuple[np.ndarray,
 def as_q8_0_rows(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, str]:
     """A tensor's rows ([rows, bytes]) as Q8_0 rows of the same weights if they are Q5_0 or Q4_0, else
     as they are."""
-    if qtype not in ("Q5_0", "Q4_0"):
+    if qtype not in TO_Q8_0:
         return raw, qtype
     rows = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1)
-    conv = q5_0_as_q8_0 if qtype == "Q5_0" else q4_0_as_q8_0
-    return conv(rows).reshape(rows.shape[0], -1), "Q8_0"
+    return TO_Q8_0[qtype](rows).reshape(rows.shape[0], -1), "Q8_0"
 
 
 def q4_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -440,6 +435,11 @@ def q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
     out[:, :2] = b[:, :2]
     out[:, 2:] = (_q5_values(b[:, 6:], b[:, 2:6]).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
     return out
+
+
+# the types whose blocks are a signed byte times a float16 d, as Q8_0's ((q - 8) d, (q - 16) d): their
+# blocks as the Q8_0 blocks of the same weights
+TO_Q8_0 = {"Q4_0": q4_0_as_q8_0, "Q5_0": q5_0_as_q8_0}
 
 
 def _f16_as_i16(a: np.ndarray) -> torch.Tensor:
