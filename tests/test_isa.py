@@ -379,6 +379,11 @@ def test_the_probes_time_the_build_s_own_instruction_and_refuse_what_they_cannot
     assert k.dot_instruction() == ("vpdpbusd zmm" if isa == "avx512" else
                                    "vpmaddubsw+vpaddw ymm, vpmaddwd+vpaddd once in 8")
     assert k.dot_peak() > 0
+    # the 8-bit kernels' mix: AVX2 widens every dot (two multiplies per 32); VNNI the same instruction
+    assert k.dot_instruction(8) == ("vpdpbusd zmm" if isa == "avx512" else "vpmaddubsw+vpmaddwd+vpaddd ymm")
+    assert k.dot_peak(8) > 0
+    with pytest.raises(RuntimeError, match="dot_peak: bits must be 4 or 8, not 5"):
+        k.dot_peak(5)
     assert k.fma_instruction() == ("vfmadd zmm" if isa == "avx512" else "vfmadd ymm")
     assert k.fma_peak() > 0
     w = torch.randint(0, 256, (3 * 16384 + 100,), dtype=torch.uint8)  # a partial last chunk and load

@@ -362,7 +362,8 @@ def test_profile_times_the_engine_path_and_counts_what_the_linears_read(qtiny, m
     monkeypatch.setattr(bench_runtime, "PROFILE_K", (1, 2))
     monkeypatch.setattr(bench_runtime, "_machine_limits", lambda threads, ext: {
         "threads": threads, "stream_read_gb_s": 10.0, "isa": ext.isa(), "dot_instruction": ext.dot_instruction(),
-        "peak_gmac_s_isa": 200.0, "peak_gmac_s_q4_1": 100.0, "peak_gmac_s_q8_0": 50.0,
+        "peak_gmac_s_isa": 200.0, "peak_gmac_s_isa_8bit": 100.0, "dot_instruction_8bit": ext.dot_instruction(8),
+        "peak_gmac_s_q4_1": 100.0, "peak_gmac_s_q8_0": 50.0,
         "fma_instruction": ext.fma_instruction(), "peak_gmac_s_fma": 0.001})
     m = qtiny.model
     prof = bench_runtime.profile(m, repeats=3)
@@ -373,7 +374,14 @@ def test_profile_times_the_engine_path_and_counts_what_the_linears_read(qtiny, m
     for (ctx, k), r in rows.items():
         assert r["weight_mb"] == round(weights / 1e6, 1)  # every linear's weights read once a forward
         assert r["linear_ms"] > 0 and r["attention_ms"] > 0 and r["quantize_ms"] > 0
+    assert rows[(16, 1)]["linear_gmacs"] > 0
     assert rows[(16, 2)]["linear_gmacs"] == pytest.approx(2 * rows[(16, 1)]["linear_gmacs"], rel=0.01)
+    # of them, those on 8-bit weights (256-byte blocks: the head here, Q8_0), which the bound prices apart
+    lins = [x for layer in m.layers for x in layer.linears()] + [m.head]
+    macs8 = sum(lin.qs.shape[1] * 32 * lin.out_features for lin in lins if lin.qs.shape[2] == 256)
+    assert 0 < macs8 < rows[(16, 1)]["linear_gmacs"] * 1e9
+    assert rows[(16, 1)]["linear_gmacs_8bit"] == pytest.approx(macs8 / 1e9, abs=1e-6)
+    assert rows[(16, 2)]["linear_gmacs_8bit"] == pytest.approx(2 * macs8 / 1e9, abs=1e-6)
     assert rows[(512, 1)]["attn_gmacs"] > rows[(16, 1)]["attn_gmacs"]
     # the linears' floor, walked beside the forward at ctx 512 only (and the loads alone at k = 1)
     assert rows[(512, 1)]["floor_ms"] > 0 and rows[(512, 2)]["floor_ms"] > 0 and rows[(512, 1)]["loads_ms"] > 0
@@ -398,6 +406,11 @@ def test_headroom_puts_the_kernel_parts_at_their_least_and_keeps_the_rest():
     assert bench_runtime.least_forward_ms(row, lim) == pytest.approx(7.5)
     # a measured floor below the bound counts instead
     assert bench_runtime.least_forward_ms({**row, "floor_ms": 4.0}, lim) == pytest.approx(6.5)
+    # multiply-adds on 8-bit weights at the 8-bit mix's peak, the rest at the 4-bit one's: 0.1 G at 100 G/s
+    # and 0.1 G at 20 G/s, 6 ms, above the weights' 5 ms; a record from before the 8-bit peak: all at 100
+    mixed = {**row, "linear_gmacs": 0.2, "linear_gmacs_8bit": 0.1}
+    assert bench_runtime.linear_bound_ms(mixed, {**lim, "peak_gmac_s_isa_8bit": 20.0}) == pytest.approx(6.0)
+    assert bench_runtime.linear_compute_ms(mixed, lim) == pytest.approx(2.0)
     # many rows: the multiply-adds bound the linears
     assert bench_runtime.linear_bound_ms({**row, "linear_gmacs": 0.8}, lim) == pytest.approx(8.0)
     # attention: its multiply-adds at the float multiply-add's peak when they take longer than the read

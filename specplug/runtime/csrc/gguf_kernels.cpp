@@ -2205,9 +2205,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }, "(bytes, blocks) of freed kernel outputs kept for reuse (block_cache.h)");
   m.def("release_kept_blocks", []() { return block_cache::Cache::get().release(); },
         "free the kept blocks of freed kernel outputs; returns the bytes freed");
-  m.def("dot_peak", &probes::dot_peak, "multiply-adds a second of the build's dot instruction alone, on the runtime's threads",
-        nogil);
-  m.def("dot_instruction", []() { return std::string(PROBES_DOT); }, "the dot instruction dot_peak times");
+  m.def("dot_peak", &probes::dot_peak, "multiply-adds a second of the build's dot instruction alone, on the runtime's "
+        "threads, as the kernels of `bits`-bit weights (4 or 8) use it", py::arg("bits") = 4, nogil);
+  m.def("dot_instruction", [](int64_t bits) { return std::string(bits == 8 ? PROBES_DOT_8BIT : PROBES_DOT); },
+        "the dot instructions dot_peak(bits) times", py::arg("bits") = 4);
   m.def("fma_peak", &probes::fma_peak, "float multiply-adds a second of the build's multiply-add instruction alone, on "
         "the runtime's threads", nogil);
   m.def("fma_instruction", []() { return std::string(PROBES_FMA); }, "the multiply-add instruction fma_peak times");

@@ -7,7 +7,8 @@
 //    vpmaddubsw on 256 bits, 32, added into 16-bit sums, which one vpmaddwd + vpaddd widens after
 //    every 8, as q4_1_block_dot does), 16 independent accumulators a thread (AVX2: 6 16-bit sums
 //    and the 6 they widen into, in its 16 registers) so its latency hides: the ISA's own ceiling of
-//    multiply-adds a second, which no kernel on this build can pass. (Until
+//    multiply-adds a second, which no kernel on this build can pass; dot_peak(8) times the 8-bit
+//    kernels' mix (AVX2: vpmaddubsw + vpmaddwd + vpaddd, each dot widened; VNNI: the same vpdpbusd). (Until
 //    session 39 the AVX2 probe widened after every vpmaddubsw, the 8-bit kernels' mix: two multiplies
 //    per 32 multiply-adds, half the 4-bit ceiling on a Zen 1, whose Q4_1 kernel then ran above it.)
 //  - fma_peak(): the float multiply-add alone (vfmadd on the same registers: 16 lanes a 512-bit one,
@@ -58,6 +59,8 @@ constexpr int WIDEN_EVERY = 1;
 inline V dot16(V acc, V w, int32_t x) { return dot(acc, w, x); }
 inline V widen(V acc, V) { return acc; }
 #define PROBES_DOT "vpdpbusd zmm"
+#define PROBES_DOT_8BIT "vpdpbusd zmm"
+constexpr int DOT_CHAINS = 16;  // accumulators a thread when each dot goes into 32 bits
 using F = __m512;
 constexpr int LANES_PER_FMA = 16;
 inline F fma_op(F acc, F w, F c) { return _mm512_fmadd_ps(acc, w, c); }
@@ -96,6 +99,8 @@ constexpr int WIDEN_EVERY = 8;  // vpmaddubsw results a 16-bit sum takes (one bl
 inline V dot16(V acc16, V w, int32_t x) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x))); }
 inline V widen(V acc, V acc16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, _mm256_set1_epi16(1))); }
 #define PROBES_DOT "vpmaddubsw+vpaddw ymm, vpmaddwd+vpaddd once in 8"
+#define PROBES_DOT_8BIT "vpmaddubsw+vpmaddwd+vpaddd ymm"
+constexpr int DOT_CHAINS = 10;  // accumulators a thread for `dot`, beside w and its two constants (16 spill)
 using F = __m256;
 constexpr int LANES_PER_FMA = 8;
 inline F fma_op(F acc, F w, F c) { return _mm256_fmadd_ps(acc, w, c); }
@@ -125,12 +130,15 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 inline std::atomic<int64_t> g_sink{0};  // the probes' sums end here, so no loop is optimized away
 
-// Multiply-adds a second of the dot instruction on the runtime's threads together, as the 4-bit
-// kernels use it (AVX2: into 16-bit sums, each widened after WIDEN_EVERY dots).
-inline double dot_peak() {
-  // accumulators a thread; AVX2: 6 16-bit sums and the 6 they widen into, beside w and the ones
-  constexpr int CH = WIDENS ? 6 : 16;
-  constexpr int E = WIDEN_EVERY;  // dots a sum takes between widenings
+// Multiply-adds a second of the dot instruction on the runtime's threads together: as the 4-bit
+// kernels use it (SUM16, AVX2: into 16-bit sums, each widened after WIDEN_EVERY dots), or as the
+// 8-bit kernels do (each dot into 32 bits: AVX2's vpmaddubsw + vpmaddwd + vpaddd, two multiplies per
+// 32 multiply-adds; on AVX-512 VNNI both are vpdpbusd).
+template <bool SUM16>
+inline double dot_peak_of() {
+  // accumulators a thread; AVX2, 16-bit sums: 6 of them and the 6 they widen into, beside w and the ones
+  constexpr int CH = SUM16 ? 6 : DOT_CHAINS;
+  constexpr int E = SUM16 ? WIDEN_EVERY : 1;  // dots a sum takes between widenings
   constexpr int64_t GROUPS = PEAK_DOTS / (CH * E);
   const int threads = at::get_num_threads();
   const auto t0 = std::chrono::steady_clock::now();
@@ -143,11 +151,11 @@ inline double dot_peak() {
       for (int64_t g = 0; g < GROUPS; ++g) {
         for (int e = 0; e < E; ++e)
           for (int j = 0; j < CH; ++j) {
-            if constexpr (WIDENS) acc16[j] = dot16(acc16[j], w, 0x01020304);
+            if constexpr (SUM16) acc16[j] = dot16(acc16[j], w, 0x01020304);
             else acc[j] = dot(acc[j], w, 0x01020304);
             opaque(w);  // a "new" w each time: no part of one instruction is shared with the next
           }
-        if constexpr (WIDENS)
+        if constexpr (SUM16)
           for (int j = 0; j < CH; ++j) acc[j] = widen(acc[j], acc16[j]), acc16[j] = vzero();
       }
       int64_t s = 0;
@@ -156,6 +164,12 @@ inline double dot_peak() {
     }
   });
   return double(threads) * GROUPS * CH * E * MACS_PER_DOT / seconds_since(t0);
+}
+
+// The dot's ceiling for weights of `bits` bits (4: the 4- and 5-bit kinds' mix; 8: Q8_0, Q5_K, Q6_K).
+inline double dot_peak(int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "dot_peak: bits must be 4 or 8, not ", bits);
+  return bits == 4 && WIDENS ? dot_peak_of<true>() : dot_peak_of<false>();
 }
 
 // Float multiply-adds a second of the multiply-add instruction on the runtime's threads together
