@@ -10,6 +10,9 @@ Beside each specplug run, the streaming read of this minute (`bench_runtime.stre
 the same threads) gives the decode's roofline: the weights read once at that rate, a forward with
 no compute and no overhead. llama.cpp's decode over it is the most any kernel of ours could reach
 against llama.cpp in that round (`decode_ceiling`): a target above it is out of reach there.
+Likewise prefill (`prefill_ceiling`): bench-runtime's prefill ceiling (`bench_runtime.prefill_ceiling`:
+the prompt's multiply-adds at this ISA's dot and float peaks, measured in that run, and nothing else)
+over llama.cpp's prefill of the round.
 
     python scripts/peer_runtime.py --llama-bench /tmp/llama-build/bin/llama-bench \
         --models smollm2.Q4_1.gguf smollm2.Q8_0.gguf smollm2.Q4_K_M.gguf --threads 1 2 --rounds 3 \
@@ -59,7 +62,8 @@ def ours(model: str, threads: int, repeats: int) -> dict:
     return {"decode_ms": r["decode_ms"]["128"] if "128" in r["decode_ms"] else r["decode_ms"][128],
             "prefill_tok_s": r["prefill_tok_s"], "verify_ms": {int(k): v for k, v in r["verify_ms"].items()
                                                               if int(k) in KS}, "machine": r.get("machine"),
-            "weights_mb": r["weights_mb"], "stream_read_gb_s": round(stream_now(threads), 1)}
+            "weights_mb": r["weights_mb"], "stream_read_gb_s": round(stream_now(threads), 1),
+            "prefill_ceiling_tok_s": r["prefill_ceiling"]["tok_s"]}
 
 
 def stream_now(threads: int) -> float:
@@ -87,9 +91,14 @@ def paired(raw: dict, name: str, t: int) -> dict:
     pre = [x["prefill_tok_s"] / y["prefill_tok_s"] for x, y in zip(a, b)]
     # llama.cpp's decode over ours at the roofline: the weights once at the round's streaming read
     ceil = [y["decode_ms"] / (x["weights_mb"] / x["stream_read_gb_s"]) for x, y in zip(a, b)]
-    return {"decode": [round(v, 3) for v in dec], "prefill": [round(v, 3) for v in pre],
-            "decode_median": round(statistics.median(dec), 3), "prefill_median": round(statistics.median(pre), 3),
-            "decode_ceiling": [round(v, 3) for v in ceil], "decode_ceiling_median": round(statistics.median(ceil), 3)}
+    out = {"decode": [round(v, 3) for v in dec], "prefill": [round(v, 3) for v in pre],
+           "decode_median": round(statistics.median(dec), 3), "prefill_median": round(statistics.median(pre), 3),
+           "decode_ceiling": [round(v, 3) for v in ceil], "decode_ceiling_median": round(statistics.median(ceil), 3)}
+    # our prefill at this ISA's compute peaks over llama.cpp's (runs from before session 40 lack it)
+    if all("prefill_ceiling_tok_s" in x for x in a):
+        pc = [x["prefill_ceiling_tok_s"] / y["prefill_tok_s"] for x, y in zip(a, b)]
+        out |= {"prefill_ceiling": [round(v, 3) for v in pc], "prefill_ceiling_median": round(statistics.median(pc), 3)}
+    return out
 
 
 def main() -> None:
@@ -134,7 +143,9 @@ def main() -> None:
                   f"{' '.join(f'{v:.2f}' for v in r['prefill'])} (medians {r['decode_median']:.2f}x / "
                   f"{r['prefill_median']:.2f}x); decode's roofline ceiling (the weights once at each round's "
                   f"streaming read) {' '.join(f'{v:.2f}' for v in r['decode_ceiling'])}x "
-                  f"(median {r['decode_ceiling_median']:.2f}x)")
+                  f"(median {r['decode_ceiling_median']:.2f}x)" +
+                  (f"; prefill's (its multiply-adds at this ISA's peaks) {' '.join(f'{v:.2f}' for v in r['prefill_ceiling'])}x "
+                   f"(median {r['prefill_ceiling_median']:.2f}x)" if "prefill_ceiling" in r else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine,
                                                "llama_cpp": llama_build, "medians": table, "paired": ratios,

@@ -135,6 +135,9 @@ def run_bench(model, repeats: int = 20) -> dict:
         cache.clear(1)
         model.forward([9] * 512, list(range(512)), [1] * 512, cache, logits_rows=[511])
     res["prefill_tok_s"] = round(512 / (median_ms(prefill, max(3, repeats // 4), warmup=1) / 1e3), 1)
+    ceiling = prefill_ceiling(model, 512) if model.quant == "gguf" and not cuda else None
+    if ceiling:
+        res["prefill_ceiling"] = ceiling
 
     for s in range(4):
         cache.clear(s)
@@ -169,7 +172,10 @@ def format_report(res: dict) -> str:
              "  k      " + " ".join(f"{k:>7}" for k in res["verify_ms"]),
              "  T(k) ms" + " ".join(f"{v:>7.2f}" for v in res["verify_ms"].values()),
              "  T(k)/T1" + " ".join(f"{v:>7.2f}" for v in res["verify_ratio"].values()),
-             f"prefill 512: {res['prefill_tok_s']} tok/s",
+             f"prefill 512: {res['prefill_tok_s']} tok/s" + (
+                 f" (ceiling {res['prefill_ceiling']['tok_s']} tok/s: its multiply-adds at this ISA's peaks, "
+                 f"{res['prefill_ceiling']['peak_gmac_s_isa']} / {res['prefill_ceiling']['peak_gmac_s_isa_8bit']} G MAC/s "
+                 f"4- / 8-bit dots, {res['prefill_ceiling']['peak_gmac_s_fma']} float)" if "prefill_ceiling" in res else ""),
              *([f"weights on 2 MB pages: {res['weights_2mb_pages_mb']} of {res['weights_mb']} MB"]
                if "weights_mb" in res else []),
              f"batch 4 seq x 1 tok: {res['batch4_ms']} ms vs 1 x 1: {res['batch1_ms']} ms -> x{res['batch4_vs_1']}"]
@@ -283,22 +289,25 @@ def stream_read_gb_s() -> float:
     return 1024 ** 3 / (_median_ms(lambda: x.sum(), 5, warmup=1) / 1e3) / 1e9
 
 
+def isa_peaks(ext) -> dict:
+    """The build's dot instruction alone (`ext.dot_peak`: the ISA's own ceiling of G MAC/s on torch's
+    threads, as the 4-bit kernels use it and, `_8bit`, as the 8-bit ones do) and its float
+    multiply-add alone (`ext.fma_peak`: attention's ceiling); each the best of 7 runs of ~25 ms (the
+    first wakes the threads, and a loud VM only ever slows a run)."""
+    return {"isa": ext.isa(), "dot_instruction": ext.dot_instruction(),
+            "peak_gmac_s_isa": round(max(ext.dot_peak(4) for _ in range(7)) / 1e9, 1),
+            "dot_instruction_8bit": ext.dot_instruction(8),
+            "peak_gmac_s_isa_8bit": round(max(ext.dot_peak(8) for _ in range(7)) / 1e9, 1),
+            "fma_instruction": ext.fma_instruction(),
+            "peak_gmac_s_fma": round(max(ext.fma_peak() for _ in range(7)) / 1e9, 1)}
+
+
 def _machine_limits(threads: int, ext) -> dict:
-    """Streaming-read GB/s (a 1 GB float32 sum), the build's dot instruction alone (`ext.dot_peak`:
-    the ISA's own ceiling of G MAC/s on these threads, as the 4-bit kernels use it and, `_8bit`, as the
-    8-bit ones do), its float multiply-add alone (`ext.fma_peak`:
-    attention's ceiling) and the kernels' peak G MAC/s (Q4_1 and Q8_0 weights that stay in cache,
-    64 rows)."""
+    """Streaming-read GB/s (a 1 GB float32 sum), the ISA's peaks (isa_peaks) and the kernels' peak
+    G MAC/s (Q4_1 and Q8_0 weights that stay in cache, 64 rows)."""
     from specplug.runtime.native import QuantLinear
 
-    out = {"threads": threads, "stream_read_gb_s": round(stream_read_gb_s(), 1), "isa": ext.isa(),
-           "dot_instruction": ext.dot_instruction(),
-           # the best of 7 (~25 ms each): the first wakes the threads, and a loud VM only ever slows a run
-           "peak_gmac_s_isa": round(max(ext.dot_peak(4) for _ in range(7)) / 1e9, 1),
-           "dot_instruction_8bit": ext.dot_instruction(8),
-           "peak_gmac_s_isa_8bit": round(max(ext.dot_peak(8) for _ in range(7)) / 1e9, 1),
-           "fma_instruction": ext.fma_instruction(),
-           "peak_gmac_s_fma": round(max(ext.fma_peak() for _ in range(7)) / 1e9, 1)}
+    out = {"threads": threads, "stream_read_gb_s": round(stream_read_gb_s(), 1), **isa_peaks(ext)}
     g = torch.Generator().manual_seed(0)
     w = torch.randn(512, 576, generator=g)
     a = torch.randn(64, 576, generator=g)
@@ -315,6 +324,35 @@ def _machine_limits(threads: int, ext) -> dict:
         ms = _median_ms(lambda: [lin.matmul(xa) for _ in range(50)], 5, warmup=1) / 50
         out[f"peak_gmac_s_{name}"] = round(64 * 512 * 576 / (ms / 1e3) / 1e9, 1)
     return out
+
+
+def prefill_ceiling(model, tokens: int = 512) -> dict:
+    """The most prefill tok/s this ISA's kernels could reach on `model` (the gguf runtime): a prompt of
+    `tokens` tokens with its linears' multiply-adds (every row; the head on the last row only, as a
+    prefill asks for one row's logits) at the dot instruction's peak for their weights' bits, its
+    causal attention's at the float multiply-add's peak (a sliding layer's rows see at most its
+    window), and nothing else: no memory, no quantization, no overhead. A prefill target above it is
+    out of reach on this machine. Returns the peaks it used (isa_peaks, measured now) and the bound;
+    None where a linear does not run on the gguf kernels."""
+    from specplug.runtime.native import QuantLinear
+
+    lins = [lin for layer in model.layers for lin in layer.linears()]
+    if not all(isinstance(lin, QuantLinear) for lin in lins + [model.head]):
+        return None
+    peaks = isa_peaks(model.layers[0]._k)
+
+    def macs(ls, rows):  # (on 4-bit weights, on 8-bit weights)
+        m = [rows * lin.qs.shape[1] * 32 * lin.out_features for lin in ls]
+        return (sum(x for x, lin in zip(m, ls) if lin.qs.shape[2] != 256),
+                sum(x for x, lin in zip(m, ls) if lin.qs.shape[2] == 256))
+    m4, m8 = (a + b for a, b in zip(macs(lins, tokens), macs([model.head], 1)))
+    cfg = model.config
+    seen = sum(min(p + 1, cfg.layer_window(i) or tokens) for i in range(cfg.n_layer) for p in range(tokens))
+    attn = 2 * cfg.n_head * cfg.head_dim * seen  # scores and weighted V sums
+    sec = m4 / (peaks["peak_gmac_s_isa"] * 1e9) + m8 / (peaks["peak_gmac_s_isa_8bit"] * 1e9) + \
+        attn / (peaks["peak_gmac_s_fma"] * 1e9)
+    return {**peaks, "tokens": tokens, "linear_gmacs": round((m4 + m8) / 1e9, 6), "linear_gmacs_8bit": round(m8 / 1e9, 6),
+            "attn_gmacs": round(attn / 1e9, 6), "tok_s": round(tokens / sec, 1)}
 
 
 def floor_parts(lins) -> list:

@@ -395,6 +395,33 @@ def test_profile_times_the_engine_path_and_counts_what_the_linears_read(qtiny, m
     assert "roofline of attention per forward (ctx 512)" in text and "x the bound)" in text.split("attention per")[1]
 
 
+def test_the_prefill_ceiling_prices_every_multiply_add_at_its_isa_peak(qtiny, monkeypatch):
+    """bench-runtime's prefill ceiling: a prompt's linear multiply-adds (every row; the head's on the last
+    row only) at the dot's peak for their weights' bits, its causal attention's at the float peak."""
+    from specplug import bench_runtime
+
+    m = qtiny.model
+    peaks = {"isa": "x", "dot_instruction": "d", "dot_instruction_8bit": "d8", "fma_instruction": "f",
+             "peak_gmac_s_isa": 1.0, "peak_gmac_s_isa_8bit": 1.0, "peak_gmac_s_fma": 1.0}
+    monkeypatch.setattr(bench_runtime, "isa_peaks", lambda ext: dict(peaks))
+    cfg, n = m.config, 64
+    layer_macs = sum(lin.qs.shape[1] * 32 * lin.out_features for layer in m.layers for lin in layer.linears())
+    head_macs = m.head.qs.shape[1] * 32 * m.head.out_features
+    attn = 2 * cfg.n_head * cfg.head_dim * cfg.n_layer * n * (n + 1) // 2  # row p sees p + 1 keys
+    c = bench_runtime.prefill_ceiling(m, n)
+    assert c["linear_gmacs"] == pytest.approx((n * layer_macs + head_macs) / 1e9, abs=1e-6)
+    assert c["attn_gmacs"] == pytest.approx(attn / 1e9, abs=1e-6)
+    assert c["tok_s"] == pytest.approx(n / ((n * layer_macs + head_macs + attn) / 1e9), rel=1e-3)
+    # the 8-bit weights' multiply-adds (this model's head) at their own peak: twice as fast, less time
+    eight = (head_macs if m.head.qs.shape[2] == 256 else 0) + n * sum(
+        lin.qs.shape[1] * 32 * lin.out_features for layer in m.layers for lin in layer.linears() if lin.qs.shape[2] == 256)
+    assert c["linear_gmacs_8bit"] == pytest.approx(eight / 1e9, abs=1e-6)
+    peaks["peak_gmac_s_isa_8bit"] = 2.0
+    faster = bench_runtime.prefill_ceiling(m, n)
+    assert n / faster["tok_s"] == pytest.approx(n / c["tok_s"] - eight / 2 / 1e9, rel=1e-3)
+    assert eight > 0
+
+
 def test_headroom_puts_the_kernel_parts_at_their_least_and_keeps_the_rest():
     from specplug import bench_runtime
 

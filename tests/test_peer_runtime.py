@@ -1,5 +1,6 @@
-"""scripts/peer_runtime.py's round-by-round ratios and the decode's roofline ceiling beside them
-(llama.cpp's decode over the weights read once at the round's streaming rate)."""
+"""scripts/peer_runtime.py's round-by-round ratios and the roofline ceilings beside them (llama.cpp's
+decode over the weights read once at the round's streaming rate; our prefill at the ISA's compute
+peaks over llama.cpp's)."""
 import pytest
 from conftest import load_script
 
@@ -14,3 +15,16 @@ def test_paired_ratios_and_the_decode_ceiling_are_per_round():
     # round 1: 140 MB at 35 GB/s = 4 ms at the roofline, llama.cpp 8 ms: 2.0x at most; round 2: 5 ms, 7 ms: 1.4x
     assert r["decode_ceiling"] == [2.0, 1.4]
     assert r["decode_ceiling_median"] == pytest.approx(1.7)
+    assert "prefill_ceiling" not in r  # runs from before the prefill ceiling was recorded
+
+
+def test_the_prefill_ceiling_is_ours_at_the_isa_peaks_over_llama_cpp_s_prefill_per_round():
+    peer = load_script("peer_runtime")
+    ours = [{"decode_ms": 5.0, "prefill_tok_s": 1800.0, "weights_mb": 140.0, "stream_read_gb_s": 35.0,
+             "prefill_ceiling_tok_s": 2400.0},
+            {"decode_ms": 4.0, "prefill_tok_s": 2000.0, "weights_mb": 140.0, "stream_read_gb_s": 28.0,
+             "prefill_ceiling_tok_s": 2000.0}]
+    theirs = [{"decode_ms": 8.0, "prefill_tok_s": 600.0}, {"decode_ms": 7.0, "prefill_tok_s": 800.0}]
+    r = peer.paired({"m|2|specplug": ours, "m|2|llama.cpp": theirs}, "m", 2)
+    # 2400 / 600 = 4x at most in round 1, 2000 / 800 = 2.5x in round 2: a 4x target is out of reach in round 2
+    assert r["prefill_ceiling"] == [4.0, 2.5] and r["prefill_ceiling_median"] == pytest.approx(3.25)
