@@ -47,7 +47,7 @@ def compile_arg(text: str) -> bool | str:
 
 
 def add_step_args(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """--compile / --no-cuda-graphs / --step-tokens: how the target steps (the static-shape step of
+    """--compile / --no-cuda-graphs / --step-tokens / --verify-curve: how the target steps (the static-shape step of
     specplug.runtime.static). defaults=False: None unless given (they override a YAML config)."""
     p.add_argument("--compile", type=compile_arg, default="auto" if defaults else None,
                    help="the static-shape compiled step: auto (on CUDA with torch weights), on (also CPU, quant none), off")
@@ -55,9 +55,15 @@ def add_step_args(p: argparse.ArgumentParser, defaults: bool) -> None:
                    help="with the static step on CUDA, run it compiled but without CUDA graphs")
     p.add_argument("--step-tokens", type=int, default=None,
                    help="static step: every step all sequence slots x this many tokens (batch-invariant; a bucket)")
+    if not defaults:  # the commands that draft (run, serve, bench; generate and bench-runtime do not)
+        p.add_argument("--verify-curve", choices=("builtin", "measure"), default=None,
+                       help="how drafts are priced: the runtime's built-in T(k)/T(1) table, or this machine's, measured "
+                            "at load (~2 s); overrides the config's `verify_curve`")
 
 
 def step_overrides(args) -> dict:
     """The YAML overrides given by add_step_args(defaults=False)."""
     return {key: value for key, value in [("compile", args.compile), ("cuda_graphs", args.cuda_graphs),
-                                          ("step_tokens", args.step_tokens)] if value is not None}
+                                          ("step_tokens", args.step_tokens),
+                                          ("verify_curve", getattr(args, "verify_curve", None))]
+            if value is not None}

@@ -83,6 +83,10 @@ class RunConfig:
     cuda_graphs: bool = True  # with the static step on CUDA: replay each shape as a CUDA graph (`--no-cuda-graphs`)
     batch_invariant: bool = True  # static step: every step has the same shape, so speculative greedy == plain
     step_tokens: int | None = None  # static step, batch-invariant: tokens per sequence in every step (default: 1 + n_max)
+    # how drafts are priced: T(k)/T(1) of a k-row verification. builtin: the runtime's table (one per kernel
+    # path, from the machine it was measured on); measure: this model on this machine, timed at load (~2 s);
+    # or [[1, 1.0], [2, 1.4], ...]
+    verify_curve: str | list = "builtin"
     context: int = 2048  # positions per sequence
     parallel: int = 1  # sequences in flight at once
     max_tokens: int = 256
@@ -104,7 +108,8 @@ def target_args(cfg: "RunConfig") -> dict[str, Any]:
     n_max = max((s.policy.n_max for s in cfg.speculators), default=0)
     tokens = cfg.step_tokens or min(64, 1 + n_max)
     return dict(device=cfg.device, dtype=cfg.dtype, quant=cfg.quant, threads=cfg.threads, compile=cfg.compile,
-                cuda_graphs=cfg.cuda_graphs, step_tokens=tokens if cfg.batch_invariant else None)
+                cuda_graphs=cfg.cuda_graphs, step_tokens=tokens if cfg.batch_invariant else None,
+                verify_curve=cfg.verify_curve)
 
 
 _SPEC_HOST_KEYS = {"type", "name"} | {f.name for f in dataclasses.fields(DraftPolicy)}
@@ -204,6 +209,16 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
     if dup:
         raise ConfigError(f"speculators: name {sorted(dup)[0]!r} is used twice; give each a distinct `name:`")
     cfg = build_dataclass(RunConfig, data, "")
+    if cfg.verify_curve not in ("builtin", "measure"):
+        if isinstance(cfg.verify_curve, str):
+            raise ConfigError(f"verify_curve must be builtin, measure or a list of [rows, T(rows)/T(1)] pairs, "
+                              f"got {cfg.verify_curve!r}")
+        from specplug.runtime.model import check_verify_curve
+
+        try:
+            check_verify_curve(cfg.verify_curve)
+        except ValueError as e:
+            raise ConfigError(f"verify_curve: {e}") from None
     for key, ok, rule in [("context", cfg.context >= 16, ">= 16"), ("parallel", cfg.parallel >= 1, ">= 1"),
                           ("max_tokens", cfg.max_tokens >= 1, ">= 1"), ("prefill_chunk", cfg.prefill_chunk >= 1, ">= 1"),
                           ("threads", cfg.threads in (None, "auto") or isinstance(cfg.threads, int) and cfg.threads >= 1,

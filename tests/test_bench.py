@@ -184,3 +184,20 @@ def test_runtime_bench_times_every_row_count_in_turn(monkeypatch):
     assert log[3:] == [1, 2, 8, 8, 2, 1, 1, 2, 8, 8, 2, 1]  # then rounds, in turn, alternating
     assert ms == pytest.approx({1: 1.0, 2: 2.0, 8: 6.0})
     assert len(syncs) == 1 + 12  # after the warm-up, after every timed call
+
+
+def test_bench_records_the_verification_curve_it_priced_with(tmp_path, tiny_gguf):
+    """`--verify-curve measure` over the config's builtin: the run's results say which curve priced the
+    drafts and its points (measured on this machine at load)."""
+    from specplug.cli import main
+
+    cfg = tmp_path / "b.yaml"
+    cfg.write_text(f"model: {tiny_gguf}\ndevice: cpu\nmax_tokens: 6\nspeculators:\n  - type: ngram-simple\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": 1, "category": "c", "turns": ["the sea, the sea"]}) + "\n")
+    for flag, source in ((None, "builtin"), ("measure", "measured")):
+        out = tmp_path / f"out-{source}"
+        argv = ["bench", str(cfg), "--data", str(prompts), "--out", str(out)] + (["--verify-curve", flag] if flag else [])
+        assert main(argv) == 0
+        curve = json.loads((out / "results.json").read_text())["settings"]["verify_curve"]
+        assert curve["source"].startswith(source) and curve["points"][0] == [1, 1.0] and len(curve["points"]) > 2

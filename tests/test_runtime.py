@@ -229,6 +229,31 @@ def test_verify_cost_curves_interpolate_and_extend():
         assert values[0] == 1.0 and all(b > a for a, b in zip(values, values[1:])), name
 
 
+def test_a_measured_or_given_verification_curve_replaces_the_built_in_one(tiny_gguf):
+    """`verify_curve: measure` times T(k)/T(1) of the model on this machine at load (every k in turn,
+    never falling); a given curve is checked and used as is; the engine prices with what verify_cost
+    reads, and results record where it came from."""
+    from specplug.errors import ModelError
+    from specplug.runtime import load_target
+    from specplug.runtime.model import MEASURE_K, VERIFY_COST_CURVES, interpolate_cost
+
+    m = load_target(str(tiny_gguf), device="cpu", verify_curve="measure").model
+    curve = m.verify_curve
+    assert [k for k, _ in curve] == list(MEASURE_K) and curve[0] == (1, 1.0)
+    assert all(b >= a for (_, a), (_, b) in zip(curve, curve[1:]))
+    assert m.verify_cost(3) == interpolate_cost(curve, 3)
+    assert m.verify_curve_info() == {"source": "measured", "points": [list(p) for p in curve]}
+    m.verify_curve = None  # back to the runtime's own table
+    assert m.verify_curve_info()["source"] == f"builtin {m.cost_curve}"
+    assert m.verify_cost(8) == interpolate_cost(VERIFY_COST_CURVES[m.cost_curve], 8)
+
+    given = load_target(str(tiny_gguf), device="cpu", verify_curve=[[1, 1.0], [2, 1.5], [4, 2.0]]).model
+    assert [given.verify_cost(n) for n in (2, 3, 6)] == [1.5, 1.75, 2.5]
+    assert given.verify_curve_info()["source"] == "configured"
+    with pytest.raises(ModelError, match="verify_curve: a verification curve never falls"):
+        load_target(str(tiny_gguf), device="cpu", verify_curve=[[1, 1.0], [2, 0.9]])
+
+
 def test_model_verify_cost_follows_its_runtime(tiny_target):
     from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
 

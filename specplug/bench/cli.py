@@ -75,7 +75,7 @@ def _bench(args, cfg, path: Path, records: list[dict], out: Path) -> int:
     settings = {"config": str(args.config), "data": str(path), "categories": args.categories, "limit": args.limit,
                 "repeats": args.repeats, "max_tokens": cfg.max_tokens, "model": cfg.model,
                 "device": info["device"], "quant": info["quant"], "threads": info["threads"],
-                "greedy": cfg.sampling.greedy, "machine": info.get("machine")}
+                "greedy": cfg.sampling.greedy, "machine": info.get("machine"), "verify_curve": info.get("verify_curve")}
     if "ray" in info:
         settings["ray"] = info["ray"]
     report = build_report(results, info["variants"], settings, info["peak_rss_mb"])
@@ -119,7 +119,8 @@ def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
     bar.close()
     return passes, {"device": str(target.model.device), "quant": target.model.quant,
                     "threads": torch.get_num_threads(), "variants": [n for n in bench.engines if n != "plain"],
-                    "peak_rss_mb": peak_rss_mb(), "machine": machine.describe(str(target.model.device))}
+                    "peak_rss_mb": peak_rss_mb(), "machine": machine.describe(str(target.model.device)),
+                    "verify_curve": target.model.verify_curve_info()}
 
 
 def register(sub) -> None:

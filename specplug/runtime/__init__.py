@@ -38,13 +38,16 @@ def resolve_threads(threads: int | str | None) -> int | None:
 
 def load_target(model: str, device: str = "auto", dtype: str = "auto", quant: str = "auto",
                 threads: int | str | None = None, compile: bool | str = False, cuda_graphs: bool = True,
-                step_tokens: int | None = None) -> Target:
+                step_tokens: int | None = None, verify_curve="builtin") -> Target:
     """Resolve a model name or path, load weights and tokenizer; ModelError on any problem.
     `threads`: CPU threads for torch and the native kernels (see resolve_threads); "auto" on a
     CPU with several cores also chooses the count online (specplug.runtime.governor).
     `compile`: run forwards through the static-shape step (specplug.runtime.static); "auto" = on
     CUDA with torch weights. `cuda_graphs`: capture its shapes on CUDA. `step_tokens`: make it
-    batch-invariant, every step all sequence slots x this many tokens (rounded up to a bucket)."""
+    batch-invariant, every step all sequence slots x this many tokens (rounded up to a bucket).
+    `verify_curve`: how the engine prices a verification of k rows (Transformer.verify_cost):
+    "builtin" (the runtime's table, measured once per kernel path), "measure" (T(k)/T(1) of this
+    model on this machine, timed now, ~2 s), or [[k, T(k)/T(1)], ...] pairs."""
     import torch
 
     n = resolve_threads(threads)
@@ -65,5 +68,12 @@ def load_target(model: str, device: str = "auto", dtype: str = "auto", quant: st
 
         m.use_static(StaticOptions(cuda_graphs=cuda_graphs,
                                    fixed_tokens=None if step_tokens is None else row_bucket(min(step_tokens, 64))))
+    if verify_curve == "measure":
+        m.set_verify_curve(m.measure_verify_curve(), source="measured")
+    elif verify_curve != "builtin":
+        try:
+            m.set_verify_curve(verify_curve)
+        except ValueError as e:
+            raise ModelError(f"verify_curve: {e} (or builtin, or measure)") from None
     tok = Tokenizer.from_metadata(m.metadata, source=str(path))
     return Target(m, tok)

@@ -43,6 +43,33 @@ VERIFY_COST_CURVES = {
 }
 
 
+# The row counts a measured curve times (Transformer.measure_verify_curve); past the last one the
+# engine extends its last slope (interpolate_cost).
+MEASURE_K = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def check_verify_curve(points) -> tuple[tuple[int, float], ...]:
+    """A verification curve given as [[k, T(k)/T(1)], ...] (a config's `verify_curve`), checked: row
+    counts ascending from 1 with ratio 1.0, ratios at least 1 and never falling. ValueError naming what
+    to fix otherwise."""
+    try:
+        curve = tuple((int(k), float(r)) for k, r in points)
+        ok_types = all(isinstance(k, int) and not isinstance(k, bool) for k, _ in points)
+    except (TypeError, ValueError):
+        curve, ok_types = (), False
+    if not ok_types or not curve:
+        raise ValueError(f"a verification curve is a list of [rows, T(rows)/T(1)] pairs, e.g. [[1, 1.0], [2, 1.4]], "
+                         f"not {points!r}")
+    if curve[0] != (1, 1.0):
+        raise ValueError(f"a verification curve starts at [1, 1.0] (one row is the unit), not {list(curve[0])}")
+    for (a, ra), (b, rb) in zip(curve, curve[1:]):
+        if b <= a:
+            raise ValueError(f"a verification curve's row counts must ascend: {a} then {b}")
+        if rb < ra:
+            raise ValueError(f"a verification curve never falls: T({b})/T(1) = {rb} is below T({a})/T(1) = {ra}")
+    return curve
+
+
 def interpolate_cost(curve: Sequence[tuple[int, float]], n: int) -> float:
     """Piecewise-linear T(n)/T(1) through the curve's points, extended with its last slope."""
     if n <= curve[0][0]:
@@ -231,6 +258,10 @@ class Transformer:
         self.backend = backend = Backend(device, dtype, quant)
         self.governor = None  # a ThreadGovernor under `threads: auto` (specplug.runtime.governor)
         self.static = None  # a StaticRunner once use_static() is called (specplug.runtime.static)
+        # the verification curve in place of the built-in one (VERIFY_COST_CURVES): measured on this
+        # machine (measure_verify_curve) or given (a config's `verify_curve`); None: built-in
+        self.verify_curve: tuple[tuple[int, float], ...] | None = None
+        self.verify_curve_source = "builtin"
         self._stack = None  # (kernels module, its LayerStack of the layers, their RoPEs, ids to logits): _layer_stack
         self._stacks: dict[Any, tuple] = {}  # every kernels module's, kept
         self._stack_tokens = False  # the stack also embeds and applies the head (forward_tokens)
@@ -371,7 +402,53 @@ class Transformer:
 
     def verify_cost(self, n_rows: int) -> float:
         """Estimated time of a forward of `n_rows` new rows, in units of a one-row forward."""
-        return interpolate_cost(VERIFY_COST_CURVES[self.cost_curve], n_rows)
+        return interpolate_cost(self.verify_curve or VERIFY_COST_CURVES[self.cost_curve], n_rows)
+
+    def verify_curve_info(self) -> dict:
+        """The curve verify_cost reads, for results records: its points and where they come from
+        ("builtin <key>", "measured", "configured")."""
+        src = f"builtin {self.cost_curve}" if self.verify_curve is None else self.verify_curve_source
+        return {"source": src, "points": [list(p) for p in (self.verify_curve or VERIFY_COST_CURVES[self.cost_curve])]}
+
+    def set_verify_curve(self, points, source: str = "configured") -> None:
+        """Price verification with `points` ([[k, T(k)/T(1)], ...], check_verify_curve) from now on."""
+        self.verify_curve, self.verify_curve_source = check_verify_curve(points), source
+
+    def measure_verify_curve(self, ks: Sequence[int] = MEASURE_K, ctx: int = 256, rounds: int = 5) -> tuple:
+        """T(k)/T(1) of this model on this machine now: after `ctx` tokens of context in a scratch cache,
+        one forward of k rows (every row's logits, as a verification) for each k in turn, the order
+        reversed every round (so a drifting machine falls on all of them), after one warm-up round;
+        medians over `rounds`, each over T(1)'s, never falling. ~2 s for SmolLM2-135M on 2 threads."""
+        import statistics
+        import time
+
+        ks = sorted(set(ks) | {1})
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        cache = self.new_cache(1, ctx + max(ks) + 1)
+        n_vocab = len(self.embed)
+        self.forward([(100 + i) % n_vocab for i in range(ctx)], list(range(ctx)), [0] * ctx, cache, logits_rows=[])
+
+        def once(k: int) -> float:
+            sync()
+            t0 = time.perf_counter()
+            self.forward([(7 + i) % n_vocab for i in range(k)], list(range(ctx, ctx + k)), [0] * k, cache)
+            sync()
+            dt = time.perf_counter() - t0
+            cache.seq_rm(0, ctx)
+            return dt
+
+        times: dict[int, list[float]] = {k: [] for k in ks}
+        for r in range(rounds + 1):
+            for k in ks if r % 2 else ks[::-1]:
+                t = once(k)
+                if r:  # round 0 warms up
+                    times[k].append(t)
+        t1 = statistics.median(times[1])
+        curve, top = [], 1.0
+        for k in ks:
+            top = max(top, statistics.median(times[k]) / t1) if k > 1 else 1.0
+            curve.append((k, round(top, 3)))
+        return tuple(curve)
 
     @property
     def cost_curve(self) -> str:
