@@ -2,7 +2,8 @@
 
 decode_ms at two contexts, T(k) for one forward of k new tokens after a 512-token context
 (and T(k)/T(1), the number that decides whether verifying drafts pays; every k timed in turn, a
-call of each a round), prefill speed, 4 sequences x 1 token vs 1 x 1, and peak RSS. Medians over
+call of each a round), prefill speed (on the gguf kernels with its ceiling: the prompt's multiply-adds
+at this ISA's peaks, `prefill_ceiling`), 4 sequences x 1 token vs 1 x 1, and peak RSS. Medians over
 repeats; prints and writes JSON.
 
 `--profile` (the `gguf` runtime) adds the roofline report: this machine's limits (a streaming
