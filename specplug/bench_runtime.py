@@ -131,6 +131,8 @@ def run_bench(model, repeats: int = 20) -> dict:
     res["verify_ms"] = {str(k): round(v, 3 if cuda else 2) for k, v in verify.items()}
     t1 = res["verify_ms"]["1"]
     res["verify_ratio"] = {k: round(v / t1, 3) for k, v in res["verify_ms"].items()}
+    # what the engine prices drafts with on this runtime (the built-in curve unless one was set)
+    res["engine_verify_curve"] = model.verify_curve_info()
 
     def prefill():
         cache.clear(1)
@@ -164,6 +166,23 @@ def run_bench(model, repeats: int = 20) -> dict:
     return res
 
 
+def _engine_curve_lines(res: dict) -> list[str]:
+    """The engine's pricing curve at the same row counts, beside the measured one, and a hint when they
+    part by more than a tenth of a step somewhere (records from before session 40 have none)."""
+    from specplug.runtime.model import interpolate_cost
+
+    info = res.get("engine_verify_curve")
+    if not info:
+        return []
+    priced = {k: interpolate_cost([tuple(p) for p in info["points"]], int(k)) for k in res["verify_ratio"]}
+    lines = ["  priced " + " ".join(f"{v:>7.2f}" for v in priced.values()) + f"  (the engine's curve: {info['source']})"]
+    worst = max(abs(priced[k] - v) for k, v in res["verify_ratio"].items() if int(k) <= 8)
+    if info["source"].startswith("builtin") and worst > 0.1:
+        lines.append(f"  the built-in curve is {worst:.2f} of a step off this machine's at 8 rows or fewer: "
+                     "`verify_curve: measure` (or --verify-curve measure) prices drafts with this machine's")
+    return lines
+
+
 def format_report(res: dict) -> str:
     lines = [f"model {res['model']}  device {res['device']}  dtype {res['dtype']}  quant {res['quant']}  "
              f"threads {res['threads']}  (medians of {res['repeats']})",
@@ -173,6 +192,7 @@ def format_report(res: dict) -> str:
              "  k      " + " ".join(f"{k:>7}" for k in res["verify_ms"]),
              "  T(k) ms" + " ".join(f"{v:>7.2f}" for v in res["verify_ms"].values()),
              "  T(k)/T1" + " ".join(f"{v:>7.2f}" for v in res["verify_ratio"].values()),
+             *_engine_curve_lines(res),
              f"prefill 512: {res['prefill_tok_s']} tok/s" + (
                  f" (ceiling {res['prefill_ceiling']['tok_s']} tok/s: its multiply-adds at this ISA's peaks, "
                  f"{res['prefill_ceiling']['peak_gmac_s_isa']} / {res['prefill_ceiling']['peak_gmac_s_isa_8bit']} G MAC/s "

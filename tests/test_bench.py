@@ -186,6 +186,23 @@ def test_runtime_bench_times_every_row_count_in_turn(monkeypatch):
     assert len(syncs) == 1 + 12  # after the warm-up, after every timed call
 
 
+def test_runtime_bench_shows_the_engine_s_curve_beside_the_machine_s():
+    """bench-runtime prints the curve the engine prices with at the measured row counts, and points to
+    `verify_curve: measure` when the built-in one is more than a tenth of a step off at 8 rows or fewer."""
+    from specplug.bench_runtime import _engine_curve_lines
+
+    measured = {"1": 1.0, "2": 1.55, "4": 2.6, "8": 4.9, "16": 9.7}
+    builtin = {"source": "builtin gguf", "points": [[1, 1.0], [2, 1.27], [4, 1.76], [8, 3.21], [16, 6.86]]}
+    priced, hint = _engine_curve_lines({"verify_ratio": measured, "engine_verify_curve": builtin})
+    assert priced.split()[1:6] == ["1.00", "1.27", "1.76", "3.21", "6.86"] and "builtin gguf" in priced
+    assert "1.69 of a step off" in hint and "verify_curve: measure" in hint  # |3.21 - 4.9| at 8 rows
+    close = {**builtin, "points": [[1, 1.0], [2, 1.5], [4, 2.55], [8, 4.85], [16, 6.0]]}  # 16 rows not judged
+    assert len(_engine_curve_lines({"verify_ratio": measured, "engine_verify_curve": close})) == 1
+    own = {**builtin, "source": "measured"}  # already this machine's: no hint
+    assert len(_engine_curve_lines({"verify_ratio": measured, "engine_verify_curve": own})) == 1
+    assert _engine_curve_lines({"verify_ratio": measured}) == []  # a record from before session 40
+
+
 def test_bench_records_the_verification_curve_it_priced_with(tmp_path, tiny_gguf):
     """`--verify-curve measure` over the config's builtin: the run's results say which curve priced the
     drafts and its points (measured on this machine at load)."""
