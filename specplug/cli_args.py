@@ -56,9 +56,10 @@ def add_step_args(p: argparse.ArgumentParser, defaults: bool) -> None:
     p.add_argument("--step-tokens", type=int, default=None,
                    help="static step: every step all sequence slots x this many tokens (batch-invariant; a bucket)")
     if not defaults:  # the commands that draft (run, serve, bench; generate and bench-runtime do not)
-        p.add_argument("--verify-curve", choices=("builtin", "measure"), default=None,
+        p.add_argument("--verify-curve", choices=("auto", "builtin", "measure"), default=None,
                        help="how drafts are priced: the runtime's built-in T(k)/T(1) table, or this machine's, measured "
-                            "at load (~2 s); overrides the config's `verify_curve`")
+                            "at load (~2 s); auto (the config's default): measured on the gguf CPU kernels; overrides "
+                            "the config's `verify_curve`")
 
 
 def step_overrides(args) -> dict:

@@ -85,8 +85,9 @@ class RunConfig:
     step_tokens: int | None = None  # static step, batch-invariant: tokens per sequence in every step (default: 1 + n_max)
     # how drafts are priced: T(k)/T(1) of a k-row verification. builtin: the runtime's table (one per kernel
     # path, from the machine it was measured on); measure: this model on this machine, timed at load (~2 s);
+    # auto: measure on the gguf CPU kernels when a speculator is priced (cost_trim), else builtin;
     # or [[1, 1.0], [2, 1.4], ...]
-    verify_curve: str | list = "builtin"
+    verify_curve: str | list = "auto"
     context: int = 2048  # positions per sequence
     parallel: int = 1  # sequences in flight at once
     max_tokens: int = 256
@@ -107,9 +108,10 @@ def target_args(cfg: "RunConfig") -> dict[str, Any]:
     """load_target's keyword arguments for this run (how the target loads and steps)."""
     n_max = max((s.policy.n_max for s in cfg.speculators), default=0)
     tokens = cfg.step_tokens or min(64, 1 + n_max)
+    priced = any(s.policy.cost_trim for s in cfg.speculators)  # auto: no priced speculator, no curve to time
     return dict(device=cfg.device, dtype=cfg.dtype, quant=cfg.quant, threads=cfg.threads, compile=cfg.compile,
                 cuda_graphs=cfg.cuda_graphs, step_tokens=tokens if cfg.batch_invariant else None,
-                verify_curve=cfg.verify_curve)
+                verify_curve="builtin" if cfg.verify_curve == "auto" and not priced else cfg.verify_curve)
 
 
 _SPEC_HOST_KEYS = {"type", "name"} | {f.name for f in dataclasses.fields(DraftPolicy)}
@@ -209,9 +211,9 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
     if dup:
         raise ConfigError(f"speculators: name {sorted(dup)[0]!r} is used twice; give each a distinct `name:`")
     cfg = build_dataclass(RunConfig, data, "")
-    if cfg.verify_curve not in ("builtin", "measure"):
+    if cfg.verify_curve not in ("auto", "builtin", "measure"):
         if isinstance(cfg.verify_curve, str):
-            raise ConfigError(f"verify_curve must be builtin, measure or a list of [rows, T(rows)/T(1)] pairs, "
+            raise ConfigError(f"verify_curve must be auto, builtin, measure or a list of [rows, T(rows)/T(1)] pairs, "
                               f"got {cfg.verify_curve!r}")
         from specplug.runtime.model import check_verify_curve
 

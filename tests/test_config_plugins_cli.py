@@ -33,7 +33,7 @@ def write(tmp_path: Path, text: str) -> Path:
     ("- just\n- a list\n", "the top level must be a mapping"),
     ("model: [unclosed\n", "not valid YAML"),
     ("context: 4\n", "context must be >= 16"),
-    ("verify_curve: measured\n", "verify_curve must be builtin, measure or a list of [rows, T(rows)/T(1)] pairs, got 'measured'"),
+    ("verify_curve: measured\n", "verify_curve must be auto, builtin, measure or a list of [rows, T(rows)/T(1)] pairs, got 'measured'"),
     ("verify_curve: [[2, 1.4]]\n", "verify_curve: a verification curve starts at [1, 1.0]"),
     ("verify_curve: [[1, 1.0], [3, 1.6], [2, 1.4]]\n", "verify_curve: a verification curve's row counts must ascend: 3 then 2"),
     ("verify_curve: [[1, 1.0], [2, 1.4], [4, 1.2]]\n", "verify_curve: a verification curve never falls: T(4)/T(1) = 1.2"),

@@ -254,6 +254,28 @@ def test_a_measured_or_given_verification_curve_replaces_the_built_in_one(tiny_g
         load_target(str(tiny_gguf), device="cpu", verify_curve=[[1, 1.0], [2, 0.9]])
 
 
+def test_verify_curve_auto_measures_on_the_gguf_cpu_kernels_when_drafts_are_priced(tiny_gguf, tmp_path):
+    """A config's default `verify_curve: auto`: timed at load on the gguf CPU kernels (their built-in
+    tables each came from one machine) when a speculator is priced; the built-in table for float
+    weights, and when nothing is priced (no curve to time)."""
+    from specplug.config import parse_config, target_args
+    from specplug.runtime import load_target
+    from specplug.testing import write_tiny_gguf
+
+    priced = parse_config({"speculators": [{"type": "noop"}]})
+    assert priced.verify_curve == "auto" and target_args(priced)["verify_curve"] == "auto"
+    assert target_args(parse_config({}))["verify_curve"] == "builtin"  # nothing drafts
+    unpriced = parse_config({"speculators": [{"type": "noop", "cost_trim": False}]})
+    assert target_args(unpriced)["verify_curve"] == "builtin"
+    assert target_args(parse_config({"verify_curve": "measure"}))["verify_curve"] == "measure"  # asked for: kept
+
+    q = write_tiny_gguf(tmp_path / "q.gguf", tensor_type="Q4_1", n_layer=2, seed=3)
+    on_kernels = load_target(str(q), device="cpu", quant="gguf", verify_curve="auto").model
+    assert on_kernels.verify_curve_info()["source"] == "measured" and on_kernels.verify_curve[0] == (1, 1.0)
+    floats = load_target(str(tiny_gguf), device="cpu", quant="none", verify_curve="auto").model
+    assert floats.verify_curve is None and floats.verify_curve_info()["source"] == "builtin cpu"
+
+
 def test_model_verify_cost_follows_its_runtime(tiny_target):
     from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
 

@@ -419,11 +419,19 @@ class Transformer:
         one forward of k rows (every row's logits, as a verification) for each k in turn, the order
         reversed every round (so a drifting machine falls on all of them), after one warm-up round;
         medians over `rounds`, each over T(1)'s, never falling. ~2 s for SmolLM2-135M on 2 threads."""
+        ks = sorted(set(ks) | {1})
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        gov, self.governor = self.governor, None  # at the threads of the moment: no probes of other counts
+        try:
+            return self._time_verify_curve(ks, ctx, rounds, sync)
+        finally:
+            self.governor = gov
+
+    def _time_verify_curve(self, ks: list[int], ctx: int, rounds: int, sync) -> tuple:
+        """measure_verify_curve's timing (see there), with the governor set aside."""
         import statistics
         import time
 
-        ks = sorted(set(ks) | {1})
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         cache = self.new_cache(1, ctx + max(ks) + 1)
         n_vocab = len(self.embed)
         self.forward([(100 + i) % n_vocab for i in range(ctx)], list(range(ctx)), [0] * ctx, cache, logits_rows=[])
