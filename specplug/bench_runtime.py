@@ -167,8 +167,9 @@ def run_bench(model, repeats: int = 20) -> dict:
 
 
 def _engine_curve_lines(res: dict) -> list[str]:
-    """The engine's pricing curve at the same row counts, beside the measured one, and a hint when they
-    part by more than a tenth of a step somewhere (records from before session 40 have none)."""
+    """The built-in pricing curve (bench-runtime loads the model without a config) at the same row counts,
+    beside the measured one, and a hint when they part by more than a tenth of a step at 8 rows or fewer
+    (records from before session 40 have none)."""
     from specplug.runtime.model import interpolate_cost
 
     info = res.get("engine_verify_curve")
@@ -178,8 +179,9 @@ def _engine_curve_lines(res: dict) -> list[str]:
     lines = ["  priced " + " ".join(f"{v:>7.2f}" for v in priced.values()) + f"  (the engine's curve: {info['source']})"]
     worst = max(abs(priced[k] - v) for k, v in res["verify_ratio"].items() if int(k) <= 8)
     if info["source"].startswith("builtin") and worst > 0.1:
-        lines.append(f"  the built-in curve is {worst:.2f} of a step off this machine's at 8 rows or fewer: "
-                     "`verify_curve: measure` (or --verify-curve measure) prices drafts with this machine's")
+        lines.append(f"  the built-in curve is {worst:.2f} of a step off this machine's at 8 rows or fewer: runs price "
+                     "drafts with this machine's under `verify_curve: auto` (a config's default, on the gguf CPU "
+                     "kernels) or `measure`, not `builtin`")
     return lines
 
 

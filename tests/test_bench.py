@@ -188,14 +188,14 @@ def test_runtime_bench_times_every_row_count_in_turn(monkeypatch):
 
 def test_runtime_bench_shows_the_engine_s_curve_beside_the_machine_s():
     """bench-runtime prints the curve the engine prices with at the measured row counts, and points to
-    `verify_curve: measure` when the built-in one is more than a tenth of a step off at 8 rows or fewer."""
+    `verify_curve: auto` / `measure` when the built-in one is more than a tenth of a step off at 8 rows or fewer."""
     from specplug.bench_runtime import _engine_curve_lines
 
     measured = {"1": 1.0, "2": 1.55, "4": 2.6, "8": 4.9, "16": 9.7}
     builtin = {"source": "builtin gguf", "points": [[1, 1.0], [2, 1.27], [4, 1.76], [8, 3.21], [16, 6.86]]}
     priced, hint = _engine_curve_lines({"verify_ratio": measured, "engine_verify_curve": builtin})
     assert priced.split()[1:6] == ["1.00", "1.27", "1.76", "3.21", "6.86"] and "builtin gguf" in priced
-    assert "1.69 of a step off" in hint and "verify_curve: measure" in hint  # |3.21 - 4.9| at 8 rows
+    assert "1.69 of a step off" in hint and "verify_curve: auto" in hint  # |3.21 - 4.9| at 8 rows
     close = {**builtin, "points": [[1, 1.0], [2, 1.5], [4, 2.55], [8, 4.85], [16, 6.0]]}  # 16 rows not judged
     assert len(_engine_curve_lines({"verify_ratio": measured, "engine_verify_curve": close})) == 1
     own = {**builtin, "source": "measured"}  # already this machine's: no hint
