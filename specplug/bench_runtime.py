@@ -31,44 +31,13 @@ import torch
 
 from specplug import machine
 from specplug.runtime import pages
+from specplug.runtime.timing import in_turn as _in_turn
+from specplug.runtime.timing import median_ms as _median_ms  # (scripts import it from here)
+from specplug.runtime.timing import medians_in_turn_ms as _medians_in_turn_ms
+from specplug.runtime.timing import no_sync as _no_sync
 
 VERIFY_K = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 VERIFY_K_CUDA = VERIFY_K + (48, 64)
-
-
-def _no_sync() -> None:
-    pass
-
-
-def _in_turn(keys: list, repeats: int):
-    """The keys, `repeats` rounds of each once, the order reversed every other round: the order in
-    which the benchmarks below take several forwards, so that each one's repeats share the same
-    minutes. (This VM's speed swings for seconds at a time, several-row forwards by up to 1.2-2.5x
-    while one-row ones barely move (docs/results/runtime.md, session 37): T(k) timed one k after
-    another could pair a T(1) from a fast stretch with a T(8) from a slow one.)"""
-    for r in range(repeats):
-        yield from keys if r % 2 == 0 else reversed(keys)
-
-
-def _medians_in_turn_ms(fns: dict, repeats: int, warmup: int = 2, sync=_no_sync) -> dict:
-    """{key: median wall time of fns[key]}, the calls taken in turn (`_in_turn`); `sync` waits for the
-    device after each call (torch.cuda.synchronize on CUDA, where a call only queues its kernels)."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    sync()
-    times: dict = {k: [] for k in fns}
-    for k in _in_turn(list(fns), repeats):
-        t0 = time.perf_counter()
-        fns[k]()
-        sync()
-        times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def _median_ms(fn, repeats: int, warmup: int = 2, sync=_no_sync) -> float:
-    """Median wall time of fn (`_medians_in_turn_ms` of it alone)."""
-    return _medians_in_turn_ms({0: fn}, repeats, warmup, sync)[0]
 
 
 def _fill(model, cache, seq: int, n: int, chunk: int = 256) -> None:
@@ -258,7 +227,7 @@ class _Counted:
                     m.numel() * m.element_size() if m is not None else 0)
                 macs = xa[0].shape[0] * xa[0].shape[1] * args[-1]
                 self.linear_macs += macs
-                self.linear_macs_8bit += macs if qs.shape[2] == 256 else 0
+                self.linear_macs_8bit += macs if weight_bits(qs) == 8 else 0
                 return fn(*args)
             return counted
         if name == "attention":
@@ -364,25 +333,30 @@ def prefill_ceiling(model, tokens: int = 512) -> dict:
         return None
     peaks = isa_peaks(model.layers[0]._k)
 
-    def macs(ls, rows):  # (on 4-bit weights, on 8-bit weights)
-        m = [rows * lin.qs.shape[1] * 32 * lin.out_features for lin in ls]
-        return (sum(x for x, lin in zip(m, ls) if lin.qs.shape[2] != 256),
-                sum(x for x, lin in zip(m, ls) if lin.qs.shape[2] == 256))
-    m4, m8 = (a + b for a, b in zip(macs(lins, tokens), macs([model.head], 1)))
+    # every row through the layers' linears, the last one through the head
+    macs = [(tokens * lin.qs.shape[1] * 32 * lin.out_features, lin) for lin in lins]
+    macs.append((model.head.qs.shape[1] * 32 * model.head.out_features, model.head))
+    gmacs = {"linear_gmacs": sum(m for m, _ in macs) / 1e9,
+             "linear_gmacs_8bit": sum(m for m, lin in macs if weight_bits(lin.qs) == 8) / 1e9}
     cfg = model.config
     seen = sum(min(p + 1, cfg.layer_window(i) or tokens) for i in range(cfg.n_layer) for p in range(tokens))
     attn = 2 * cfg.n_head * cfg.head_dim * seen  # scores and weighted V sums
-    sec = m4 / (peaks["peak_gmac_s_isa"] * 1e9) + m8 / (peaks["peak_gmac_s_isa_8bit"] * 1e9) + \
-        attn / (peaks["peak_gmac_s_fma"] * 1e9)
-    return {**peaks, "tokens": tokens, "linear_gmacs": round((m4 + m8) / 1e9, 6), "linear_gmacs_8bit": round(m8 / 1e9, 6),
-            "attn_gmacs": round(attn / 1e9, 6), "tok_s": round(tokens / sec, 1)}
+    ms = linear_compute_ms(gmacs, peaks) + attn / (peaks["peak_gmac_s_fma"] * 1e9) * 1e3
+    return {**peaks, "tokens": tokens, **{k: round(v, 6) for k, v in gmacs.items()},
+            "attn_gmacs": round(attn / 1e9, 6), "tok_s": round(tokens / (ms / 1e3), 1)}
+
+
+def weight_bits(qs: torch.Tensor) -> int:
+    """Which dot the kernels run on these weight tiles ([tiles, blocks, bytes a block]): 8 for byte
+    tiles (256 bytes a block: Q8_0, Q5_K, Q6_K), 4 for nibble tiles (128: Q4_0, Q4_1, Q4_K; 160: Q5_0,
+    its fifth bits folded into the nibbles)."""
+    return 8 if qs.shape[2] == 256 else 4
 
 
 def floor_parts(lins) -> list:
     """What `stream_dots` walks for each of these linears (QuantLinear): (its weights, its scale
     tensors, 4 or 8 bits a value)."""
-    return [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], 4 if lin.kind in ("q4_0", "q4_1", "q4_k", "q5_0") else 8)
-            for lin in lins]
+    return [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], weight_bits(lin.qs)) for lin in lins]
 
 
 def walk_floor(ext, parts, rows: int, aheads=(0,)) -> float:

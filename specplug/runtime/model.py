@@ -400,15 +400,20 @@ class Transformer:
             dtype = "bfloat16" if dev.type == "cuda" else "float32"
         return cls(GGUFFile(path), dev, DTYPES[dtype], quant)
 
+    @property
+    def pricing_curve(self) -> tuple[tuple[int, float], ...]:
+        """The T(k)/T(1) points verify_cost reads: the one set (measured or given), else the built-in one."""
+        return self.verify_curve or VERIFY_COST_CURVES[self.cost_curve]
+
     def verify_cost(self, n_rows: int) -> float:
         """Estimated time of a forward of `n_rows` new rows, in units of a one-row forward."""
-        return interpolate_cost(self.verify_curve or VERIFY_COST_CURVES[self.cost_curve], n_rows)
+        return interpolate_cost(self.pricing_curve, n_rows)
 
     def verify_curve_info(self) -> dict:
         """The curve verify_cost reads, for results records: its points and where they come from
         ("builtin <key>", "measured", "configured")."""
         src = f"builtin {self.cost_curve}" if self.verify_curve is None else self.verify_curve_source
-        return {"source": src, "points": [list(p) for p in (self.verify_curve or VERIFY_COST_CURVES[self.cost_curve])]}
+        return {"source": src, "points": [list(p) for p in self.pricing_curve]}
 
     def set_verify_curve(self, points, source: str = "configured") -> None:
         """Price verification with `points` ([[k, T(k)/T(1)], ...], check_verify_curve) from now on."""
@@ -416,45 +421,33 @@ class Transformer:
 
     def measure_verify_curve(self, ks: Sequence[int] = MEASURE_K, ctx: int = 256, rounds: int = 5) -> tuple:
         """T(k)/T(1) of this model on this machine now: after `ctx` tokens of context in a scratch cache,
-        one forward of k rows (every row's logits, as a verification) for each k in turn, the order
-        reversed every round (so a drifting machine falls on all of them), after one warm-up round;
-        medians over `rounds`, each over T(1)'s, never falling. ~2 s for SmolLM2-135M on 2 threads."""
+        one forward of k rows (every row's logits, as a verification) for each k, taken in turn as
+        `bench-runtime` takes T(k) (specplug.runtime.timing: the order reversed every round, so a
+        drifting machine falls on all of them; a warm-up call each first), at the threads of the moment
+        (the governor set aside: no probes of other counts); medians over `rounds`, each over T(1)'s,
+        never falling. ~2 s for SmolLM2-135M on 2 threads."""
+        from specplug.runtime.timing import medians_in_turn_ms
+
         ks = sorted(set(ks) | {1})
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        gov, self.governor = self.governor, None  # at the threads of the moment: no probes of other counts
-        try:
-            return self._time_verify_curve(ks, ctx, rounds, sync)
-        finally:
-            self.governor = gov
-
-    def _time_verify_curve(self, ks: list[int], ctx: int, rounds: int, sync) -> tuple:
-        """measure_verify_curve's timing (see there), with the governor set aside."""
-        import statistics
-        import time
-
         cache = self.new_cache(1, ctx + max(ks) + 1)
         n_vocab = len(self.embed)
         self.forward([(100 + i) % n_vocab for i in range(ctx)], list(range(ctx)), [0] * ctx, cache, logits_rows=[])
 
-        def once(k: int) -> float:
-            sync()
-            t0 = time.perf_counter()
-            self.forward([(7 + i) % n_vocab for i in range(k)], list(range(ctx, ctx + k)), [0] * k, cache)
-            sync()
-            dt = time.perf_counter() - t0
-            cache.seq_rm(0, ctx)
-            return dt
+        def verify(k: int):
+            def fn():
+                self.forward([(7 + i) % n_vocab for i in range(k)], list(range(ctx, ctx + k)), [0] * k, cache)
+                cache.seq_rm(0, ctx)
+            return fn
 
-        times: dict[int, list[float]] = {k: [] for k in ks}
-        for r in range(rounds + 1):
-            for k in ks if r % 2 else ks[::-1]:
-                t = once(k)
-                if r:  # round 0 warms up
-                    times[k].append(t)
-        t1 = statistics.median(times[1])
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        gov, self.governor = self.governor, None
+        try:
+            ms = medians_in_turn_ms({k: verify(k) for k in ks}, rounds, warmup=1, sync=sync)
+        finally:
+            self.governor = gov
         curve, top = [], 1.0
         for k in ks:
-            top = max(top, statistics.median(times[k]) / t1) if k > 1 else 1.0
+            top = max(top, ms[k] / ms[1]) if k > 1 else 1.0
             curve.append((k, round(top, 3)))
         return tuple(curve)
 
