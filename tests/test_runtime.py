@@ -1,6 +1,7 @@
 """Runtime on tiny random GGUF models: cache semantics, batching, taps, formats, errors."""
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -274,6 +275,71 @@ def test_verify_curve_auto_measures_on_the_gguf_cpu_kernels_when_drafts_are_pric
     assert on_kernels.verify_curve_info()["source"] == "measured" and on_kernels.verify_curve[0] == (1, 1.0)
     floats = load_target(str(tiny_gguf), device="cpu", quant="none", verify_curve="auto").model
     assert floats.verify_curve is None and floats.verify_curve_info()["source"] == "builtin cpu"
+
+
+def test_verify_curve_auto_times_a_model_until_three_are_kept_then_reads_their_median(tmp_path, monkeypatch):
+    """`auto` on the gguf CPU kernels measures at load while fewer than three curves of this model, on this
+    machine and set-up, are kept (specplug.runtime.curve_cache), then prices with their median and measures no
+    more; `measure` always times anew (the newest five kept); other threads or a changed model file are
+    another key; a damaged cache is set aside with a warning, an unwritable one costs a warning, never the run."""
+    from specplug.runtime import curve_cache
+    from specplug.runtime.model import Transformer
+
+    monkeypatch.setenv("SPECPLUG_CACHE_DIR", str(tmp_path / "cache"))
+    timed = []
+
+    def fake_measure(self):  # distinct curves, so the median is checkable
+        timed.append(1)
+        r = 1.0 + 0.1 * len(timed)
+        return ((1, 1.0), (2, round(r, 3)), (4, round(2 * r, 3)))
+    monkeypatch.setattr(Transformer, "measure_verify_curve", fake_measure)
+    q = write_tiny_gguf(tmp_path / "q.gguf", tensor_type="Q4_1", n_layer=1, seed=3)
+
+    def load(curve="auto"):
+        m = load_target(str(q), device="cpu", quant="gguf", verify_curve=curve).model
+        return m.verify_curve_info()
+
+    assert [load()["source"] for _ in range(3)] == ["measured"] * 3 and len(timed) == 3
+    info = load()  # three kept: their median (r = 1.1, 1.2, 1.3), nothing timed
+    assert len(timed) == 3 and info == {"source": "cached (median of 3 measurements)",
+                                        "points": [[1, 1.0], [2, 1.2], [4, 2.4]]}
+    assert load("measure")["source"] == "measured" and len(timed) == 4
+    assert load()["points"][1] == [2, 1.25] and len(timed) == 4  # median of four
+    for _ in range(3):
+        load("measure")
+    doc = json.loads((tmp_path / "cache" / curve_cache.FILE).read_text())
+    (entry,) = doc["curves"].values()
+    assert [m["points"][1][1] for m in entry["measured"]] == [1.3, 1.4, 1.5, 1.6, 1.7]  # the newest five
+    assert entry["what"]["model"] == str(q.resolve()) and entry["what"]["isa"] is not None
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1 if n > 1 else 2)
+    try:
+        assert load()["source"] == "measured" and len(timed) == 8  # another thread count: another key
+    finally:
+        torch.set_num_threads(n)
+    st = q.stat()
+    os.utime(q, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file replaced: its curves no longer apply
+    assert load()["source"] == "measured" and len(timed) == 9
+
+    (tmp_path / "cache" / curve_cache.FILE).write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable verification-curve cache"):
+        assert load()["source"] == "measured"
+    assert (tmp_path / "cache" / "verify-curves.bad").exists()
+    assert len(json.loads((tmp_path / "cache" / curve_cache.FILE).read_text())["curves"]) == 1  # rebuilt
+
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("SPECPLUG_CACHE_DIR", str(tmp_path / "not-a-folder"))
+    with pytest.warns(UserWarning, match="verification curve not cached .* set SPECPLUG_CACHE_DIR"):
+        assert load()["source"] == "measured"
+
+
+def test_median_curve_is_taken_row_count_by_row_count_and_never_falls():
+    from specplug.runtime.curve_cache import median_curve
+
+    a, b, c = ((1, 1.0), (2, 1.5), (4, 2.0)), ((1, 1.0), (2, 1.3), (4, 2.6)), ((1, 1.0), (2, 1.9), (4, 1.4))
+    assert median_curve([a, b, c]) == ((1, 1.0), (2, 1.5), (4, 2.0))
+    assert median_curve([c]) == ((1, 1.0), (2, 1.9), (4, 1.9))  # held at its top
 
 
 def test_model_verify_cost_follows_its_runtime(tiny_target):

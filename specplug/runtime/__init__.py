@@ -47,8 +47,9 @@ def load_target(model: str, device: str = "auto", dtype: str = "auto", quant: st
     batch-invariant, every step all sequence slots x this many tokens (rounded up to a bucket).
     `verify_curve`: how the engine prices a verification of k rows (Transformer.verify_cost):
     "builtin" (the runtime's table, measured once per kernel path), "measure" (T(k)/T(1) of this
-    model on this machine, timed now, ~2 s), "auto" (measure on the gguf CPU kernels, whose tables
-    came from one machine each; builtin elsewhere), or [[k, T(k)/T(1)], ...] pairs."""
+    model on this machine, timed now, ~2 s, and kept in specplug.runtime.curve_cache), "auto" (on the
+    gguf CPU kernels, whose tables came from one machine each: timed at load until three of this
+    model on this machine are kept, then their median; builtin elsewhere), or [[k, T(k)/T(1)], ...] pairs."""
     import torch
 
     n = resolve_threads(threads)
@@ -69,11 +70,15 @@ def load_target(model: str, device: str = "auto", dtype: str = "auto", quant: st
 
         m.use_static(StaticOptions(cuda_graphs=cuda_graphs,
                                    fixed_tokens=None if step_tokens is None else row_bucket(min(step_tokens, 64))))
-    if verify_curve == "auto":
-        verify_curve = "measure" if m.quant == "gguf" and m.device.type == "cpu" else "builtin"
-    if verify_curve == "measure":
-        m.set_verify_curve(m.measure_verify_curve(), source="measured")
-    elif verify_curve != "builtin":
+    if verify_curve == "auto" and m.quant == "gguf" and m.device.type == "cpu":
+        from specplug.runtime.curve_cache import auto_curve
+
+        m.set_verify_curve(*auto_curve(m))
+    elif verify_curve == "measure":
+        from specplug.runtime.curve_cache import measured_curve
+
+        m.set_verify_curve(*measured_curve(m))
+    elif verify_curve not in ("auto", "builtin"):
         try:
             m.set_verify_curve(verify_curve)
         except ValueError as e:
