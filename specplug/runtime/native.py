@@ -474,7 +474,7 @@ class QuantLinear:
         raw = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
         if qtype in K_QUANTS:
             return cls.from_k_quant(raw, qtype, shape, **kw)
-        if qtype == "Q5_0":  # (u - 16) d: the nibbles as Q4_1's, the fifth bits beside them (_q5_0)
+        if qtype == "Q5_0":  # (u - 16) d: the nibbles as Q4_1's, a plane of the fifth bits beside them (_q5_0)
             blocks = raw.reshape(n, nb, Q5_0_BLOCK)
             d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
             qh = blocks[:, :, 2:6].copy().view("<u4")[..., 0]
@@ -551,17 +551,17 @@ class QuantLinear:
 
     @classmethod
     def _q5_0(cls, nibbles: np.ndarray, qh: np.ndarray, d: np.ndarray, n: int, **kw) -> "QuantLinear":
-        """Q5_0 tiles, 160 bytes a block: Q4_1's 128 nibble bytes (the values' low 4 bits), then for
-        each of their 4 loads p a 32-bit mask of the fifth bits over the load's bytes, first for the
-        low nibbles (bit c*4+i: column c's value 4p+i), then for the high ones (value 16+4p+i)."""
+        """Q5_0 tiles, 160 bytes a block: Q4_1's 128 nibble bytes (the values' low 4 bits; load p's
+        byte c*4+i holds column c's values 4p+i and 16+4p+i), then a plane of the fifth bits, 32 bytes:
+        bit 2p of byte c*4+i is the fifth bit of value 4p+i, bit 2p+1 that of value 16+4p+i."""
         nib, qh, d = cls._pad_rows(nibbles, n), cls._pad_rows(qh, n), cls._pad_rows(d, n)
         nt, nb = nib.shape[0] // 8, nib.shape[1]
         qs = nib.reshape(nt, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(nt, nb, 128)
         value = np.arange(32, dtype=np.uint32).reshape(2, 4, 4)  # [half, p, i] -> 16 half + 4p + i
         bits = (qh.astype(np.uint32).reshape(nt, 8, nb, 1, 1, 1) >> value) & np.uint32(1)  # [t, c, b, half, p, i]
-        bits = bits.transpose(0, 2, 4, 3, 1, 5).reshape(nt, nb, 4, 2, 32)  # [t, b, p, half, c*4+i]
-        masks = (bits << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32).astype("<u4")
-        tiles = np.concatenate([qs, masks.view(np.uint8).reshape(nt, nb, 32)], axis=2)
+        bits = bits.transpose(0, 2, 1, 5, 4, 3).reshape(nt, nb, 32, 8)  # [t, b, c*4+i, 2p+half]
+        plane = (bits << np.arange(8, dtype=np.uint32)).sum(-1, dtype=np.uint32).astype(np.uint8)
+        tiles = np.concatenate([qs, plane], axis=2)
         return cls("q5_0", torch.from_numpy(np.ascontiguousarray(tiles)), cls._scale_tiles(d, nt, nb), None, n, **kw)
 
     @classmethod

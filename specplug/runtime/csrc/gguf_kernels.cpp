@@ -408,33 +408,40 @@ inline __m512i dot_bcast(__m512i acc, __m512i w, const int32_t* x) {
 std::atomic<int64_t> g_prefetch_rows{PREFETCH_ROWS};
 
 // Q5_0: a block's value u = 0..31 (the weight is (u - 16) d) from Q4_1's nibble bytes and, after
-// them (128 bytes on), its fifth bits: for each load p of the nibbles a 32-bit mask over the load's
-// bytes for the low nibbles (bit c*4+i: w[c][4p+i]), then one for the high nibbles (w[c][16+4p+i]).
-// v | 16 where a mask bit is set, for the 32 bytes of one load.
-inline __m256i with_bit4(__m256i v, uint32_t bits) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  return _mm256_mask_add_epi8(v, (__mmask32)bits, v, _mm256_set1_epi8(16));
-#else
-  // byte j takes byte j / 8 of the mask and keeps its bit j % 8
-  const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
-                                       3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), sel), bit), bit);
-  return _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-#endif
+// them (128 bytes on), a plane of its fifth bits, 32 bytes: bit l of byte j is the fifth bit of the
+// value whose low 4 bits are in byte j of load l / 2, its low nibble for even l, its high one for
+// odd l. fifth_bits(plane, l) is 16 in each byte whose bit l is set, else 0: one shift of the plane
+// (in 16-bit lanes, which moves no bit l into another byte's bit 4) and one and, so the nibbles
+// take their fifth bit with an or. (Until session 41 a 32-bit mask a load, spread by vpshufb and
+// vpcmpeqb on AVX2: six instructions for each 32 values instead of three.)
+template <typename V>
+inline V fifth_bits(V plane, int l);
+template <>
+inline __m256i fifth_bits(__m256i plane, int l) {
+  const __m256i v = l < 4 ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - l))
+                          : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(l - 4));
+  return _mm256_and_si256(v, _mm256_set1_epi8(16));
 }
+#if defined(__AVX512BW__)
+template <>
+inline __m512i fifth_bits(__m512i plane, int l) {
+  const __m512i v = l < 4 ? _mm512_sll_epi16(plane, _mm_cvtsi32_si128(4 - l))
+                          : _mm512_srl_epi16(plane, _mm_cvtsi32_si128(l - 4));
+  return _mm512_and_si512(v, _mm512_set1_epi8(16));
+}
+#endif
 
 // Q4_1: qs holds nb blocks of 4 x 32 bytes; byte c*4+i of load p holds w[c][4p+i] (low nibble)
 // and w[c][16+4p+i] (high nibble), as GGUF stores them. BIAS > 0: the weights are (u - BIAS) d, and
 // the dot starts at -BIAS sum(x) (Act.start), so it is sum((u - BIAS) x):
-// Q4_0 (BIAS 8, u = 0..15) and Q5_0 (BIAS 16, FIFTH: the fifth bits after the nibbles, with_bit4,
-// u = 0..31). That is exactly the integer the Q8_0 blocks of the same weights give, and the float
+// Q4_0 (BIAS 8, u = 0..15) and Q5_0 (BIAS 16, FIFTH: the plane of fifth bits after the nibbles,
+// fifth_bits, u = 0..31). That is exactly the integer the Q8_0 blocks of the same weights give, and the float
 // code after it (Q8_0's) gives the same bits too.
 template <int R, int BIAS = 0, bool FIFTH = false>
 inline void q4_1_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* s) {
   static_assert(BIAS == 0 || BIAS == 8 || BIAS == 16, "BIAS: 0 (Q4_1), 8 (Q4_0) or 16 (Q5_0)");
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const uint32_t* hb = (const uint32_t*)(blk + 128);
+  const __m256i plane = FIFTH ? _mm256_loadu_si256((const __m256i*)(blk + 128)) : _mm256_setzero_si256();
   for (int r = 0; r < R; ++r) s[r] = BIAS ? _mm256_set1_epi32(a.start[(r0 + r) * a.nb + b]) : _mm256_setzero_si256();
 #if !SPECPLUG_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
@@ -445,7 +452,10 @@ inline void q4_1_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t
     const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + p * 32));
     __m256i lo = _mm256_and_si256(raw, m4);
     __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-    if constexpr (FIFTH) lo = with_bit4(lo, hb[2 * p]), hi = with_bit4(hi, hb[2 * p + 1]);
+    if constexpr (FIFTH) {
+      lo = _mm256_or_si256(lo, fifth_bits(plane, 2 * p));
+      hi = _mm256_or_si256(hi, fifth_bits(plane, 2 * p + 1));
+    }
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
 #if SPECPLUG_VNNI
@@ -674,21 +684,20 @@ inline __m512i dot_x(__m512i acc, __m512i w, const Act& a, int64_t r, int64_t b,
 
 // The block dots of tile pairs (q4_1_block_dot, u8_block_dot and signed_block_dot on 16 columns).
 // Signed weights offset by 128 as in signed_block_dot. BIAS as in q4_1_block_dot; FIFTH (Q5_0): each
-// half's fifth bits from its own tile (the masks of tile t in the low 32 bits, of tile t + 1 in the high).
+// half's fifth bits from its own tile's plane (tile t's in the low 256 bits, tile t + 1's in the high).
 template <int R, int BIAS = 0, bool FIFTH = false>
 inline void q4_1_pair_dot(const uint8_t* blk, int64_t tb, const Act& a, int64_t r0, int64_t b, __m512i* s) {
   static_assert(BIAS == 0 || BIAS == 8 || BIAS == 16, "BIAS: 0 (Q4_1), 8 (Q4_0) or 16 (Q5_0)");
-  const __m512i m4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
-  const uint32_t* h0 = (const uint32_t*)(blk + 128);
-  const uint32_t* h1 = (const uint32_t*)(blk + tb + 128);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i plane = FIFTH ? load_pair(blk + 128, tb) : _mm512_setzero_si512();
   for (int r = 0; r < R; ++r) s[r] = BIAS ? _mm512_set1_epi32(a.start[(r0 + r) * a.nb + b]) : _mm512_setzero_si512();
   for (int p = 0; p < 4; ++p) {
     const __m512i raw = load_pair(blk + p * 32, tb);
     __m512i lo = _mm512_and_si512(raw, m4);
     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
     if constexpr (FIFTH) {
-      lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(h0[2 * p] | (uint64_t)h1[2 * p] << 32), lo, sixteen);
-      hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(h0[2 * p + 1] | (uint64_t)h1[2 * p + 1] << 32), hi, sixteen);
+      lo = _mm512_or_si512(lo, fifth_bits(plane, 2 * p));
+      hi = _mm512_or_si512(hi, fifth_bits(plane, 2 * p + 1));
     }
     for (int r = 0; r < R; ++r) {
       s[r] = dot_x(s[r], lo, a, r0 + r, b, p);
