@@ -522,14 +522,17 @@ inline void signed_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64
 #endif
 }
 
-// Unsigned bytes (Q5_K's 5-bit values 0..31): byte c*4+i of load j holds w[c][4j+i]. A maddubs
-// lane sums two products of at most 31*127, which fits int16.
+// Unsigned bytes (Q5_K's 5-bit values 0..31): byte c*4+i of load j holds w[c][4j+i]. On AVX2 a
+// maddubs lane sums two products of at most 31*127, so the 16-bit sums of 4 loads fit (4 * 7874 <=
+// 32767) and are widened twice a block.
 template <int R>
 inline void u8_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* s) {
+  for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
 #if !SPECPLUG_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s16[R];
+  for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
 #endif
-  for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
   for (int j = 0; j < 8; ++j) {
     const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
     for (int r = 0; r < R; ++r) {
@@ -537,7 +540,11 @@ inline void u8_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b
 #if SPECPLUG_VNNI
       s[r] = dot_bcast(s[r], w, xr + j);
 #else
-      s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(xr[j])), ones));
+      s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(xr[j])));
+      if (j % 4 == 3) {
+        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(s16[r], ones));
+        s16[r] = _mm256_setzero_si256();
+      }
 #endif
     }
   }
