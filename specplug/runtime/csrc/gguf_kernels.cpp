@@ -462,11 +462,11 @@ inline void q4_1_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t
       s[r] = dot_bcast(s[r], lo, xr + p);
       s[r] = dot_bcast(s[r], hi, xr + p + 4);
 #else
-      // A maddubs lane sums two products of at most 15*127 (Q4_1: 8 of them fit int16) or 31*127
-      // (Q5_0: 2 fit, so its 16-bit sums are widened after every load).
+      // A maddubs lane sums two products of at most 15*127 (Q4_1, Q4_0: the 8 of a block fit int16)
+      // or 31*127 (Q5_0: 4 fit, 4 * 7874 <= 32767, so its 16-bit sums are widened every 2 loads).
       s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[p])));
       s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[p + 4])));
-      if (FIFTH || p == 3) {
+      if ((FIFTH && p % 2 == 1) || p == 3) {
         s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(s16[r], ones));
         s16[r] = _mm256_setzero_si256();
       }
