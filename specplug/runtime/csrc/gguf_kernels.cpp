@@ -504,10 +504,13 @@ inline void signed_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64
     }
   }
 #else
+  // Q8_0's |w| up to 128: a maddubs lane (2 x 128 x 127) fills int16, so each is widened at once;
+  // Q6_K's (HALVES) up to 32: 4 lanes fit (4 x 2 x 32 x 127 = 32512), a half's 4 loads widened once.
   const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s16[R];
   for (int r = 0; r < R; ++r) {
     lo[r] = _mm256_setzero_si256();
-    if (HALVES) hi[r] = _mm256_setzero_si256();
+    if (HALVES) hi[r] = s16[r] = _mm256_setzero_si256();
   }
   for (int j = 0; j < 8; ++j) {
     const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
@@ -515,8 +518,16 @@ inline void signed_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = (const int32_t*)(a.q + (r0 + r) * a.K + b * QK);
       const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w);
-      __m256i& acc = HALVES && j >= 4 ? hi[r] : lo[r];
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+      if constexpr (HALVES) {
+        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(aw, xs));
+        if (j % 4 == 3) {
+          __m256i& acc = j >= 4 ? hi[r] : lo[r];
+          acc = _mm256_madd_epi16(s16[r], ones);
+          s16[r] = _mm256_setzero_si256();
+        }
+      } else {
+        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+      }
     }
   }
 #endif
