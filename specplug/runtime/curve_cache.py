@@ -62,11 +62,9 @@ def curve_key(model) -> tuple[str, dict]:
 
 def median_curve(curves: list) -> tuple[tuple[int, float], ...]:
     """The median of several curves at each row count (they share their row counts), never falling."""
-    out, top = [], 1.0
-    for i, (k, _) in enumerate(curves[0]):
-        top = max(top, statistics.median(c[i][1] for c in curves)) if k > 1 else 1.0
-        out.append((k, round(top, 3)))
-    return tuple(out)
+    from specplug.runtime.model import never_falling
+
+    return never_falling([(k, statistics.median(c[i][1] for c in curves)) for i, (k, _) in enumerate(curves[0])])
 
 
 def _read(path: Path) -> dict:
@@ -117,16 +115,14 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def stored(model) -> list[tuple]:
-    """The curves stored for `model` on this machine as set up now, oldest first."""
-    key, _ = curve_key(model)
+def stored(key: str) -> list[tuple]:
+    """The curves stored under `key` (curve_key), oldest first."""
     return [m["points"] for m in _valid(_read(cache_dir() / FILE).get(key))]
 
 
-def store(model, curve) -> None:
-    """Add `curve`, measured now, to `model`'s stored ones (the newest KEEP kept); a warning, not an
-    error, when the cache cannot be written."""
-    key, what = curve_key(model)
+def store(key: str, what: dict, curve) -> None:
+    """Add `curve`, measured now, to the ones stored under `key` (curve_key; `what` it hashes), the newest
+    KEEP kept; a warning, not an error, when the cache cannot be written."""
     path = cache_dir() / FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,17 +146,19 @@ def store(model, curve) -> None:
                       stacklevel=3)
 
 
-def measured_curve(model) -> tuple[tuple, str]:
-    """(`model`'s curve timed now, "measured"), stored for later loads."""
+def measured_curve(model, key: tuple[str, dict] | None = None) -> tuple[tuple, str]:
+    """(`model`'s curve timed now, "measured"), stored for later loads (under `key`, curve_key's, when
+    the caller has it)."""
     curve = model.measure_verify_curve()
-    store(model, curve)
+    store(*(key or curve_key(model)), curve)
     return curve, "measured"
 
 
 def auto_curve(model) -> tuple[tuple, str]:
     """(curve, source) for `verify_curve: auto` on the gguf CPU kernels: timed now while fewer than
     AUTO_MEASUREMENTS are stored for this model, machine and set-up; else the stored ones' median."""
-    have = stored(model)
+    key = curve_key(model)
+    have = stored(key[0])
     if len(have) < AUTO_MEASUREMENTS:
-        return measured_curve(model)
+        return measured_curve(model, key)
     return median_curve(have), f"cached (median of {len(have)} measurements)"

@@ -70,6 +70,16 @@ def check_verify_curve(points) -> tuple[tuple[int, float], ...]:
     return curve
 
 
+def never_falling(points) -> tuple[tuple[int, float], ...]:
+    """(k, ratio) points in ascending k as a pricing curve: 1.0 at the first, each ratio at least the one
+    before (a noisy reading never makes more rows look cheaper), rounded to 3 decimals."""
+    out, top = [], 1.0
+    for i, (k, r) in enumerate(points):
+        top = max(top, r) if i else 1.0
+        out.append((k, round(top, 3)))
+    return tuple(out)
+
+
 def interpolate_cost(curve: Sequence[tuple[int, float]], n: int) -> float:
     """Piecewise-linear T(n)/T(1) through the curve's points, extended with its last slope."""
     if n <= curve[0][0]:
@@ -445,11 +455,7 @@ class Transformer:
             ms = medians_in_turn_ms({k: verify(k) for k in ks}, rounds, warmup=1, sync=sync)
         finally:
             self.governor = gov
-        curve, top = [], 1.0
-        for k in ks:
-            top = max(top, ms[k] / ms[1]) if k > 1 else 1.0
-            curve.append((k, round(top, 3)))
-        return tuple(curve)
+        return never_falling([(k, ms[k] / ms[1]) for k in ks])
 
     @property
     def cost_curve(self) -> str:
