@@ -414,16 +414,12 @@ std::atomic<int64_t> g_prefetch_rows{PREFETCH_ROWS};
 // (in 16-bit lanes, which moves no bit l into another byte's bit 4) and one and, so the nibbles
 // take their fifth bit with an or. (Until session 41 a 32-bit mask a load, spread by vpshufb and
 // vpcmpeqb on AVX2: six instructions for each 32 values instead of three.)
-template <typename V>
-inline V fifth_bits(V plane, int l);
-template <>
 inline __m256i fifth_bits(__m256i plane, int l) {
   const __m256i v = l < 4 ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - l))
                           : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(l - 4));
   return _mm256_and_si256(v, _mm256_set1_epi8(16));
 }
 #if defined(__AVX512BW__)
-template <>
 inline __m512i fifth_bits(__m512i plane, int l) {
   const __m512i v = l < 4 ? _mm512_sll_epi16(plane, _mm_cvtsi32_si128(4 - l))
                           : _mm512_srl_epi16(plane, _mm_cvtsi32_si128(l - 4));
