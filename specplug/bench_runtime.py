@@ -213,7 +213,7 @@ class _Counted:
     def reset(self) -> None:
         self.weight_bytes = 0
         self.linear_macs = 0
-        self.linear_macs_8bit = 0  # of linear_macs, those on 8-bit weights (Q8_0, Q5_K, Q6_K: 256-byte blocks)
+        self.linear_macs_8bit = 0  # of linear_macs, those on the 8-bit dot's mix (dot_bits: Q8_0's)
         self.attn_macs = 0
         self.kv_bytes = 0
 
@@ -227,7 +227,7 @@ class _Counted:
                     m.numel() * m.element_size() if m is not None else 0)
                 macs = xa[0].shape[0] * xa[0].shape[1] * args[-1]
                 self.linear_macs += macs
-                self.linear_macs_8bit += macs if weight_bits(qs) == 8 else 0
+                self.linear_macs_8bit += macs if dot_bits(qs, d) == 8 else 0
                 return fn(*args)
             return counted
         if name == "attention":
@@ -337,7 +337,7 @@ def prefill_ceiling(model, tokens: int = 512) -> dict:
     macs = [(tokens * lin.qs.shape[1] * 32 * lin.out_features, lin) for lin in lins]
     macs.append((model.head.qs.shape[1] * 32 * model.head.out_features, model.head))
     gmacs = {"linear_gmacs": sum(m for m, _ in macs) / 1e9,
-             "linear_gmacs_8bit": sum(m for m, lin in macs if weight_bits(lin.qs) == 8) / 1e9}
+             "linear_gmacs_8bit": sum(m for m, lin in macs if dot_bits(lin.qs, lin.d) == 8) / 1e9}
     cfg = model.config
     seen = sum(min(p + 1, cfg.layer_window(i) or tokens) for i in range(cfg.n_layer) for p in range(tokens))
     attn = 2 * cfg.n_head * cfg.head_dim * seen  # scores and weighted V sums
@@ -347,10 +347,19 @@ def prefill_ceiling(model, tokens: int = 512) -> dict:
 
 
 def weight_bits(qs: torch.Tensor) -> int:
-    """Which dot the kernels run on these weight tiles ([tiles, blocks, bytes a block]): 8 for byte
-    tiles (256 bytes a block: Q8_0, Q5_K, Q6_K), 4 for nibble tiles (128: Q4_0, Q4_1, Q4_K; 160: Q5_0,
-    its fifth bits folded into the nibbles)."""
+    """How the floor's walk (stream_dots) reads these weight tiles ([tiles, blocks, bytes a block]): 8
+    for byte tiles (256 bytes a block: Q8_0, Q5_K, Q6_K), 4 for nibble tiles (128: Q4_0, Q4_1, Q4_K;
+    160: Q5_0, its fifth bits folded into the nibbles)."""
     return 8 if qs.shape[2] == 256 else 4
+
+
+def dot_bits(qs: torch.Tensor, d: torch.Tensor) -> int:
+    """Which dot peak prices these tiles' multiply-adds in the compute bound: 8 (the 8-bit mix, AVX2's
+    vpmaddubsw + vpmaddwd + vpaddd for each 32 values) for Q8_0's bytes (float16 scales), whose
+    16-bit pairs of up to 2 x 128 x 127 are widened at once; 4 (the 4-bit mix, 16-bit sums widened once
+    in several loads) for nibble tiles and, since session 41, for the 5- and 6-bit values in byte tiles
+    (Q5_K, Q6_K: float32 scales). On VNNI both are the same vpdpbusd."""
+    return 8 if weight_bits(qs) == 8 and d.dtype != torch.float32 else 4
 
 
 def floor_parts(lins) -> list:
@@ -442,9 +451,9 @@ def profile(model, repeats: int = 10) -> dict:
 
 
 def linear_compute_ms(r: dict, lim: dict) -> float:
-    """A row's linear multiply-adds at the dot instruction's peak, ms: those on 8-bit weights at the
-    8-bit kernels' mix, the rest at the 4-bit one's. (A record from before session 40 has one peak, the
-    4-bit one, for all of them.)"""
+    """A row's linear multiply-adds at the dot instruction's peak, ms: those the 8-bit mix computes
+    (dot_bits: Q8_0's) at its peak, the rest at the 4-bit one's. (A record from before session 40 has
+    one peak, the 4-bit one, for all of them.)"""
     g8 = r.get("linear_gmacs_8bit", 0.0) if lim.get("peak_gmac_s_isa_8bit") else 0.0
     return ((r["linear_gmacs"] - g8) / lim["peak_gmac_s_isa"] + (g8 / lim["peak_gmac_s_isa_8bit"] if g8 else 0.0)) * 1e3
 

@@ -395,6 +395,24 @@ def test_profile_times_the_engine_path_and_counts_what_the_linears_read(qtiny, m
     assert "roofline of attention per forward (ctx 512)" in text and "x the bound)" in text.split("attention per")[1]
 
 
+def test_the_compute_bound_prices_only_q8_0_at_the_8_bit_mix():
+    """dot_bits: Q8_0's bytes run the 8-bit dot's mix; the 5- and 6-bit values in byte tiles (Q5_K, Q6_K)
+    sum in 16 bits as the nibble kinds do, so the 4-bit mix's peak prices them (a bound, not above the
+    kernels' own work); the floor's walk still reads every byte tile as bytes (weight_bits)."""
+    from specplug import bench_runtime
+    from specplug.testing import random_k_quant
+
+    rng = np.random.default_rng(0)
+    q8 = native.QuantLinear.from_float(torch.randn(16, 256))
+    q4 = native.QuantLinear.from_blocks(random_k_quant(16, 256, "Q4_K", rng), "Q4_K", (16, 256))
+    kinds = {"Q8_0": q8, "Q4_K": q4} | {k: native.QuantLinear.from_blocks(random_k_quant(16, 256, k, rng), k, (16, 256))
+                                        for k in ("Q5_K", "Q6_K")}
+    assert {k: bench_runtime.dot_bits(lin.qs, lin.d) for k, lin in kinds.items()} == {
+        "Q8_0": 8, "Q4_K": 4, "Q5_K": 4, "Q6_K": 4}
+    assert {k: bench_runtime.weight_bits(lin.qs) for k, lin in kinds.items()} == {
+        "Q8_0": 8, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}
+
+
 def test_the_prefill_ceiling_prices_every_multiply_add_at_its_isa_peak(qtiny, monkeypatch):
     """bench-runtime's prefill ceiling: a prompt's linear multiply-adds (every row; the head's on the last
     row only) at the dot's peak for their weights' bits, its causal attention's at the float peak."""
