@@ -346,26 +346,30 @@ def prefill_ceiling(model, tokens: int = 512) -> dict:
             "attn_gmacs": round(attn / 1e9, 6), "tok_s": round(tokens / (ms / 1e3), 1)}
 
 
-def weight_bits(qs: torch.Tensor) -> int:
-    """How the floor's walk (stream_dots) reads these weight tiles ([tiles, blocks, bytes a block]): 8
-    for byte tiles (256 bytes a block: Q8_0, Q5_K, Q6_K), 4 for nibble tiles (128: Q4_0, Q4_1, Q4_K;
-    160: Q5_0, its fifth bits folded into the nibbles)."""
-    return 8 if qs.shape[2] == 256 else 4
+def weight_bits(qs: torch.Tensor, d: torch.Tensor) -> int:
+    """How the floor's walk (stream_dots) reads these weight tiles ([tiles, blocks, bytes a block]) with
+    their scales d: 8 for Q8_0's bytes (256 bytes a block, float16 scales: values up to 8 bits, each
+    dot widened at once on AVX2), 6 for the 5- and 6-bit values in byte tiles (Q5_K, Q6_K: float32
+    scales; their AVX2 dots sum 4 loads in 16 bits since session 41), 4 for nibble tiles (128 bytes:
+    Q4_0, Q4_1, Q4_K; 160: Q5_0, its fifth bits folded into the nibbles)."""
+    if qs.shape[2] != 256:
+        return 4
+    return 6 if d.dtype == torch.float32 else 8
 
 
 def dot_bits(qs: torch.Tensor, d: torch.Tensor) -> int:
     """Which dot peak prices these tiles' multiply-adds in the compute bound: 8 (the 8-bit mix, AVX2's
-    vpmaddubsw + vpmaddwd + vpaddd for each 32 values) for Q8_0's bytes (float16 scales), whose
-    16-bit pairs of up to 2 x 128 x 127 are widened at once; 4 (the 4-bit mix, 16-bit sums widened once
-    in several loads) for nibble tiles and, since session 41, for the 5- and 6-bit values in byte tiles
-    (Q5_K, Q6_K: float32 scales). On VNNI both are the same vpdpbusd."""
-    return 8 if weight_bits(qs) == 8 and d.dtype != torch.float32 else 4
+    vpmaddubsw + vpmaddwd + vpaddd for each 32 values) for Q8_0's bytes, whose 16-bit pairs of up to
+    2 x 128 x 127 are widened at once; 4 (the 4-bit mix, 16-bit sums widened once in several loads) for
+    nibble tiles and the 5- and 6-bit values in byte tiles (Q5_K, Q6_K). On VNNI both are the same
+    vpdpbusd."""
+    return 8 if weight_bits(qs, d) == 8 else 4
 
 
 def floor_parts(lins) -> list:
     """What `stream_dots` walks for each of these linears (QuantLinear): (its weights, its scale
-    tensors, 4 or 8 bits a value)."""
-    return [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], weight_bits(lin.qs)) for lin in lins]
+    tensors, 4, 6 or 8 bits a value: weight_bits)."""
+    return [(lin.qs, [t for t in (lin.d, lin.m) if t is not None], weight_bits(lin.qs, lin.d)) for lin in lins]
 
 
 def walk_floor(ext, parts, rows: int, aheads=(0,)) -> float:
@@ -505,7 +509,8 @@ def format_profile(prof: dict) -> str:
     lines.append(f"roofline of the linears per forward (ctx {FLOOR_CTX}): bound = max(weight bytes / streaming GB/s, "
                  f"MACs / the dot instruction's peak for their weights' bits); floor = their least work on their own bytes, measured beside "
                  f"the forward (stream_dots: the weights loaded, nibbles split, the dot instruction ({lim['dot_instruction']}) "
-                 f"a row per half, the scales read; one call a linear; without prefetch or {FLOOR_AHEAD} bytes ahead, the "
+                 f"a row per half (Q5_K / Q6_K bytes: one a load, summed in 16 bits as theirs; Q8_0's: "
+                 f"{lim.get('dot_instruction_8bit', 'the 8-bit mix')}), the scales read; one call a linear; without prefetch or {FLOOR_AHEAD} bytes ahead, the "
                  f"shorter)" + (f"; the loads alone {loads:.2f} ms" if loads else ""))
     for r in at:
         mem = r["weight_mb"] / lim["stream_read_gb_s"]

@@ -389,14 +389,14 @@ def test_the_probes_time_the_build_s_own_instruction_and_refuse_what_they_cannot
     w = torch.randint(0, 256, (3 * 16384 + 100,), dtype=torch.uint8)  # a partial last chunk and load
     scales = torch.zeros(777, dtype=torch.float16)
     for rows in (0, 1, 2, 4, 8, 16):
-        for bits in (4, 8):
+        for bits in (4, 6, 8):
             assert k.stream_dots(w, [scales], rows, bits) > 0
     assert k.stream_dots(w, [], 4, 4, repeat=5) > 0 and k.stream_dots(w, [scales], 8, 4, ahead=4096) > 0
     with pytest.raises(RuntimeError, match="ahead must be 0"):
         k.stream_dots(w, [], 1, 4, ahead=-1)
     with pytest.raises(RuntimeError, match="rows must be 0, 1, 2, 4, 8 or 16, not 3"):
         k.stream_dots(w, [], 3, 4)
-    with pytest.raises(RuntimeError, match="bits must be 4 or 8, not 5"):
+    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8, not 5"):
         k.stream_dots(w, [], 1, 5)
     with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
         k.stream_dots(w[::2], [], 1, 4)

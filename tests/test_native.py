@@ -398,7 +398,8 @@ def test_profile_times_the_engine_path_and_counts_what_the_linears_read(qtiny, m
 def test_the_compute_bound_prices_only_q8_0_at_the_8_bit_mix():
     """dot_bits: Q8_0's bytes run the 8-bit dot's mix; the 5- and 6-bit values in byte tiles (Q5_K, Q6_K)
     sum in 16 bits as the nibble kinds do, so the 4-bit mix's peak prices them (a bound, not above the
-    kernels' own work); the floor's walk still reads every byte tile as bytes (weight_bits)."""
+    kernels' own work); the floor's walk reads Q8_0's bytes as 8-bit values and theirs as 6-bit ones, whose
+    dots it sums in 16 bits as their kernels do (weight_bits)."""
     from specplug import bench_runtime
     from specplug.testing import random_k_quant
 
@@ -409,8 +410,9 @@ def test_the_compute_bound_prices_only_q8_0_at_the_8_bit_mix():
                                         for k in ("Q5_K", "Q6_K")}
     assert {k: bench_runtime.dot_bits(lin.qs, lin.d) for k, lin in kinds.items()} == {
         "Q8_0": 8, "Q4_K": 4, "Q5_K": 4, "Q6_K": 4}
-    assert {k: bench_runtime.weight_bits(lin.qs) for k, lin in kinds.items()} == {
-        "Q8_0": 8, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}
+    assert {k: bench_runtime.weight_bits(lin.qs, lin.d) for k, lin in kinds.items()} == {
+        "Q8_0": 8, "Q4_K": 4, "Q5_K": 6, "Q6_K": 6}
+    assert [bits for _, _, bits in bench_runtime.floor_parts(kinds.values())] == [8, 4, 6, 6]
 
 
 def test_the_prefill_ceiling_prices_every_multiply_add_at_its_isa_peak(qtiny, monkeypatch):

@@ -2236,7 +2236,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the runtime's threads", nogil);
   m.def("fma_instruction", []() { return std::string(PROBES_FMA); }, "the multiply-add instruction fma_peak times");
   m.def("stream_dots", &probes::stream_dots, "seconds for the least work of one linear call of `rows` rows on its "
-        "weights (`bits` 4 or 8) and scales, `repeat` walks", py::arg("weights"), py::arg("extra"), py::arg("rows"),
+        "weights (`bits` 4, 6 or 8) and scales, `repeat` walks", py::arg("weights"), py::arg("extra"), py::arg("rows"),
         py::arg("bits"), py::arg("repeat") = 1, py::arg("ahead") = 0, nogil);
   m.def("set_prefetch_rows", [](int64_t rows) {
         TORCH_CHECK(rows >= 0, "set_prefetch_rows: rows must be >= 0, got ", rows);

@@ -18,7 +18,9 @@
 //  - stream_dots(): the floor of a linear, the least work a k-row linear does on the bytes of its
 //    weights: load, split 4-bit values into low and high nibbles (8-bit: offset by 128), one dot
 //    instruction per row per half (AVX2, 4-bit: into 16-bit sums widened once a block, as above; 8-bit:
-//    widened every time, as its kernels must), the scales read and not used, and nothing else (no float work,
+//    widened every time, as its kernels must; 6-bit, the 5- and 6-bit values Q5_K and Q6_K hold a byte
+//    each: one dot a load, into 16-bit sums widened every 4 loads, as their kernels do since session
+//    41), the scales read and not used, and nothing else (no float work,
 //    activations at hand). Over the weights as the runtime holds them it tells what the kernels
 //    could at best do with their stream; walked again from the caches (`repeat`), what the same
 //    work costs without it. So it measures whether this core overlaps the stream with the
@@ -199,14 +201,17 @@ inline double fma_peak() {
 }
 
 // The least work of an R-row linear on n bytes at p: BITS = 4, two dots a load per row (low and high
-// nibbles); BITS = 8, one (the bytes offset by 128, as the kernels' signed weights); R = 0, the loads
-// alone, added up. Bytes past the last whole pair of loads are not read (under 128 of a chunk).
+// nibbles); BITS = 8, one (the bytes offset by 128, as the kernels' signed weights); BITS = 6, one on
+// the bytes as they are (values of at most 6 bits, whose AVX2 products add up in 16 bits over 4 loads:
+// 4 x 2 x 32 x 127 fits); R = 0, the loads alone, added up. Bytes past the last whole pair of loads are not read (under 128 of a chunk).
 // `pass` varies the activations between passes over the same bytes; `ahead` > 0: software prefetch.
-// AVX2, 4-bit: a row's products go into one 16-bit sum (acc16), widened into its acc after every
-// two steps (8 dots, a block), as q4_1_block_dot does.
+// AVX2, 4- and 6-bit: a row's products go into one 16-bit sum (acc16), widened into its acc after every
+// two steps (4 loads: 8 dots of nibbles, a block, as q4_1_block_dot does; 4 dots of bytes, as
+// u8_block_dot and signed_block_dot's halves do).
 template <int R, int BITS>
 inline int64_t dots_over(const uint8_t* p, int64_t n, int pass = 0, int64_t ahead = 0) {
-  constexpr bool SUM16 = WIDENS && BITS == 4 && R >= 1;
+  static_assert(BITS == 4 || BITS == 6 || BITS == 8, "BITS: 4 (nibbles), 6 (small values in bytes) or 8");
+  constexpr bool SUM16 = WIDENS && BITS != 8 && R >= 1;
   constexpr int A = R >= 1 && !SUM16 ? 2 : 1;  // accumulators a row
   static_assert(R <= PASS_ROWS, "more rows a pass than the registers hold");
   V acc[R == 0 ? 1 : R * A], acc16[SUM16 ? R : 1];
@@ -219,6 +224,13 @@ inline int64_t dots_over(const uint8_t* p, int64_t n, int pass = 0, int64_t ahea
     const V raw0 = vload(p + off), raw1 = vload(p + off + VB);
     if constexpr (R == 0) {
       acc[0] = vadd(acc[0], vadd(raw0, raw1));
+    } else if constexpr (SUM16 && BITS == 6) {
+      for (int r = 0; r < R; ++r) {
+        acc16[r] = dot16(acc16[r], raw0, 0x01010101 * (2 * r + 1 + pass));
+        acc16[r] = dot16(acc16[r], raw1, 0x01010101 * (2 * r + 2 + pass));
+      }
+      if (step % 2 == 1)
+        for (int r = 0; r < R; ++r) acc[r] = widen(acc[r], acc16[r]), acc16[r] = vzero();
     } else if constexpr (SUM16) {
       for (const V raw : {raw0, raw1}) {
         const V lo = nibbles_lo(raw), hi = nibbles_hi(raw);
@@ -237,8 +249,8 @@ inline int64_t dots_over(const uint8_t* p, int64_t n, int pass = 0, int64_t ahea
           acc[r * A + A - 1] = dot(acc[r * A + A - 1], hi, 0x01010101 * (2 * r + 2 + pass));
         }
       }
-    } else {
-      const V u0 = flip_signs(raw0), u1 = flip_signs(raw1);
+    } else {  // bytes, each dot into 32 bits (8-bit on AVX2; 6- and 8-bit on VNNI)
+      const V u0 = BITS == 8 ? flip_signs(raw0) : raw0, u1 = BITS == 8 ? flip_signs(raw1) : raw1;
       for (int r = 0; r < R; ++r) {
         acc[r * A] = dot(acc[r * A], u0, 0x01010101 * (2 * r + 1 + pass));
         acc[r * A + A - 1] = dot(acc[r * A + A - 1], u1, 0x01010101 * (2 * r + 2 + pass));
@@ -285,7 +297,7 @@ inline const uint8_t* bytes_of(const torch::Tensor& t, const char* what) {
 }
 
 // Seconds for the least work of one linear call of `rows` rows on its weights as the runtime holds
-// them: `weights` (4- or 8-bit values, `bits`) and its scales `extra` (read, not computed with),
+// them: `weights` (4-, 6- or 8-bit values, `bits`: see dots_over) and its scales `extra` (read, not computed with),
 // cut into chunks of about CHUNK weight bytes on the runtime's threads, each chunk with its share of
 // every scale tensor, as matmul_impl's tiles read theirs. `repeat` > 1 walks them that many times in
 // one call (from the caches, when they fit). `ahead` > 0: each pair of weight loads also asks for the
@@ -293,9 +305,9 @@ inline const uint8_t* bytes_of(const torch::Tensor& t, const char* what) {
 inline double stream_dots(const torch::Tensor& weights, const std::vector<torch::Tensor>& extra, int64_t rows,
                           int64_t bits, int64_t repeat, int64_t ahead) {
   TORCH_CHECK(ahead >= 0, "stream_dots: ahead must be 0 (no software prefetch) or a distance in bytes");
-  TORCH_CHECK(bits == 4 || bits == 8, "stream_dots: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "stream_dots: bits must be 4, 6 or 8, not ", bits);
   TORCH_CHECK(repeat >= 1, "stream_dots: repeat must be at least 1");
-  const DotsFn fn = bits == 4 ? dots_for<4>(rows) : dots_for<8>(rows);
+  const DotsFn fn = bits == 4 ? dots_for<4>(rows) : bits == 6 ? dots_for<6>(rows) : dots_for<8>(rows);
   const DotsFn load = dots_for<4>(0);
   const uint8_t* w = bytes_of(weights, "weights");
   const int64_t wn = weights.nbytes();
