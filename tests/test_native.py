@@ -523,6 +523,36 @@ def test_embedding_rows_gathered_natively_equal_the_gguf_dequantizer(qtype):
         native.kernels().embed_rows(torch.from_numpy(raw), EMBED_TYPES[qtype], torch.tensor([50]), 64)
 
 
+def test_a_forward_s_outputs_come_from_the_pool_and_live_ones_are_never_handed_out(qtiny):
+    """block_cache.h, OutputPool: a thread keeps its small outputs and hands one out again only when
+    nothing else holds it. A layer's intermediates never leave C++, so the first one-row forward fills
+    the pool and each later one takes them from it again, adding only the tensors it returns to
+    Python (held there, or by the object Python kept of them, they are never handed out again: their
+    values stay)."""
+    m = qtiny.model
+    k = m.layers[0]._k
+    k.release_pooled_outputs()
+    cache = m.new_cache(1, 64)
+    first = m.forward([5], [0], [0], cache).logits
+    filled = k.pooled_outputs()
+    assert filled >= 3 * len(m.layers)  # at least each layer's quantized activations
+    kept, held = [first], [first.clone()]
+    for i in range(1, 4):
+        before = k.pooled_outputs()
+        out = m.forward([5 + i], [i], [0], cache).logits
+        assert k.pooled_outputs() - before <= 2  # what went to Python, not the layers' intermediates
+        kept.append(out)
+        held.append(out.clone())
+    assert all(torch.equal(a, b) for a, b in zip(kept, held))
+    assert len({t.data_ptr() for t in kept}) == len(kept)
+    # a larger output (a prefill's) is never kept
+    n = k.pooled_outputs()
+    big = k.quantize_rows(torch.zeros(1, 1 << 19), None, 1e-6)  # 512 KB of int8 values: past MAX_BYTES
+    assert k.pooled_outputs() == n + 2  # its two small scale tensors only
+    del big
+    assert k.release_pooled_outputs() == n + 2 and k.pooled_outputs() == 0
+
+
 def test_kernel_outputs_reuse_freed_blocks_and_keep_their_values():
     """block_cache.h: a freed output's block serves the next output of its size; a live output is
     never handed out again; blocks past the cache's limit go back to the C library."""
@@ -535,6 +565,7 @@ def test_kernel_outputs_reuse_freed_blocks_and_keep_their_values():
     held = [t.clone() for t in (q, d, s)]
     ptr = q.data_ptr()
     del q, d, s
+    k.release_pooled_outputs()  # (the pool keeps a thread's last outputs whole: OutputPool, above)
     again = k.quantize_rows(x, None, 1e-6)
     assert again[0].data_ptr() == ptr  # the freed block of that size, reused
     # live outputs are never reused: 50 more calls of the same size leave these values intact
@@ -542,6 +573,7 @@ def test_kernel_outputs_reuse_freed_blocks_and_keep_their_values():
     assert len({o[0].data_ptr() for o in others} | {again[0].data_ptr()}) == 51
     assert all(torch.equal(a, b) for a, b in zip(again, held))
     del others
+    k.release_pooled_outputs()  # the pool's last outputs (OutputPool) let go: their blocks freed too
     kept, blocks = k.kept_blocks()
     assert blocks >= 150 and kept < 64 << 20
     # an output larger than a kept block may be (16 MB) is freed, not kept

@@ -50,10 +50,21 @@ namespace {
 
 // A new CPU tensor, uninitialized: torch::empty without the dispatcher (at::detail::empty_generic,
 // what the CPU kernel of torch::empty calls; ~300 ns against ~455 a call, and a forward makes ~14
-// of them a layer), its memory from the cache of freed blocks (block_cache.h).
+// of them a layer), its memory from the cache of freed blocks; a small one, a free tensor of the
+// same shape from this thread's pool of recent outputs (both in block_cache.h).
+#ifndef SPECPLUG_OUTPUT_POOL
+#define SPECPLUG_OUTPUT_POOL 1
+#endif
 inline torch::Tensor new_tensor(c10::IntArrayRef sizes, c10::ScalarType type) {
-  return at::detail::empty_generic(sizes, &block_cache::Cache::get(), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                   type, c10::nullopt);
+  auto make = [&] {
+    return at::detail::empty_generic(sizes, &block_cache::Cache::get(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                     type, c10::nullopt);
+  };
+#if SPECPLUG_OUTPUT_POOL
+  return block_cache::OutputPool::mine().take(sizes, type, make);
+#else
+  return make();
+#endif
 }
 
 // A 1-D tensor of T holding v's values (token ids, sequences, positions, rows passed as lists).
@@ -2226,8 +2237,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         const auto k = block_cache::Cache::get().kept();
         return py::make_tuple(k.first, k.second);
       }, "(bytes, blocks) of freed kernel outputs kept for reuse (block_cache.h)");
-  m.def("release_kept_blocks", []() { return block_cache::Cache::get().release(); },
-        "free the kept blocks of freed kernel outputs; returns the bytes freed");
+  m.def("release_kept_blocks", []() {
+        block_cache::OutputPool::mine().release();
+        return block_cache::Cache::get().release();
+      }, "free the kept blocks of freed kernel outputs (after this thread's pool lets its outputs go); returns "
+         "the bytes freed");
+  m.def("pooled_outputs", []() { return block_cache::OutputPool::mine().kept(); },
+        "outputs this thread's pool keeps for reuse (block_cache.h: OutputPool)");
+  m.def("release_pooled_outputs", []() { return block_cache::OutputPool::mine().release(); },
+        "let this thread's pool of outputs go (each freed into the kept blocks once nothing else holds it); "
+        "returns how many it kept");
   m.def("dot_peak", &probes::dot_peak, "multiply-adds a second of the build's dot instruction alone, on the runtime's "
         "threads, as the kernels of `bits`-bit weights (4 or 8) use it", py::arg("bits") = 4, nogil);
   m.def("dot_instruction", [](int64_t bits) { return std::string(bits == 8 ? PROBES_DOT_8BIT : PROBES_DOT); },
