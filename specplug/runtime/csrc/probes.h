@@ -202,8 +202,9 @@ inline double fma_peak() {
 
 // The least work of an R-row linear on n bytes at p: BITS = 4, two dots a load per row (low and high
 // nibbles); BITS = 8, one (the bytes offset by 128, as the kernels' signed weights); BITS = 6, one on
-// the bytes as they are (values of at most 6 bits, whose AVX2 products add up in 16 bits over 4 loads:
-// 4 x 2 x 32 x 127 fits); R = 0, the loads alone, added up. Bytes past the last whole pair of loads are not read (under 128 of a chunk).
+// the bytes as they are (values of at most 6 bits, whose AVX2 products add up in 16 bits over 4
+// loads: 4 x 2 x 32 x 127 fits); R = 0, the loads alone, added up. Bytes past the last whole pair of
+// loads are not read (under 128 of a chunk).
 // `pass` varies the activations between passes over the same bytes; `ahead` > 0: software prefetch.
 // AVX2, 4- and 6-bit: a row's products go into one 16-bit sum (acc16), widened into its acc after every
 // two steps (4 loads: 8 dots of nibbles, a block, as q4_1_block_dot does; 4 dots of bytes, as
@@ -297,8 +298,8 @@ inline const uint8_t* bytes_of(const torch::Tensor& t, const char* what) {
 }
 
 // Seconds for the least work of one linear call of `rows` rows on its weights as the runtime holds
-// them: `weights` (4-, 6- or 8-bit values, `bits`: see dots_over) and its scales `extra` (read, not computed with),
-// cut into chunks of about CHUNK weight bytes on the runtime's threads, each chunk with its share of
+// them: `weights` (4-, 6- or 8-bit values, `bits`: see dots_over) and its scales `extra` (read, not
+// computed with), cut into chunks of about CHUNK weight bytes on the runtime's threads, each chunk with its share of
 // every scale tensor, as matmul_impl's tiles read theirs. `repeat` > 1 walks them that many times in
 // one call (from the caches, when they fit). `ahead` > 0: each pair of weight loads also asks for the
 // line that many bytes on (software prefetch), to see whether it helps this core overlap.
