@@ -510,7 +510,8 @@ def format_profile(prof: dict) -> str:
                  f"MACs / the dot instruction's peak for their weights' bits); floor = their least work on their own bytes, measured beside "
                  f"the forward (stream_dots: the weights loaded, nibbles split, the dot instruction ({lim['dot_instruction']}) "
                  f"a row per half (Q5_K / Q6_K bytes: one a load, summed in 16 bits as theirs; Q8_0's: "
-                 f"{lim.get('dot_instruction_8bit', 'the 8-bit mix')}), the scales read; one call a linear; without prefetch or {FLOOR_AHEAD} bytes ahead, the "
+                 f"{lim.get('dot_instruction_8bit', 'the 8-bit mix')}), the scales read; one call a linear; "
+                 f"without prefetch or {FLOOR_AHEAD} bytes ahead, the "
                  f"shorter)" + (f"; the loads alone {loads:.2f} ms" if loads else ""))
     for r in at:
         mem = r["weight_mb"] / lim["stream_read_gb_s"]

@@ -225,22 +225,22 @@ inline int64_t dots_over(const uint8_t* p, int64_t n, int pass = 0, int64_t ahea
     const V raw0 = vload(p + off), raw1 = vload(p + off + VB);
     if constexpr (R == 0) {
       acc[0] = vadd(acc[0], vadd(raw0, raw1));
-    } else if constexpr (SUM16 && BITS == 6) {
-      for (int r = 0; r < R; ++r) {
-        acc16[r] = dot16(acc16[r], raw0, 0x01010101 * (2 * r + 1 + pass));
-        acc16[r] = dot16(acc16[r], raw1, 0x01010101 * (2 * r + 2 + pass));
-      }
-      if (step % 2 == 1)
-        for (int r = 0; r < R; ++r) acc[r] = widen(acc[r], acc16[r]), acc16[r] = vzero();
     } else if constexpr (SUM16) {
-      for (const V raw : {raw0, raw1}) {
-        const V lo = nibbles_lo(raw), hi = nibbles_hi(raw);
+      if constexpr (BITS == 6) {
         for (int r = 0; r < R; ++r) {
-          acc16[r] = dot16(acc16[r], lo, 0x01010101 * (2 * r + 1 + pass));
-          acc16[r] = dot16(acc16[r], hi, 0x01010101 * (2 * r + 2 + pass));
+          acc16[r] = dot16(acc16[r], raw0, 0x01010101 * (2 * r + 1 + pass));
+          acc16[r] = dot16(acc16[r], raw1, 0x01010101 * (2 * r + 2 + pass));
+        }
+      } else {
+        for (const V raw : {raw0, raw1}) {
+          const V lo = nibbles_lo(raw), hi = nibbles_hi(raw);
+          for (int r = 0; r < R; ++r) {
+            acc16[r] = dot16(acc16[r], lo, 0x01010101 * (2 * r + 1 + pass));
+            acc16[r] = dot16(acc16[r], hi, 0x01010101 * (2 * r + 2 + pass));
+          }
         }
       }
-      if (step % 2 == 1)
+      if (step % 2 == 1)  // 4 loads a widening, either way
         for (int r = 0; r < R; ++r) acc[r] = widen(acc[r], acc16[r]), acc16[r] = vzero();
     } else if constexpr (BITS == 4) {
       for (const V raw : {raw0, raw1}) {
