@@ -3,7 +3,9 @@
 For each file and thread count, in alternated rounds (so the machine's drift falls on both):
 - llama.cpp: `llama-bench -p 512 -n 128` (prefill tok/s, decode tok/s), and `-p 1,2,4,8 -n 0 -d 512`
   (one forward of k rows after 512 tokens: what verifying k drafted tokens costs);
-- specplug: `specplug bench-runtime` (decode at ctx 128, prefill 512, T(k) after 512 tokens).
+- specplug: `specplug bench-runtime` (prefill 512, T(k) after 512 tokens, and decode as llama-bench's
+  tg128 times it: 128 tokens one by one from an empty context, `tg128_ms`; beside it one token after
+  128, `decode_ctx128_ms`, which is what runs before session 43 compared).
 Medians over the rounds; JSON with every figure and the machine (specplug.machine).
 
 Beside each specplug run, the streaming read of this minute (`bench_runtime.stream_read_gb_s` on
@@ -59,7 +61,8 @@ def ours(model: str, threads: int, repeats: int) -> dict:
         if out.returncode:
             raise SystemExit(f"bench-runtime failed:\n{out.stderr[-2000:]}")
         r = json.loads(path.read_text())
-    return {"decode_ms": r["decode_ms"]["128"] if "128" in r["decode_ms"] else r["decode_ms"][128],
+    ctx128 = r["decode_ms"]["128"] if "128" in r["decode_ms"] else r["decode_ms"][128]
+    return {"decode_ms": r.get("tg128_ms", ctx128), "decode_ctx128_ms": ctx128,
             "prefill_tok_s": r["prefill_tok_s"], "verify_ms": {int(k): v for k, v in r["verify_ms"].items()
                                                               if int(k) in KS}, "machine": r.get("machine"),
             "weights_mb": r["weights_mb"], "stream_read_gb_s": round(stream_now(threads), 1),
@@ -77,7 +80,8 @@ def stream_now(threads: int) -> float:
 
 
 def median_of(runs: list[dict]) -> dict:
-    out = {k: round(statistics.median(r[k] for r in runs), 3) for k in ("decode_ms", "prefill_tok_s")}
+    out = {k: round(statistics.median(r[k] for r in runs), 3) for k in ("decode_ms", "prefill_tok_s",
+                                                                         "decode_ctx128_ms") if k in runs[0]}
     out["verify_ms"] = {k: round(statistics.median(r["verify_ms"][k] for r in runs), 3) for k in KS}
     out["verify_ratio"] = {k: round(out["verify_ms"][k] / out["verify_ms"][1], 3) for k in KS}
     return out
@@ -94,11 +98,35 @@ def paired(raw: dict, name: str, t: int) -> dict:
     out = {"decode": [round(v, 3) for v in dec], "prefill": [round(v, 3) for v in pre],
            "decode_median": round(statistics.median(dec), 3), "prefill_median": round(statistics.median(pre), 3),
            "decode_ceiling": [round(v, 3) for v in ceil], "decode_ceiling_median": round(statistics.median(ceil), 3)}
+    # llama.cpp's tg128 over our one token after 128 (what runs before session 43 compared)
+    if all("decode_ctx128_ms" in x for x in a):
+        out128 = [y["decode_ms"] / x["decode_ctx128_ms"] for x, y in zip(a, b)]
+        out |= {"decode_ctx128": [round(v, 3) for v in out128],
+                "decode_ctx128_median": round(statistics.median(out128), 3)}
     # our prefill at this ISA's compute peaks over llama.cpp's (runs from before session 40 lack it)
     if all("prefill_ceiling_tok_s" in x for x in a):
         pc = [x["prefill_ceiling_tok_s"] / y["prefill_tok_s"] for x, y in zip(a, b)]
         out |= {"prefill_ceiling": [round(v, 3) for v in pc], "prefill_ceiling_median": round(statistics.median(pc), 3)}
     return out
+
+
+def ratio_line(name: str, t: int, a: dict, b: dict, r: dict) -> str:
+    """One file's and thread count's ratios as printed: the medians' ratio, then round by round
+    (paired) with the ceilings beside them. a, b: our and llama.cpp's medians (median_of)."""
+    def rounds(key: str) -> str:
+        return " ".join(f"{v:.2f}" for v in r[key])
+
+    parts = [f"{name} t={t}: specplug decode {b['decode_ms'] / a['decode_ms']:.2f}x, prefill "
+             f"{a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x llama.cpp's (medians' ratio)",
+             f"round by round decode (tg128 both) {rounds('decode')}" +
+             (f" (ours one token after 128: {rounds('decode_ctx128')})" if "decode_ctx128" in r else "") +
+             f", prefill {rounds('prefill')} (medians {r['decode_median']:.2f}x / {r['prefill_median']:.2f}x)",
+             f"decode's roofline ceiling (the weights once at each round's streaming read) {rounds('decode_ceiling')}x "
+             f"(median {r['decode_ceiling_median']:.2f}x)"]
+    if "prefill_ceiling" in r:
+        parts.append(f"prefill's (its multiply-adds at this ISA's peaks) {rounds('prefill_ceiling')}x "
+                     f"(median {r['prefill_ceiling_median']:.2f}x)")
+    return "; ".join(parts)
 
 
 def main() -> None:
@@ -124,7 +152,7 @@ def main() -> None:
     table = {k: median_of(v) for k, v in raw.items()}
     machine = next((r["machine"] for v in raw.values() for r in v if r.get("machine")), None)
     llama_build = next((r["build"] for v in raw.values() for r in v if r.get("build")), None)
-    print(f"| file | threads | engine | decode ms (ctx 128 / tg128) | prefill 512 tok/s | T(2)/T(1) | T(4)/T(1) | "
+    print(f"| file | threads | engine | decode ms (tg128) | prefill 512 tok/s | T(2)/T(1) | T(4)/T(1) | "
           f"T(8)/T(1) | T(1) ms at depth 512 |\n|---|---|---|---|---|---|---|---|---|")
     for key, r in table.items():
         f, t, who = key.split("|")
@@ -137,15 +165,7 @@ def main() -> None:
             name = Path(model).name
             a, b = table[f"{name}|{t}|specplug"], table[f"{name}|{t}|llama.cpp"]
             r = ratios[f"{name}|{t}"] = paired(raw, name, t)
-            print(f"{name} t={t}: specplug decode {b['decode_ms'] / a['decode_ms']:.2f}x, prefill "
-                  f"{a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x llama.cpp's (medians' ratio); round by round "
-                  f"decode {' '.join(f'{v:.2f}' for v in r['decode'])}, prefill "
-                  f"{' '.join(f'{v:.2f}' for v in r['prefill'])} (medians {r['decode_median']:.2f}x / "
-                  f"{r['prefill_median']:.2f}x); decode's roofline ceiling (the weights once at each round's "
-                  f"streaming read) {' '.join(f'{v:.2f}' for v in r['decode_ceiling'])}x "
-                  f"(median {r['decode_ceiling_median']:.2f}x)" +
-                  (f"; prefill's (its multiply-adds at this ISA's peaks) {' '.join(f'{v:.2f}' for v in r['prefill_ceiling'])}x "
-                   f"(median {r['prefill_ceiling_median']:.2f}x)" if "prefill_ceiling" in r else ""))
+            print(ratio_line(name, t, a, b, r))
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine,
                                                "llama_cpp": llama_build, "medians": table, "paired": ratios,

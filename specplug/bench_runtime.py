@@ -1,6 +1,7 @@
 """`specplug bench-runtime`: the cost curve of the target runtime that speculation lives on.
 
-decode_ms at two contexts, T(k) for one forward of k new tokens after a 512-token context
+decode_ms at two contexts, tg128_ms (llama-bench's tg128 on these kernels: 128 tokens decoded
+one by one from an empty cache, ms a token), T(k) for one forward of k new tokens after a 512-token context
 (and T(k)/T(1), the number that decides whether verifying drafts pays; every k timed in turn, a
 call of each a round), prefill speed (on the gguf kernels with its ceiling: the prompt's multiply-adds
 at this ISA's peaks, `prefill_ceiling`), 4 sequences x 1 token vs 1 x 1, and peak RSS. Medians over
@@ -56,6 +57,17 @@ def _streamed_weights(model) -> list[torch.Tensor]:
     return [t for lin in lins for t in (getattr(lin, n, None) for n in names) if isinstance(t, torch.Tensor)]
 
 
+def generation_ms(model, cache, n: int, repeats: int, sync=_no_sync, seq: int = 0) -> float:
+    """ms a token of `n` one-row forwards, each with its logits, at positions 0..n-1 of an emptied
+    `seq`: what llama-bench's `tg{n}` times (its test decodes n tokens one by one from an empty
+    context, so the context grows from 0 to n-1 as it goes). Median over `repeats` after one warm-up."""
+    def gen():
+        cache.clear(seq)
+        for p in range(n):
+            model.forward([7], [p], [seq], cache, logits_rows=None)
+    return _median_ms(gen, repeats, 1, sync) / n
+
+
 def run_bench(model, repeats: int = 20) -> dict:
     """Measure the runtime cost curve; returns the figures as a dict."""
     res: dict = {"model": str(model.path), "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
@@ -92,6 +104,8 @@ def run_bench(model, repeats: int = 20) -> dict:
         cache.clear(0)
         _fill(model, cache, 0, ctx)
         res["decode_ms"][str(ctx)] = round(median_ms(lambda: step([0], ctx), repeats), 3 if cuda else 2)
+    # the same test as llama-bench's tg128 (scripts/peer_runtime.py sets the two side by side)
+    res["tg128_ms"] = round(generation_ms(model, cache, 128, max(3, repeats // 4), sync), 3 if cuda else 2)
     cache.clear(0)
     _fill(model, cache, 0, 512)
     # every k once a round, in turn (the ratios below compare them)
@@ -158,7 +172,9 @@ def format_report(res: dict) -> str:
     lines = [f"model {res['model']}  device {res['device']}  dtype {res['dtype']}  quant {res['quant']}  "
              f"threads {res['threads']}  (medians of {res['repeats']})",
              machine.line(res["machine"]),
-             "decode_ms: " + ", ".join(f"ctx {c}: {v} ms" for c, v in res["decode_ms"].items()),
+             "decode_ms: " + ", ".join(f"ctx {c}: {v} ms" for c, v in res["decode_ms"].items()) + (
+                 f"; tg128 (128 tokens from an empty context, as llama-bench's): {res['tg128_ms']} ms a token"
+                 if "tg128_ms" in res else ""),
              "verify after 512 tokens:",
              "  k      " + " ".join(f"{k:>7}" for k in res["verify_ms"]),
              "  T(k) ms" + " ".join(f"{v:>7.2f}" for v in res["verify_ms"].values()),

@@ -186,6 +186,33 @@ def test_runtime_bench_times_every_row_count_in_turn(monkeypatch):
     assert len(syncs) == 1 + 12  # after the warm-up, after every timed call
 
 
+def test_runtime_bench_times_generation_as_llama_bench_s_tg_does(monkeypatch):
+    """bench-runtime's tg128: the sequence emptied, then n one-row forwards at positions 0..n-1, each
+    with its logits (llama-bench's tg test from an empty context); ms a token, median of the repeats."""
+    from specplug import bench_runtime
+    from specplug.runtime import timing
+
+    clock = iter(range(10_000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock) / 1e3)  # 1 ms a reading
+    calls = []
+
+    class Cache:
+        def clear(self, seq):
+            calls.append(("clear", seq))
+
+    class Model:
+        def forward(self, toks, pos, seqs, cache, logits_rows="unset"):
+            assert len(toks) == 1 and logits_rows is None  # one row, its logits wanted
+            calls.append((pos[0], seqs[0]))
+            for _ in range(3):  # each forward takes 3 more ms
+                next(clock)
+
+    ms = bench_runtime.generation_ms(Model(), Cache(), 4, repeats=3, seq=2)
+    run = [("clear", 2), (0, 2), (1, 2), (2, 2), (3, 2)]
+    assert calls == run * 4  # a warm-up run, then 3 timed
+    assert ms == pytest.approx((4 * 3 + 1) / 4)  # 12 ms of forwards + the 1 ms tick, over 4 tokens
+
+
 def test_runtime_bench_shows_the_engine_s_curve_beside_the_machine_s():
     """bench-runtime prints the curve the engine prices with at the measured row counts, and points to
     `verify_curve: auto` / `measure` when the built-in one is more than a tenth of a step off at 8 rows or fewer."""
