@@ -88,6 +88,9 @@ constexpr int RT = 4;   // activation rows per pass over a tile (more spills reg
 #ifndef TILE_AHEAD
 #define TILE_AHEAD 4096  // one-tile path: software prefetch distance in weight bytes (0: none; see tile)
 #endif
+#ifndef BYTE_ROW_HINT
+#define BYTE_ROW_HINT _MM_HINT_NTA  // that prefetch's hint for one row's byte tiles (see tile)
+#endif
 
 // Native time per kernel family, for `bench-runtime --profile`: it times the forward as the engine
 // runs it (all layers in one call) from inside, where a timer around each Python call would add
@@ -594,18 +597,23 @@ template <> struct KindOf<KQ4_0> { using S = uint16_t; static constexpr int byte
 // AHEAD (calls of few rows, see matmul_impl): each block first asks for the cache lines TILE_AHEAD
 // bytes on in the weights' stream (a later block of this tile or of the tiles after it; a prefetch
 // never faults past the end), one block's worth at a time, so the requests go out at the pace of the
-// compute instead of a tile's worth at once. A template argument: as a run-time flag the test in
+// compute instead of a tile's worth at once. Into L1 (T0), but one row's byte tiles (Q8_0, Q5_K,
+// Q6_K: the most bytes a multiply-add) ask for theirs non-temporally (BYTE_ROW_HINT), read once and
+// kept out of the caches the step's small data live in (the Zen 1 of session 43: the one-row forward
+// of Q8_0 1.028-1.034x, Q5_K_M and Q6_K files 1.023-1.025x; the nibble kinds do not gain, Q4_1 0.98x, nor
+// do 2 rows, 0.97x, so they keep T0; docs/results/runtime.md). A template argument: as a run-time flag the test in
 // the block loop made the calls without it 2-5% slower at 3-8 rows on the Zen 1.
 template <int R, int KIND, bool AHEAD = false>
 inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const typename KindOf<KIND>::S* wm,
                  const Act& a, int64_t r0, __m256* out) {
   using KO = KindOf<KIND>;
+  constexpr int hint = R == 1 && KO::bytes == 256 ? BYTE_ROW_HINT : _MM_HINT_T0;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* blk = qs + b * KO::bytes;
     if constexpr (TILE_AHEAD > 0 && AHEAD)
-      for (int l = 0; l < KO::bytes; l += 64) _mm_prefetch((const char*)blk + TILE_AHEAD + l, _MM_HINT_T0);
+      for (int l = 0; l < KO::bytes; l += 64) _mm_prefetch((const char*)blk + TILE_AHEAD + l, (_mm_hint)hint);
     const __m256 dw = scales8(wd + b * NC * KO::nsc);
     __m256i s32[R], s_hi[R];
     if constexpr (KIND == KQ4_1 || KIND == KQ4_K)
