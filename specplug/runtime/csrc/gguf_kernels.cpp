@@ -598,11 +598,12 @@ template <> struct KindOf<KQ4_0> { using S = uint16_t; static constexpr int byte
 // bytes on in the weights' stream (a later block of this tile or of the tiles after it; a prefetch
 // never faults past the end), one block's worth at a time, so the requests go out at the pace of the
 // compute instead of a tile's worth at once. Into L1 (T0), but one row's byte tiles (Q8_0, Q5_K,
-// Q6_K: the most bytes a multiply-add) ask for theirs non-temporally (BYTE_ROW_HINT), read once and
-// kept out of the caches the step's small data live in (the Zen 1 of session 43: the one-row forward
-// of Q8_0 1.028-1.034x, Q5_K_M and Q6_K files 1.023-1.025x; the nibble kinds do not gain, Q4_1 0.98x, nor
-// do 2 rows, 0.97x, so they keep T0; docs/results/runtime.md). A template argument: as a run-time flag the test in
-// the block loop made the calls without it 2-5% slower at 3-8 rows on the Zen 1.
+// Q6_K: the most bytes a multiply-add) ask for theirs non-temporally (BYTE_ROW_HINT): they are read
+// once a step, and the hint asks the caches not to keep them. On the Zen 1 of session 43 the one-row
+// forward of Q8_0 ran 1.03x faster (0.98-1.04x over 5 runs in both orders), Q5_K_M and Q6_K files
+// 1.01-1.03x; the nibble kinds did not gain (Q4_1 0.98x), nor did 2 rows (0.97x), so they keep T0
+// (docs/results/runtime.md). A template argument: as a run-time flag the test in the block loop made
+// the calls without it 2-5% slower at 3-8 rows on the Zen 1.
 template <int R, int KIND, bool AHEAD = false>
 inline void tile(const uint8_t* qs, const typename KindOf<KIND>::S* wd, const typename KindOf<KIND>::S* wm,
                  const Act& a, int64_t r0, __m256* out) {
