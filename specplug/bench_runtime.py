@@ -1,8 +1,8 @@
 """`specplug bench-runtime`: the cost curve of the target runtime that speculation lives on.
 
-decode_ms at two contexts, tg128_ms (llama-bench's tg128 on these kernels: 128 tokens decoded
-one by one from an empty cache, ms a token), T(k) for one forward of k new tokens after a 512-token context
-(and T(k)/T(1), the number that decides whether verifying drafts pays; every k timed in turn, a
+decode_ms at two contexts, tg128_ms (llama-bench's tg128 on these kernels: 128 tokens decoded one
+by one from an empty cache, ms a token), T(k) for one forward of k new tokens after a 512-token
+context (and T(k)/T(1), the number that decides whether verifying drafts pays; every k timed in turn, a
 call of each a round), prefill speed (on the gguf kernels with its ceiling: the prompt's multiply-adds
 at this ISA's peaks, `prefill_ceiling`), 4 sequences x 1 token vs 1 x 1, and peak RSS. Medians over
 repeats; prints and writes JSON.
