@@ -299,10 +299,11 @@ inline const uint8_t* bytes_of(const torch::Tensor& t, const char* what) {
 
 // Seconds for the least work of one linear call of `rows` rows on its weights as the runtime holds
 // them: `weights` (4-, 6- or 8-bit values, `bits`: see dots_over) and its scales `extra` (read, not
-// computed with), cut into chunks of about CHUNK weight bytes on the runtime's threads, each chunk with its share of
-// every scale tensor, as matmul_impl's tiles read theirs. `repeat` > 1 walks them that many times in
-// one call (from the caches, when they fit). `ahead` > 0: each pair of weight loads also asks for the
-// line that many bytes on (software prefetch), to see whether it helps this core overlap.
+// computed with), cut into chunks of about CHUNK weight bytes on the runtime's threads, each chunk
+// with its share of every scale tensor, as matmul_impl's tiles read theirs. `repeat` > 1 walks them
+// that many times in one call (from the caches, when they fit). `ahead` > 0: each pair of weight
+// loads also asks for the line that many bytes on (software prefetch), to see whether it helps this
+// core overlap.
 inline double stream_dots(const torch::Tensor& weights, const std::vector<torch::Tensor>& extra, int64_t rows,
                           int64_t bits, int64_t repeat, int64_t ahead) {
   TORCH_CHECK(ahead >= 0, "stream_dots: ahead must be 0 (no software prefetch) or a distance in bytes");
