@@ -139,6 +139,49 @@ def test_the_tile_prefetch_changes_no_bit(kind):
         ext.set_prefetch_rows(before)
 
 
+
+def test_the_signs_on_the_weights_change_no_bit_and_skip_linears_with_a_weight_of_minus_128(tmp_path):
+    """On AVX2 a LayerStack's one-row Q8_0 calls on up to `sign_threads` threads compute |x| sign(w, x)
+    instead of |w| sign(x, w): the same integer sums for every weight but -128, whose sign cannot flip
+    in 8 bits. So the stack lets only linears without a -128 take it, and the logits are the same bits
+    with it on or off."""
+    ext = native.kernels("avx2")
+    before = ext.sign_threads()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 192, generator=g) * 3
+    x[0, 0], x[0, 1] = 40.0, -40.0  # quantized to 127 and -127
+    xa = ext.quantize_rows(x, None, 0.0)
+    clean = native.QuantLinear.from_float(torch.randn(100, 192, generator=g))
+    every = _q8_0_linear(100, 192, 3)  # every byte value, -128 included
+    path = write_tiny_gguf(tmp_path / "m.gguf", tensor_type="Q8_0", n_layer=2, seed=5)
+    with isa_env("avx2"):
+        target = load_target(str(path), device="cpu", quant="gguf", threads=1)
+    m = target.model
+    o = m.layers[1].o
+    o.qs.view(-1)[::61] = 0x80  # layer 1's o now holds weights of -128
+    ids = list(range(30, 50))
+    try:
+        ext.set_sign_threads(1000)  # on whatever the thread count
+        # the kernel alone: the same bits without a -128; with one, other sums (why the stack checks)
+        for lin, same in ((clean, True), (every, False)):
+            usual = ext.matmul(xa, lin.qs, lin.d, None, None, None, lin.out_features)
+            signs = ext.matmul(xa, lin.qs, lin.d, None, None, None, lin.out_features, signs=True)
+            assert torch.equal(usual, signs) == same
+        outs = []
+        for threads in (1000, 0):  # the signs on the weights in every one-row call, then never
+            ext.set_sign_threads(threads)
+            cache = m.new_cache(1, 64)
+            m.forward(ids[:-4], list(range(16)), [0] * 16, cache, logits_rows=None)
+            outs.append(torch.cat([m.forward([t], [16 + i], [0], cache).logits for i, t in enumerate(ids[-4:])]))
+        assert torch.equal(outs[0], outs[1])
+        stack = m._layer_stack()[0]
+        assert stack.signs() == [True] * 5 + [False] + [True] * 3  # layers' qkv, o, gate/up, down; the head
+        with pytest.raises(RuntimeError, match="threads must be >= 0"):
+            ext.set_sign_threads(-1)
+    finally:
+        ext.set_sign_threads(before)
+    assert before == 1  # the default: one thread, where the dot rather than the stream sets the pace
+
 def _linear_of(kind: str, n: int, k: int, seed: int):
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize

@@ -351,6 +351,8 @@ struct Act {
   // Q4_0 and Q5_0 on every ISA: -BIAS times the sum of each row's block, [M, nb] (scaled_sums<32>); the
   // starting values of q4_1_block_dot<R, BIAS>.
   const int32_t* start = nullptr;
+  // Q8_0 at one row with the signs on the weights (AVX2, sign_operands): a load's x and |x| operands.
+  const int8_t* ops = nullptr;
 };
 
 // factor times the sum of each SEG values of each row of q [M, K], [M, K / SEG]: Act.off (SEG 16,
@@ -491,7 +493,8 @@ inline void q4_1_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t
 // VNNI they are offset, w + 128 (w ^ 0x80), and each dot starts at -128 sum(x) (Act.off): one
 // operation a load for every row together. AVX2's vpmaddubsw would saturate 16-bit pairs of
 // (w + 128) x: there the weights' signs move onto the activations instead (|w| times x sign(w)),
-// for each row. Exact integers either way: the same sums.
+// for each row; or, at one row on one thread, the activations' signs onto the weights (Act.ops,
+// sign_operands). Exact integers every way: the same sums.
 template <int R, bool HALVES>
 inline void signed_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64_t b, __m256i* lo, __m256i* hi) {
 #if SPECPLUG_VNNI
@@ -514,6 +517,19 @@ inline void signed_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64
     }
   }
 #else
+  if constexpr (!HALVES && R == 1)
+    if (a.ops) {  // the signs on the weights (sign_operands): x and |x| of load j at ops + (b * 8 + j) * 64
+      const __m256i ones = _mm256_set1_epi16(1);
+      const int8_t* o = a.ops + b * 8 * 64;
+      lo[0] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + j * 32));
+        const __m256i ws = _mm256_sign_epi8(w, _mm256_loadu_si256((const __m256i*)(o + j * 64)));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i*)(o + j * 64 + 32)), ws);
+        lo[0] = _mm256_add_epi32(lo[0], _mm256_madd_epi16(p, ones));
+      }
+      return;
+    }
   // Q8_0's |w| up to 128: a maddubs lane (2 x 128 x 127) fills int16, so each is widened at once;
   // Q6_K's (HALVES) up to 32: 4 lanes fit (4 x 2 x 32 x 127 = 32512), a half's 4 loads widened once.
   const __m256i ones = _mm256_set1_epi16(1);
@@ -542,6 +558,49 @@ inline void signed_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64
   }
 #endif
 }
+
+#if !SPECPLUG_VNNI
+// Q8_0 at one row on AVX2 with the signs on the weights: |x| times sign(w, x), one vpsignb a load where
+// |w| times sign(x, w) takes two. The same integer sums, so the same bits, except for a weight of -128
+// (sign(-128, x) is -128 again for x < 0): only linears without one take it (Lin.signs, checked once
+// when a LayerStack takes them). Where the dot's instructions rather than the weights' stream set the
+// pace it pays: on the Zen 1 of session 44 (AVX2 only) one thread's linears take as long from the
+// caches as from memory, and the Q8_0 file's one-row forward ran 1.05-1.09x faster with it, the Q4_1
+// file's (its Q8_0 output head) 1.03x; at 2 threads, where the stream sets the pace, 0.96x, and at 2-4
+// rows 0.99 / 0.96x (docs/results/runtime.md). So calls of one row on at most g_sign_threads threads.
+#ifndef SIGN_THREADS
+#define SIGN_THREADS 1
+#endif
+std::atomic<int64_t> g_sign_threads{SIGN_THREADS};
+
+// The loads' operands of one row q[0..K): for each 4 values, x broadcast to 32 bytes, then |x| (64
+// bytes, a cache line a load), 16 bytes a value (24 KB for K = 1536). Made once a call, in the
+// calling thread's buffer (kept across calls; the call's tasks read it while the caller waits).
+inline const int8_t* sign_operands(const int8_t* q, int64_t K) {
+  thread_local std::vector<int8_t> buf;
+  grow(buf, K * 16);
+  for (int64_t k = 0; k < K; k += 4) {
+    const __m256i v = _mm256_set1_epi32(*(const int32_t*)(q + k));
+    _mm256_storeu_si256((__m256i*)(buf.data() + k * 16), v);
+    _mm256_storeu_si256((__m256i*)(buf.data() + k * 16 + 32), _mm256_abs_epi8(v));
+  }
+  return buf.data();
+}
+
+// Whether byte tiles hold no byte 0x80 (a Q8_0 weight of -128): Lin.signs.
+inline bool no_byte_80(const torch::Tensor& qs) {
+  const uint8_t* p = qs.data_ptr<uint8_t>();
+  const int64_t n = qs.numel();
+  const __m256i m = _mm256_set1_epi8((char)0x80);
+  __m256i any = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i*)(p + i)), m));
+  bool seen = !_mm256_testz_si256(any, any);
+  for (; i < n; ++i) seen |= p[i] == 0x80;
+  return !seen;
+}
+#endif
 
 // Unsigned bytes (Q5_K's 5-bit values 0..31): byte c*4+i of load j holds w[c][4j+i]. On AVX2 a
 // maddubs lane sums two products of at most 31*127, so the 16-bit sums of 4 loads fit (4 * 7874 <=
@@ -840,11 +899,12 @@ inline void tile_pair_rows(int64_t n, const uint8_t* qs, int64_t tb, const typen
 }
 #endif
 
-// y[M, N] = x @ W.T (+ bias) (+ residual), W given as tiles (see the tile kernels).
+// y[M, N] = x @ W.T (+ bias) (+ residual), W given as tiles (see the tile kernels). `signs`: the tiles
+// hold no weight of -128 (Lin.signs), so a Q8_0 call may take the signs on the weights (sign_operands).
 template <int KIND>
 torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Tensor& qs, const torch::Tensor& wd,
                           const c10::optional<torch::Tensor>& wm, const c10::optional<torch::Tensor>& bias,
-                          const c10::optional<torch::Tensor>& residual, int64_t n_out) {
+                          const c10::optional<torch::Tensor>& residual, int64_t n_out, bool signs = false) {
   const StageTimer timer(ST_LINEAR);
   TORCH_CHECK(xa.size() == 3, "activations are (q, d, s)");
   const auto& xq = xa[0];
@@ -859,6 +919,11 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
   if constexpr (KIND == KQ8_0 || KIND == KQ6_K) a.off = scaled_sums<QK / 2>(a.q, M, K, -128);
 #endif
   if constexpr (KIND == KQ5_0 || KIND == KQ4_0) a.start = scaled_sums<QK>(a.q, M, K, KIND == KQ5_0 ? -16 : -8);  // every ISA
+#if !SPECPLUG_VNNI
+  if constexpr (KIND == KQ8_0)
+    if (signs && M == 1 && at::get_num_threads() <= g_sign_threads.load(std::memory_order_relaxed))
+      a.ops = sign_operands(a.q, K);
+#endif
   const uint8_t* qsp = qs.data_ptr<uint8_t>();
   const int64_t tile_bytes = qs.stride(0);
   using S = typename KindOf<KIND>::S;
@@ -981,10 +1046,10 @@ int kind_of(const torch::Tensor& qs, const torch::Tensor& wd, bool has_m) {
 
 torch::Tensor matmul(const std::vector<torch::Tensor>& xa, const torch::Tensor& qs, const torch::Tensor& wd,
                      const c10::optional<torch::Tensor>& wm, const c10::optional<torch::Tensor>& bias,
-                     const c10::optional<torch::Tensor>& residual, int64_t n_out) {
+                     const c10::optional<torch::Tensor>& residual, int64_t n_out, bool signs = false) {
   switch (kind_of(qs, wd, wm.has_value())) {
     case KQ4_1: return matmul_impl<KQ4_1>(xa, qs, wd, wm, bias, residual, n_out);
-    case KQ8_0: return matmul_impl<KQ8_0>(xa, qs, wd, wm, bias, residual, n_out);
+    case KQ8_0: return matmul_impl<KQ8_0>(xa, qs, wd, wm, bias, residual, n_out, signs);
     case KQ4_K: return matmul_impl<KQ4_K>(xa, qs, wd, wm, bias, residual, n_out);
     case KQ5_K: return matmul_impl<KQ5_K>(xa, qs, wd, wm, bias, residual, n_out);
     case KQ5_0: return matmul_impl<KQ5_0>(xa, qs, wd, wm, bias, residual, n_out);
@@ -1728,6 +1793,7 @@ torch::Tensor attention_run(const AttPlan& plan, const torch::Tensor& q, const T
 struct Lin {
   torch::Tensor qs, d, m, bias, norm;
   int64_t n_out;
+  bool signs = false;  // Q8_0 tiles with no weight of -128 (with_signs; see sign_operands)
 };
 
 inline c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
@@ -1739,8 +1805,16 @@ Lin unpack(const std::vector<torch::Tensor>& w, int64_t n_out) {
   return Lin{w[0], w[1], w[2], w[3], w[4], n_out};
 }
 
+// A linear a LayerStack keeps, with signs found once: whether its tiles are Q8_0 with no weight of -128.
+Lin with_signs(Lin l) {
+#if !SPECPLUG_VNNI
+  l.signs = kind_of(l.qs, l.d, l.m.defined() && l.m.numel() > 0) == KQ8_0 && no_byte_80(l.qs);
+#endif
+  return l;
+}
+
 torch::Tensor apply(const Lin& l, const std::vector<torch::Tensor>& xa, const c10::optional<torch::Tensor>& residual) {
-  return matmul(xa, l.qs, l.d, opt(l.m), opt(l.bias), residual, l.n_out);
+  return matmul(xa, l.qs, l.d, opt(l.m), opt(l.bias), residual, l.n_out, l.signs);
 }
 
 // What a decoder layer does beyond llama's: Gemma's sliding window (0: none), its norms after
@@ -1819,11 +1893,21 @@ class LayerStack {
            double eps, int64_t H, int64_t Hkv, double scale, int64_t window, const torch::Tensor& post_attn,
            const torch::Tensor& post_ffn, bool gelu, int64_t rope) {
     TORCH_CHECK(rope >= 0, "a layer's RoPE table index must be >= 0");
-    layers_.push_back(Layer{unpack(qkv_w, qkv_n), unpack(o_w, o_n), unpack(gu_w, gu_n), unpack(down_w, down_n), q_norm,
+    layers_.push_back(Layer{with_signs(unpack(qkv_w, qkv_n)), with_signs(unpack(o_w, o_n)),
+                            with_signs(unpack(gu_w, gu_n)), with_signs(unpack(down_w, down_n)), q_norm,
                             k_norm, eps, scale, H, Hkv, rope, LayerKind{window, post_attn, post_ffn, gelu}});
   }
 
   int64_t size() const { return (int64_t)layers_.size(); }
+
+  // Lin.signs of each layer's qkv, o, gate/up and down, then of the head (false: none set).
+  std::vector<bool> signs() const {
+    std::vector<bool> out;
+    for (const Layer& L : layers_)
+      for (const Lin* l : {&L.qkv, &L.o, &L.gu, &L.down}) out.push_back(l->signs);
+    out.push_back(head_.signs);
+    return out;
+  }
 
   // x through every layer; returns [x after the last layer, then the inputs of the layers in `taps`
   // (ascending; n_layer: the output)]. kc/vc: one [n_layer, ...] cache tensor or one per layer.
@@ -1865,7 +1949,7 @@ class LayerStack {
 
   // The output head (a linear with its norm weight, as add takes one) and its RMSNorm epsilon.
   void set_head(const std::vector<torch::Tensor>& w, int64_t n, double eps) {
-    head_ = unpack(w, n), head_eps_ = eps;
+    head_ = with_signs(unpack(w, n)), head_eps_ = eps;
   }
 
   // Token ids to logits in one call: the embedding rows (set_embedding), forward, then the head
@@ -2223,7 +2307,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_quantize", &silu_mul_quantize, "silu(g) * u -> Q8 blocks", nogil);
   m.def("matmul_q4_1", &matmul_q4_1, "Q8 activations x Q4_1 weight tiles", nogil);
   m.def("matmul_q8_0", &matmul_q8_0, "Q8 activations x Q8_0 weight tiles", nogil);
-  m.def("matmul", &matmul, "Q8 activations x weight tiles of any kind (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)", nogil);
+  m.def("matmul", &matmul,
+        "Q8 activations x weight tiles of any kind (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); signs: the caller vouches that "
+        "no Q8_0 weight is -128 (see set_sign_threads)",
+        py::arg("xa"), py::arg("qs"), py::arg("wd"), py::arg("wm"), py::arg("bias"), py::arg("residual"),
+        py::arg("n_out"), py::arg("signs") = false, nogil);
   m.def("rope_store", &rope_store, "RoPE (and q/k norm) in place, k/v into the cache", nogil);
   m.def("gelu_mul_quantize", &gelu_mul_quantize, "gelu_tanh(g) * u -> Q8 blocks", nogil);
   m.def("rms_norm_add", &rms_norm_add, "residual + rms_norm(y) * w", nogil);
@@ -2239,7 +2327,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_embedding", &LayerStack::set_embedding, "the token embedding table for forward_tokens")
       .def("set_head", &LayerStack::set_head, "the output head (a linear with its norm) for forward_tokens")
       .def("forward_tokens", &LayerStack::forward_tokens,
-           "token ids to the logits of the given rows in one call: [logits, x, tapped inputs...]", nogil);
+           "token ids to the logits of the given rows in one call: [logits, x, tapped inputs...]", nogil)
+      .def("signs", &LayerStack::signs,
+           "per layer qkv, o, gate/up, down, then the head: whether each may take the signs on the weights "
+           "(Q8_0 without a weight of -128; see set_sign_threads)");
   m.def("embed_rows", &embed_rows, "token embedding rows from the file's blocks", nogil);
   m.def("isa", []() { return std::string(SPECPLUG_VNNI ? "avx512" : "avx2"); }, "the instruction set this build uses");
   m.def("kept_blocks", []() {
@@ -2266,6 +2357,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_dots", &probes::stream_dots, "seconds for the least work of one linear call of `rows` rows on its "
         "weights (`bits` 4, 6 or 8) and scales, `repeat` walks", py::arg("weights"), py::arg("extra"), py::arg("rows"),
         py::arg("bits"), py::arg("repeat") = 1, py::arg("ahead") = 0, nogil);
+  m.def("set_sign_threads", [](int64_t threads) {
+        TORCH_CHECK(threads >= 0, "set_sign_threads: threads must be >= 0, got ", threads);
+#if !SPECPLUG_VNNI
+        g_sign_threads.store(threads, std::memory_order_relaxed);
+#endif
+      }, "a LayerStack's one-row Q8_0 calls on at most this many threads take the signs on the weights "
+         "(AVX2 builds; 0: never)", py::arg("threads"));
+  m.def("sign_threads", []() {
+#if SPECPLUG_VNNI
+        return int64_t(0);
+#else
+        return g_sign_threads.load(std::memory_order_relaxed);
+#endif
+      }, "see set_sign_threads");
   m.def("set_prefetch_rows", [](int64_t rows) {
         TORCH_CHECK(rows >= 0, "set_prefetch_rows: rows must be >= 0, got ", rows);
         g_prefetch_rows.store(rows, std::memory_order_relaxed);
