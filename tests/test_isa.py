@@ -139,7 +139,6 @@ def test_the_tile_prefetch_changes_no_bit(kind):
         ext.set_prefetch_rows(before)
 
 
-
 def test_the_signs_on_the_weights_change_no_bit_and_skip_linears_with_a_weight_of_minus_128(tmp_path):
     """On AVX2 a LayerStack's one-row Q8_0 calls on up to `sign_threads` threads compute |x| sign(w, x)
     instead of |w| sign(x, w): the same integer sums for every weight but -128, whose sign cannot flip
@@ -181,6 +180,7 @@ def test_the_signs_on_the_weights_change_no_bit_and_skip_linears_with_a_weight_o
     finally:
         ext.set_sign_threads(before)
     assert before == 1  # the default: one thread, where the dot rather than the stream sets the pace
+
 
 def _linear_of(kind: str, n: int, k: int, seed: int):
     from gguf import GGMLQuantizationType
