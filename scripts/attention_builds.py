@@ -25,9 +25,9 @@ import time
 
 import torch
 
+from scripts.kernel_builds import load_build
 from specplug import machine
 from specplug.runtime import pages
-from scripts.kernel_builds import load_build
 
 H, HKV, D, LAYERS = 9, 3, 64, 30
 

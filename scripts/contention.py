@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 from specplug.machine import describe
 
 SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"

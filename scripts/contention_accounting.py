@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+
 from specplug.machine import describe
 
 SPIN = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end:\n    pass\n"

@@ -18,11 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-import specplug  # noqa: F401  (first: it sets GOMP_SPINCOUNT before torch loads libgomp)
-
 import numpy as np
 import torch
 
+import specplug  # noqa: F401  (first: it sets GOMP_SPINCOUNT before torch loads libgomp)
 from specplug.engine import target_info
 from specplug.heads.lookup import chain_lookup
 from specplug.machine import describe

@@ -14,7 +14,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
-
 from specplug.api import build_engine, prompt_ids
 from specplug.bench.data import read_jsonl_prompts
 from specplug.config import load_config

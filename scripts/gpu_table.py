@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
 from specplug.machine import describe
 
 # (label, where in the bench-runtime JSON, target, "<=" or ">=")

@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
 from specplug.machine import describe
+from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
 
 
 def speedup(acc: list[float], c: float, curve, g_max: int = 8) -> tuple[int, float]:

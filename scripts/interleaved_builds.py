@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 import torch
 
+import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 from specplug import machine
 from specplug.bench_runtime import floor_parts, walk_floor
 from specplug.runtime.native import QuantLinear

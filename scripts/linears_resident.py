@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 import torch
 
+import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 from specplug import machine
 
 sys.path.insert(0, str(Path(__file__).parent))

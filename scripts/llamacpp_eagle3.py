@@ -35,8 +35,8 @@ from specplug.api import build_engine, prompt_ids  # noqa: E402
 from specplug.bench.data import dataset_path, read_jsonl_prompts  # noqa: E402
 from specplug.config import parse_config  # noqa: E402
 from specplug.engine import Request  # noqa: E402
-from specplug.runtime import load_target, resolve_model  # noqa: E402
 from specplug.machine import describe
+from specplug.runtime import load_target, resolve_model  # noqa: E402
 
 
 def geomean(xs):

@@ -12,10 +12,11 @@ import statistics
 import sys
 import time
 
-import specplug  # noqa: F401  (sets the spin count before torch loads OpenMP)
 import torch
 
+import specplug  # noqa: F401  (sets the spin count before torch loads OpenMP)
 from specplug.runtime import load_target
+
 t = load_target("smollm2-135m", "cpu", "float32", "auto", 2)
 m = t.model
 cache = m.new_cache(2, 2048)

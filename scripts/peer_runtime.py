@@ -152,8 +152,8 @@ def main() -> None:
     table = {k: median_of(v) for k, v in raw.items()}
     machine = next((r["machine"] for v in raw.values() for r in v if r.get("machine")), None)
     llama_build = next((r["build"] for v in raw.values() for r in v if r.get("build")), None)
-    print(f"| file | threads | engine | decode ms (tg128) | prefill 512 tok/s | T(2)/T(1) | T(4)/T(1) | "
-          f"T(8)/T(1) | T(1) ms at depth 512 |\n|---|---|---|---|---|---|---|---|---|")
+    print("| file | threads | engine | decode ms (tg128) | prefill 512 tok/s | T(2)/T(1) | T(4)/T(1) | "
+          "T(8)/T(1) | T(1) ms at depth 512 |\n|---|---|---|---|---|---|---|---|---|")
     for key, r in table.items():
         f, t, who = key.split("|")
         v = r["verify_ratio"]

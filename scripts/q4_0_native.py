@@ -13,9 +13,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 import numpy as np
 
+import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 from specplug.runtime import load_target, native
 
 sys.path.insert(0, str(Path(__file__).parent))

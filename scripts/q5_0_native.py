@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 import numpy as np
 import torch
 
+import specplug  # noqa: F401  (its OpenMP spin count, before torch loads)
 from specplug import machine
 from specplug.runtime import load_target, native
 

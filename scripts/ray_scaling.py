@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 from specplug.machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]

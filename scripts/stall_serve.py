@@ -33,6 +33,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from load_serve import Server, free_port  # noqa: E402
+
 from specplug.machine import describe
 
 

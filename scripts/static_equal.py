@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
 from specplug.machine import describe
 
 ROOT = Path(__file__).resolve().parents[1]

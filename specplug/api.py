@@ -22,7 +22,8 @@ def build_speculators(cfg: RunConfig, info: TargetInfo) -> list[Speculator]:
         except SpecplugError:
             raise
         except Exception as exc:
-            raise PluginError(f"speculator {sc.name!r} (type {sc.type}) failed to start: {type(exc).__name__}: {exc}") from None
+            raise PluginError(f"speculator {sc.name!r} (type {sc.type}) failed to start: "
+                              f"{type(exc).__name__}: {exc}") from None
         out.append(start_speculator(pm, inst, sc.name, sc.type, sc.policy, info))
     pm.check_pending()
     return out

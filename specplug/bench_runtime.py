@@ -159,7 +159,8 @@ def _engine_curve_lines(res: dict) -> list[str]:
     if not info:
         return []
     priced = {k: interpolate_cost([tuple(p) for p in info["points"]], int(k)) for k in res["verify_ratio"]}
-    lines = ["  priced " + " ".join(f"{v:>7.2f}" for v in priced.values()) + f"  (the engine's curve: {info['source']})"]
+    lines = ["  priced " + " ".join(f"{v:>7.2f}" for v in priced.values())
+             + f"  (the engine's curve: {info['source']})"]
     worst = max(abs(priced[k] - v) for k, v in res["verify_ratio"].items() if int(k) <= 8)
     if info["source"].startswith("builtin") and worst > 0.1:
         lines.append(f"  the built-in curve is {worst:.2f} of a step off this machine's at 8 rows or fewer: runs price "
@@ -182,8 +183,10 @@ def format_report(res: dict) -> str:
              *_engine_curve_lines(res),
              f"prefill 512: {res['prefill_tok_s']} tok/s" + (
                  f" (ceiling {res['prefill_ceiling']['tok_s']} tok/s: its multiply-adds at this ISA's peaks, "
-                 f"{res['prefill_ceiling']['peak_gmac_s_isa']} / {res['prefill_ceiling']['peak_gmac_s_isa_8bit']} G MAC/s "
-                 f"4- / 8-bit dots, {res['prefill_ceiling']['peak_gmac_s_fma']} float)" if "prefill_ceiling" in res else ""),
+                 f"{res['prefill_ceiling']['peak_gmac_s_isa']} / {res['prefill_ceiling']['peak_gmac_s_isa_8bit']} "
+                 f"G MAC/s "
+                 f"4- / 8-bit dots, {res['prefill_ceiling']['peak_gmac_s_fma']} float)"
+                 if "prefill_ceiling" in res else ""),
              *([f"weights on 2 MB pages: {res['weights_2mb_pages_mb']} of {res['weights_mb']} MB"]
                if "weights_mb" in res else []),
              f"batch 4 seq x 1 tok: {res['batch4_ms']} ms vs 1 x 1: {res['batch1_ms']} ms -> x{res['batch4_vs_1']}"]
@@ -512,8 +515,10 @@ def format_profile(prof: dict) -> str:
              (f"; the float multiply-add alone ({lim['fma_instruction']}) {lim['peak_gmac_s_fma']} G MAC/s"
               if lim.get("peak_gmac_s_fma") else ""),
              "total: the forward as the engine runs it (all layers in one native call); the kernel families' "
-             "time inside the same runs, by the kernels' own timers; rest: their wall time less their kernels' (Python, embedding, ...)",
-             f"{'ctx':>5} {'k':>3} {'total':>7} {'linear':>7} {'quant':>6} {'rope':>6} {'attn':>6} {'norm':>6} {'rest':>6} "
+             "time inside the same runs, by the kernels' own timers; rest: their wall time less their kernels' "
+             "(Python, embedding, ...)",
+             f"{'ctx':>5} {'k':>3} {'total':>7} {'linear':>7} {'quant':>6} {'rope':>6} {'attn':>6} {'norm':>6} "
+             f"{'rest':>6} "
              f"{'W MB':>6} {'KV MB':>6} {'GMAC':>6} {'GB/s':>6} {'GMAC/s':>7}  (ms unless noted)"]
     for r in prof["rows"]:
         lines.append(f"{r['ctx']:>5} {r['k']:>3} {r['total_ms']:>7.2f} {r['linear_ms']:>7.2f} {r['quantize_ms']:>6.2f} "
@@ -523,8 +528,10 @@ def format_profile(prof: dict) -> str:
     at = [r for r in prof["rows"] if r["ctx"] == FLOOR_CTX]
     loads = next((r["loads_ms"] for r in at if "loads_ms" in r), None)
     lines.append(f"roofline of the linears per forward (ctx {FLOOR_CTX}): bound = max(weight bytes / streaming GB/s, "
-                 f"MACs / the dot instruction's peak for their weights' bits); floor = their least work on their own bytes, measured beside "
-                 f"the forward (stream_dots: the weights loaded, nibbles split, the dot instruction ({lim['dot_instruction']}) "
+                 f"MACs / the dot instruction's peak for their weights' bits); floor = their least work on their own "
+                 f"bytes, measured beside "
+                 f"the forward (stream_dots: the weights loaded, nibbles split, the dot instruction "
+                 f"({lim['dot_instruction']}) "
                  f"a row per half (Q5_K / Q6_K bytes: one a load, summed in 16 bits as theirs; Q8_0's: "
                  f"{lim.get('dot_instruction_8bit', 'the 8-bit mix')}), the scales read; one call a linear; "
                  f"without prefetch or {FLOOR_AHEAD} bytes ahead, the "
@@ -536,7 +543,8 @@ def format_profile(prof: dict) -> str:
                                      "peak_gmac_s_isa_8bit": lim["peak_gmac_s_q8_0"]})
         bound = linear_bound_ms(r, lim)
         fl = r.get("floor_ms")
-        lines.append(f"  k={r['k']:<3} memory {mem:6.2f} ms, compute {comp:6.2f} ms (at the kernel peak {kern:6.2f}) -> "
+        lines.append(f"  k={r['k']:<3} memory {mem:6.2f} ms, compute {comp:6.2f} ms "
+                     f"(at the kernel peak {kern:6.2f}) -> "
                      f"bound {bound:6.2f} ms" + (f"; floor {fl:6.2f} ms" if fl else "") +
                      f"; measured {r['linear_ms']:6.2f} ms ({r['linear_ms'] / bound:.2f}x the bound" +
                      (f", {r['linear_ms'] / fl:.2f}x the floor" if fl else "") + ")")

@@ -20,8 +20,10 @@ COMMANDS_GROUP = "specplug.commands"
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="known model name or path to a .gguf")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
-    p.add_argument("--quant", default="auto", help="auto (gguf for a quantized file on CPU, else none) | gguf | none | int8")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
+    p.add_argument("--quant", default="auto",
+                   help="auto (gguf for a quantized file on CPU, else none) | gguf | none | int8")
     p.add_argument("--threads", type=threads_arg, default="auto",
                    help="CPU threads: auto (default) = the cores this process may run on, or a count")
     add_step_args(p, defaults=True)
@@ -63,7 +65,8 @@ def cmd_run(args) -> int:
             raise SpecplugError(f"{args.prompts}: id {dup} is used by more than one record; ids must be unique "
                                 "so that answers in --output can be matched (and resumed)")
     else:
-        records = [{"id": 0, "turns": [args.prompt if args.prompt is not None else "Tell me about speculative decoding."]}]
+        prompt = args.prompt if args.prompt is not None else "Tell me about speculative decoding."
+        records = [{"id": 0, "turns": [prompt]}]
     again = ["specplug", "run", args.config] + (["--prompts", args.prompts] if args.prompts else []) + \
         (["--prompt", args.prompt] if args.prompt is not None else []) + ["--output", str(args.output)] + \
         (["--stats", args.stats] if args.stats else []) + \
@@ -210,7 +213,8 @@ def _cmd_convert(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specplug", description="Speculative decoding where every method is a plugin.")
+    parser = argparse.ArgumentParser(prog="specplug",
+                                     description="Speculative decoding where every method is a plugin.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log speculator warnings in detail")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -50,14 +50,16 @@ def add_step_args(p: argparse.ArgumentParser, defaults: bool) -> None:
     """--compile / --no-cuda-graphs / --step-tokens / --verify-curve: how the target steps (the static-shape step of
     specplug.runtime.static). defaults=False: None unless given (they override a YAML config)."""
     p.add_argument("--compile", type=compile_arg, default="auto" if defaults else None,
-                   help="the static-shape compiled step: auto (on CUDA with torch weights), on (also CPU, quant none), off")
+                   help="the static-shape compiled step: auto (on CUDA with torch weights), on (also CPU, quant none), "
+                        "off")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=True if defaults else None,
                    help="with the static step on CUDA, run it compiled but without CUDA graphs")
     p.add_argument("--step-tokens", type=int, default=None,
                    help="static step: every step all sequence slots x this many tokens (batch-invariant; a bucket)")
     if not defaults:  # the commands that draft (run, serve, bench; generate and bench-runtime do not)
         p.add_argument("--verify-curve", choices=("auto", "builtin", "measure"), default=None,
-                       help="how drafts are priced: the runtime's built-in T(k)/T(1) table, or this machine's, measured "
+                       help="how drafts are priced: the runtime's built-in T(k)/T(1) table, or this machine's, "
+                            "measured "
                             "at load (~2 s) and kept ($SPECPLUG_CACHE_DIR, else ~/.cache/specplug); auto (the config's "
                             "default): this machine's on the gguf CPU kernels, measured until three are kept, then "
                             "their median; overrides the config's `verify_curve`")

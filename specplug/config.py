@@ -78,11 +78,13 @@ class RunConfig:
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
     quant: str = "auto"  # auto | gguf (the file's quantized blocks; CPU) | none (exact float weights) | int8
     threads: int | str | None = "auto"  # CPU threads: auto = the cores this process may run on; null: torch's choice
-    # the static-shape step (specplug.runtime.static): auto = on CUDA with torch weights; true: also on CPU (quant: none)
+    # the static-shape step (specplug.runtime.static): auto = on CUDA with torch weights;
+    # true: also on CPU (quant: none)
     compile: bool | str = "auto"
     cuda_graphs: bool = True  # with the static step on CUDA: replay each shape as a CUDA graph (`--no-cuda-graphs`)
     batch_invariant: bool = True  # static step: every step has the same shape, so speculative greedy == plain
-    step_tokens: int | None = None  # static step, batch-invariant: tokens per sequence in every step (default: 1 + n_max)
+    # static step, batch-invariant: tokens per sequence in every step (default: 1 + n_max)
+    step_tokens: int | None = None
     # how drafts are priced: T(k)/T(1) of a k-row verification. builtin: the runtime's table (one per kernel
     # path, from the machine it was measured on); measure: this model on this machine, timed at load (~2 s);
     # auto: measure on the gguf CPU kernels when a speculator is priced (cost_trim), else builtin;
@@ -183,7 +185,8 @@ def parse_speculator(entry: Any, i: int) -> SpeculatorConfig:
         st = get_type(str(entry["type"]), where=f"type at {where}.type:")
     except SpecplugError as exc:
         raise ConfigError(str(exc)) from None
-    policy = build_dataclass(DraftPolicy, {k: v for k, v in entry.items() if k in _SPEC_HOST_KEYS - {"type", "name"}}, where)
+    host = {k: v for k, v in entry.items() if k in _SPEC_HOST_KEYS - {"type", "name"}}
+    policy = build_dataclass(DraftPolicy, host, where)
     if policy.n_max < 1 or policy.n_min < 1 or policy.n_min > policy.n_max:
         raise ConfigError(f"{where}: need 1 <= n_min <= n_max, got n_min={policy.n_min}, n_max={policy.n_max}")
     if not 0 <= policy.p_min < 1:
@@ -222,13 +225,17 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
         except ValueError as e:
             raise ConfigError(f"verify_curve: {e}") from None
     for key, ok, rule in [("context", cfg.context >= 16, ">= 16"), ("parallel", cfg.parallel >= 1, ">= 1"),
-                          ("max_tokens", cfg.max_tokens >= 1, ">= 1"), ("prefill_chunk", cfg.prefill_chunk >= 1, ">= 1"),
-                          ("threads", cfg.threads in (None, "auto") or isinstance(cfg.threads, int) and cfg.threads >= 1,
+                          ("max_tokens", cfg.max_tokens >= 1, ">= 1"),
+                          ("prefill_chunk", cfg.prefill_chunk >= 1, ">= 1"),
+                          ("threads",
+                           cfg.threads in (None, "auto") or isinstance(cfg.threads, int) and cfg.threads >= 1,
                            ">= 1 or auto (the cores this process may run on)"),
                           ("compile", cfg.compile in (True, False, "auto"), "true, false or auto"),
-                          ("step_tokens", cfg.step_tokens is None or 1 <= cfg.step_tokens <= 64, "between 1 and 64 (or null)"),
+                          ("step_tokens", cfg.step_tokens is None or 1 <= cfg.step_tokens <= 64,
+                           "between 1 and 64 (or null)"),
                           ("max_body_mb", cfg.max_body_mb > 0, "> 0"),
-                          ("step_timeout_s", cfg.step_timeout_s is None or cfg.step_timeout_s > 0, "> 0 (or null: no limit)")]:
+                          ("step_timeout_s", cfg.step_timeout_s is None or cfg.step_timeout_s > 0,
+                           "> 0 (or null: no limit)")]:
         if not ok:
             raise ConfigError(f"{key} must be {rule}, got {getattr(cfg, key)!r}")
     return dataclasses.replace(cfg, sampling=sampling, speculators=specs, ray=ray, record=record)

@@ -30,7 +30,8 @@ def check_drafts(res: Any, reqs: Sequence[DraftRequest], vocab: int) -> str | No
     its probs are on, and one transfer of [3, tokens] numbers (row sums, row minima, drafted
     token's mass) for all drafts there."""
     if not isinstance(res, (list, tuple)) or len(res) != len(reqs):
-        return f"draft returned {type(res).__name__} of length {len(res) if hasattr(res, '__len__') else '?'} for {len(reqs)} requests"
+        n = len(res) if hasattr(res, "__len__") else "?"
+        return f"draft returned {type(res).__name__} of length {n} for {len(reqs)} requests"
     with_probs: list[tuple[DraftRequest, Draft]] = []
     for r, d in zip(reqs, res):
         if d is None:
@@ -44,10 +45,12 @@ def check_drafts(res: Any, reqs: Sequence[DraftRequest], vocab: int) -> str | No
             return f"draft for sequence {r.seq_id} has token id {bad[0]!r} outside the vocabulary [0, {vocab})"
         if d.probs is not None:
             if not isinstance(d.probs, torch.Tensor) or not d.probs.is_floating_point():
-                what = f"a {d.probs.dtype} tensor" if isinstance(d.probs, torch.Tensor) else f"a {type(d.probs).__name__}"
+                what = (f"a {d.probs.dtype} tensor" if isinstance(d.probs, torch.Tensor)
+                        else f"a {type(d.probs).__name__}")
                 return f"draft probs for sequence {r.seq_id} must be a floating-point torch.Tensor, got {what}"
             if tuple(d.probs.shape) != (len(d), vocab):
-                return f"draft probs for sequence {r.seq_id} have shape {tuple(d.probs.shape)}, expected ({len(d)}, {vocab})"
+                return (f"draft probs for sequence {r.seq_id} have shape {tuple(d.probs.shape)}, "
+                        f"expected ({len(d)}, {vocab})")
             if len(d):
                 with_probs.append((r, d))
         if d.confidence is not None:
@@ -92,7 +95,8 @@ def _check_probs(drafts: list[tuple[DraftRequest, Draft]]) -> str | None:
         off_one = (sums - 1).abs() > tol
         if bool(off_one.any()):
             j = int(off_one.nonzero()[0])
-            return f"{where} are not probability distributions: row {j} sums to {float(sums[j]):.6g}, not 1 (within {tol:g})"
+            return (f"{where} are not probability distributions: row {j} sums to {float(sums[j]):.6g}, "
+                    f"not 1 (within {tol:g})")
         if not bool((q_d > 0).all()):
             j = int((q_d <= 0).nonzero()[0])
             return (f"{where} give drafted token {d.token_ids[j]} (position {j}) zero probability: probs must be "

@@ -62,7 +62,8 @@ class DraftPolicy:
     n_min: int = 1  # shorter drafts are not worth a verification row
     p_min: float = 0.0  # cut a draft at its first token whose draft probability is below this
     backoff: int = 6  # consecutive fully rejected drafts before a sequence pauses this speculator
-    cost_trim: bool = True  # price drafts (rows and drafting time) and draft only where it pays; false: verify every draft whole
+    # price drafts (rows and drafting time) and draft only where it pays; false: verify every draft whole
+    cost_trim: bool = True
 
 
 @dataclass

@@ -16,15 +16,14 @@ import logging
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from specplug.drafting import DraftPolicy, Drafting, Speculator  # noqa: F401 (DraftPolicy: re-exported)
+from specplug.drafting import Drafting, DraftPolicy, Speculator  # noqa: F401 (DraftPolicy: re-exported)
 from specplug.errors import SpecplugError
 from specplug.metrics import RunStats, SeqStats, SpecStats
-from specplug.plugins import HookCaller
 from specplug.runtime import KVCache, Target
 from specplug.runtime.linear import take_rows
 from specplug.sampling import SamplingParams, sample, target_probs
@@ -123,7 +122,8 @@ class Engine:
         self._next_handle = 0
         for s in self.specs:
             self.stats.speculators[s.name] = s.stats
-        self._backlog: dict[str, list[_Held]] = {}  # speculator -> decoding rows not yet delivered (see _tell_committed)
+        # speculator -> decoding rows not yet delivered (see _tell_committed)
+        self._backlog: dict[str, list[_Held]] = {}
         self._backlog_rows: dict[str, int] = {}
         self._unseen: dict[str, set[int]] = {}  # speculator -> slots whose sequence began before it came in
         self.drafting = Drafting(self.specs, self.model.verify_cost, self._call, self._disable, self.vocab, max_ctx,

@@ -13,7 +13,8 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[i]: drafts whose token i was accepted
     drafted_at: list[int] = field(default_factory=list)  # drafted_at[i]: drafts that had a token i
-    reached_at: list[int] = field(default_factory=list)  # reached_at[i]: drafts with a token i whose tokens < i were accepted
+    # reached_at[i]: drafts with a token i whose tokens < i were accepted
+    reached_at: list[int] = field(default_factory=list)
     # the engine's view of the speculator (run-wide; zero in a sequence's own statistics)
     seq_steps: int = 0  # sequence-steps where it could have been asked
     asked: int = 0  # sequence-steps where it was asked (the others: paused, or no draft could pay)
@@ -42,14 +43,16 @@ class SpecStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["acceptance_rate"] = round(self.acceptance_rate, 4)
-        d["acceptance_per_position"] = [round(a / n, 4) if n else 0.0 for a, n in zip(self.accepted_at, self.drafted_at)]
+        d["acceptance_per_position"] = [round(a / n, 4) if n else 0.0
+                                        for a, n in zip(self.accepted_at, self.drafted_at)]
         d["acceptance_per_position_conditional"] = [round(a / n, 4) if n else 0.0
                                                     for a, n in zip(self.accepted_at, self.reached_at)]
         d["draft_s"] = round(self.draft_s, 4)
         d["hook_s"] = {k: round(v, 4) for k, v in self.hook_s.items()}
         # drafting time per token the target accepted; the share of sequence-steps it was asked on
         # and whose draft was verified; first-token match over every draft it returned (verified or not)
-        d["draft_ms_per_accepted"] = round(1000 * self.draft_s / self.accepted_tokens, 4) if self.accepted_tokens else None
+        d["draft_ms_per_accepted"] = (round(1000 * self.draft_s / self.accepted_tokens, 4)
+                                      if self.accepted_tokens else None)
         d["asked_share"] = round(self.asked / self.seq_steps, 4) if self.seq_steps else 0.0
         d["verified_share"] = round(self.drafts / self.seq_steps, 4) if self.seq_steps else 0.0
         d["first_token_match"] = round(self.proposed_first_hit / self.proposed, 4) if self.proposed else None
@@ -91,7 +94,8 @@ class RunStats:
 
     speculators: dict[str, SpecStats] = field(default_factory=dict)
     disabled: dict[str, str] = field(default_factory=dict)  # speculator -> why it was turned off
-    notes: dict[str, str] = field(default_factory=dict)  # speculator -> its own line for the summary (files it wrote, ...)
+    # speculator -> its own line for the summary (files it wrote, ...)
+    notes: dict[str, str] = field(default_factory=dict)
     threads: int = 0  # CPU threads the target ran on (0: not a CPU target)
     threads_auto: str = ""  # under `threads: auto`: the counts the governor chose, and how often
     time_target_s: float = 0.0
@@ -110,7 +114,8 @@ class RunStats:
         return {
             "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
             "target_forwards": self.target_forwards,
-            "mean_accepted_length": round(self.emitted_tokens / self.target_forwards, 4) if self.target_forwards else 0.0,
+            "mean_accepted_length": (round(self.emitted_tokens / self.target_forwards, 4)
+                                     if self.target_forwards else 0.0),
             "tok_s": round(self.generated_tokens / self.time_total_s, 3) if self.time_total_s else 0.0,
             "time_s": {"total": round(self.time_total_s, 4), "target": round(self.time_target_s, 4),
                        "speculators": round(self.time_speculators_s, 4), "host": round(self.time_host_s, 4)},
@@ -130,11 +135,13 @@ class RunStats:
                  + (f"; {self.threads_auto or f'{self.threads} CPU threads'}" if self.threads else "")]
         for name, s in d["speculators"].items():
             per = " ".join(f"{x:.2f}" for x in s["acceptance_per_position"][:8])
-            lines.append(f"  {name}: {s['drafts']} drafts, {s['drafted_tokens']} drafted, {s['accepted_tokens']} accepted "
+            lines.append(f"  {name}: {s['drafts']} drafts, {s['drafted_tokens']} drafted, "
+                         f"{s['accepted_tokens']} accepted "
                          f"({100 * s['acceptance_rate']:.1f}%); acceptance by position: {per}")
             if s["seq_steps"]:
                 per_kept = s["draft_ms_per_accepted"]
-                lines.append(f"    asked on {100 * s['asked_share']:.0f}% of steps, verified on {100 * s['verified_share']:.0f}%; "
+                lines.append(f"    asked on {100 * s['asked_share']:.0f}% of steps, "
+                             f"verified on {100 * s['verified_share']:.0f}%; "
                              f"drafting {1000 * s['draft_s']:.0f} ms"
                              + (f" ({per_kept:.2f} ms per accepted token)" if per_kept is not None else ""))
         for name, note in d["notes"].items():

@@ -218,7 +218,8 @@ class RandomDrafts(_Base):
 
     @hookimpl
     def draft(self, requests):
-        return [Draft(tuple(self.rng.randrange(self.vocab) for _ in range(self.rng.randint(1, min(self.max_len, r.n_max)))))
+        return [Draft(tuple(self.rng.randrange(self.vocab)
+                           for _ in range(self.rng.randint(1, min(self.max_len, r.n_max)))))
                 for r in requests]
 
 

@@ -76,7 +76,8 @@ class Batch:
     token_ids: torch.Tensor  # [n] int64, CPU
     positions: torch.Tensor  # [n] int64, CPU
     seq_ids: torch.Tensor  # [n] int64, CPU
-    embeddings: Mapping[int | str, torch.Tensor] = field(default_factory=dict)  # tap -> [n, n_embd] float32 on the target device; tap = layer index, or "final"
+    # tap -> [n, n_embd] float32 on the target device; tap = layer index, or "final"
+    embeddings: Mapping[int | str, torch.Tensor] = field(default_factory=dict)
     is_prompt: bool = False  # True for prompt chunks, False for tokens accepted after verification
 
     def __len__(self) -> int:
@@ -107,7 +108,9 @@ class Draft:
     """A proposed continuation: `token_ids[0]` is the guess for position len(tokens)."""
 
     token_ids: tuple[int, ...]
-    probs: torch.Tensor | None = None  # [len(token_ids), vocab] float32: the draft distribution each token was sampled from; None = token-only (treated as one-hot)
+    # [len(token_ids), vocab] float32: the draft distribution each token was sampled from;
+    # None = token-only (treated as one-hot)
+    probs: torch.Tensor | None = None
     # Optional, one per token: the drafter's estimate of the probability that the target accepts
     # token i given that tokens before it were accepted. With it the host trims the draft to the
     # length where one more verification row costs more than it is expected to save, and
@@ -124,7 +127,9 @@ class Verified:
     """The outcome of verifying one sequence's draft from this speculator."""
 
     seq_id: int
-    n_drafted: int  # tokens verified from this speculator's draft (the host may have trimmed it); when not chosen, tokens proposed (0 if none)
+    # tokens verified from this speculator's draft (the host may have trimmed it);
+    # when not chosen, tokens proposed (0 if none)
+    n_drafted: int
     n_accepted: int  # of those, accepted by the target; 0 when another speculator's draft was verified
     chosen: bool  # whether this speculator's draft was the one verified
 

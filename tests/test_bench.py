@@ -241,7 +241,8 @@ def test_bench_records_the_verification_curve_it_priced_with(tmp_path, tiny_gguf
     prompts.write_text(json.dumps({"id": 1, "category": "c", "turns": ["the sea, the sea"]}) + "\n")
     for flag, source in ((None, "builtin"), ("measure", "measured")):
         out = tmp_path / f"out-{source}"
-        argv = ["bench", str(cfg), "--data", str(prompts), "--out", str(out)] + (["--verify-curve", flag] if flag else [])
+        argv = ["bench", str(cfg), "--data", str(prompts), "--out", str(out)]
+        argv += ["--verify-curve", flag] if flag else []
         assert main(argv) == 0
         curve = json.loads((out / "results.json").read_text())["settings"]["verify_curve"]
         assert curve["source"].startswith(source) and curve["points"][0] == [1, 1.0] and len(curve["points"]) > 2

@@ -24,7 +24,8 @@ def write(tmp_path: Path, text: str) -> Path:
     ("parallel: two\n", "parallel must be int, got 'two'"),
     ("sampling:\n  temperature: -1\n", "sampling: sampling.temperature must be >= 0"),
     ("sampling:\n  tempreature: 1\n", "unknown key 'sampling.tempreature'"),
-    ("speculators:\n  - type: eagl3\n", "unknown speculator type at speculators[0].type: 'eagl3' (did you mean 'eagle3'?); installed: "),
+    ("speculators:\n  - type: eagl3\n",
+     "unknown speculator type at speculators[0].type: 'eagl3' (did you mean 'eagle3'?); installed: "),
     ("speculators:\n  - n: 3\n", "speculators[0]: each speculator needs a `type:` key"),
     ("speculators:\n  - type: noop\n    n_max: 0\n", "need 1 <= n_min <= n_max"),
     ("speculators:\n  - type: noop\n    bogus: 1\n", "unknown key 'speculators[0].bogus'"),
@@ -33,10 +34,13 @@ def write(tmp_path: Path, text: str) -> Path:
     ("- just\n- a list\n", "the top level must be a mapping"),
     ("model: [unclosed\n", "not valid YAML"),
     ("context: 4\n", "context must be >= 16"),
-    ("verify_curve: measured\n", "verify_curve must be auto, builtin, measure or a list of [rows, T(rows)/T(1)] pairs, got 'measured'"),
+    ("verify_curve: measured\n",
+     "verify_curve must be auto, builtin, measure or a list of [rows, T(rows)/T(1)] pairs, got 'measured'"),
     ("verify_curve: [[2, 1.4]]\n", "verify_curve: a verification curve starts at [1, 1.0]"),
-    ("verify_curve: [[1, 1.0], [3, 1.6], [2, 1.4]]\n", "verify_curve: a verification curve's row counts must ascend: 3 then 2"),
-    ("verify_curve: [[1, 1.0], [2, 1.4], [4, 1.2]]\n", "verify_curve: a verification curve never falls: T(4)/T(1) = 1.2"),
+    ("verify_curve: [[1, 1.0], [3, 1.6], [2, 1.4]]\n",
+     "verify_curve: a verification curve's row counts must ascend: 3 then 2"),
+    ("verify_curve: [[1, 1.0], [2, 1.4], [4, 1.2]]\n",
+     "verify_curve: a verification curve never falls: T(4)/T(1) = 1.2"),
     ("verify_curve: [1, 2]\n", "verify_curve: a verification curve is a list of [rows, T(rows)/T(1)] pairs"),
 ])
 def test_bad_yaml_gives_one_clear_error(tmp_path, text, msg):
@@ -164,7 +168,8 @@ def test_shipped_examples_are_valid(path):
 
 def test_ray_section_of_the_config_is_checked():
     cfg = parse_config({"ray": {"max_replicas": 4, "min_replicas": 2, "target_ongoing_requests": 6}})
-    assert (cfg.ray.replicas, cfg.ray.min_replicas, cfg.ray.max_replicas, cfg.ray.target_ongoing_requests) == (1, 2, 4, 6)
+    assert (cfg.ray.replicas, cfg.ray.min_replicas, cfg.ray.max_replicas,
+            cfg.ray.target_ongoing_requests) == (1, 2, 4, 6)
     with pytest.raises(ConfigError, match="ray.replica.*did you mean 'replicas'"):
         parse_config({"ray": {"replica": 2}})
     with pytest.raises(ConfigError, match="max_replicas \\(1\\) must be >= min_replicas \\(2\\)"):

@@ -238,11 +238,9 @@ def test_governor_compares_steps_of_the_same_size(fake_time):
 
 
 def test_threads_auto_runs_the_governor_and_the_summary_says_what_it_chose(tiny_q8_gguf, monkeypatch):
-    from specplug.runtime import governor
-
     from specplug.engine import Engine, Request
     from specplug.metrics import RunStats
-    from specplug.runtime import load_target
+    from specplug.runtime import governor, load_target
 
     if resolve_threads("auto") < 2:
         pytest.skip("one core in the affinity mask: nothing to choose")

@@ -17,8 +17,14 @@ from specplug.engine import Request, target_info
 from specplug.errors import PluginError
 from specplug.hooks import hookimpl
 from specplug.sampling import SamplingParams
-from specplug.testing import (CONTRACT_SAMPLING, RandomDrafts, greedy_outputs, make_engine, sampled_like_target,
-                              speculator)
+from specplug.testing import (
+    CONTRACT_SAMPLING,
+    RandomDrafts,
+    greedy_outputs,
+    make_engine,
+    sampled_like_target,
+    speculator,
+)
 from specplug.types import Draft, DraftRequest, EmbeddingRequest
 
 SAMPLING = SamplingParams(temperature=0.7, top_k=5)
@@ -153,7 +159,8 @@ class Bad:
 
     @hookimpl
     def request_embeddings(self, target):
-        return EmbeddingRequest(final=True) if self.params.mode in ("encode raises", "writes batch embeddings") else None
+        wants = self.params.mode in ("encode raises", "writes batch embeddings")
+        return EmbeddingRequest(final=True) if wants else None
 
     @hookimpl
     def draft(self, requests):

@@ -8,10 +8,18 @@ import time
 import pytest
 
 from specplug import engine as engine_mod
-from specplug.drafting import PROBE_MAX, PROBE_MIN, PROBE_SHARE, VALUE_MARGIN, DraftPolicy, Drafting, Speculator
+from specplug.drafting import PROBE_MAX, PROBE_MIN, PROBE_SHARE, VALUE_MARGIN, Drafting, DraftPolicy, Speculator
 from specplug.engine import Request
 from specplug.hooks import hookimpl
-from specplug.testing import Oracle, RandomDrafts, Scripted, assert_greedy_equal, greedy_outputs, make_engine, speculator
+from specplug.testing import (
+    Oracle,
+    RandomDrafts,
+    Scripted,
+    assert_greedy_equal,
+    greedy_outputs,
+    make_engine,
+    speculator,
+)
 
 TEXTS = ["hello there the", "in the beginning was", "on the other hand, the", "she sells sea shells"]
 

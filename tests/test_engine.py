@@ -5,10 +5,18 @@ import pytest
 import torch
 
 from specplug.engine import Request
-from specplug.testing import (Faulty, Oracle, RandomDrafts, Scripted, assert_greedy_equal, greedy_outputs,
-                              make_engine, speculator)
-from specplug.types import Batch, Draft, EmbeddingRequest, TargetInfo
 from specplug.hooks import hookimpl
+from specplug.testing import (
+    Faulty,
+    Oracle,
+    RandomDrafts,
+    Scripted,
+    assert_greedy_equal,
+    greedy_outputs,
+    make_engine,
+    speculator,
+)
+from specplug.types import Draft, EmbeddingRequest
 
 TEXTS = ["hello there the", "in the beginning was", "a", "on the other hand, the", "xyz 123",
          "the the the", "she sells sea shells", "onion"]

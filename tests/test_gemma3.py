@@ -68,7 +68,8 @@ def reference_logits(path: Path, tokens: list[int], local: set[int], window: int
         a = torch.einsum("hqk,khd->qhd", scores.masked_fill(~keep, float("-inf")).softmax(-1), v).reshape(n, H * D)
         x = x + norm(a @ t(p + "attn_output.weight").T, t(p + "post_attention_norm.weight"))
         h = norm(x, t(p + "ffn_norm.weight"))
-        f = torch.nn.functional.gelu(h @ t(p + "ffn_gate.weight").T, approximate="tanh") * (h @ t(p + "ffn_up.weight").T)
+        gate = torch.nn.functional.gelu(h @ t(p + "ffn_gate.weight").T, approximate="tanh")
+        f = gate * (h @ t(p + "ffn_up.weight").T)
         x = x + norm(f @ t(p + "ffn_down.weight").T, t(p + "post_ffw_norm.weight"))
     logits = norm(x, t("output_norm.weight")) @ t("token_embd.weight").T
     return torch.tanh(logits / softcap) * softcap if softcap else logits

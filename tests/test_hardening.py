@@ -15,6 +15,7 @@ from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
+from launch import prompts_file, run_config
 
 from specplug import hooks, plugins
 from specplug.cli import main
@@ -23,12 +24,9 @@ from specplug.engine import Engine, Request
 from specplug.errors import ConfigError, ModelError, PluginError
 from specplug.hooks import hookimpl
 from specplug.runtime import native
-from specplug.testing import (Faulty, Oracle, RandomDrafts, assert_greedy_equal, greedy_outputs, make_engine,
-                              speculator)
-from specplug.types import Draft, EmbeddingRequest, Speculator as SpeculatorProtocol
-
-from launch import prompts_file, run_config
-
+from specplug.testing import Faulty, Oracle, RandomDrafts, assert_greedy_equal, greedy_outputs, make_engine, speculator
+from specplug.types import Draft, EmbeddingRequest
+from specplug.types import Speculator as SpeculatorProtocol
 
 # ---------------------------------------------------------------------------------------------
 # 1. the kernel build never hangs and never thrashes

@@ -7,12 +7,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from specplug_mtp.train import MTPTrainer
 
 from specplug.cli import main
 from specplug.heads.eval import evaluate_head
 from specplug.testing import repetitive_prompts, write_tiny_gguf
 from specplug.train.loop import LoopOptions, train
-from specplug_mtp.train import MTPTrainer
 
 SOURCES = {"cats.jsonl": repetitive_prompts(60, seed=1), "dogs.jsonl": repetitive_prompts(25, seed=2)}
 
@@ -32,7 +32,8 @@ def data(work) -> Path:
         files[-1].write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     out = work / "data"
     assert main(["train", "data", "--model", str(tiny), "--prompts", *map(str, files), "-o", str(out),
-                 "--taps", "final", "--max-tokens", "32", "--parallel", "4", "--shard-prompts", "40", "--keep-overlap"]) == 0
+                 "--taps", "final", "--max-tokens", "32", "--parallel", "4", "--shard-prompts", "40",
+                 "--keep-overlap"]) == 0
     return out
 
 

@@ -142,7 +142,8 @@ def test_fine_tuning_on_a_mix_records_every_folder_and_its_share(data, bases, wo
     assert main(["train", "mtp", "--data", str(new), f"{data}:300", "-o", str(out), *LOOP, "--restart",
                  "--init", str(bases["mtp"])]) == 0
     rec = _recipe(out)["data"]
-    assert [m["path"] for m in rec["mix"]] == [str(new), str(data)] and [m["max_tokens"] for m in rec["mix"]] == [None, 300]
+    assert ([m["path"] for m in rec["mix"]] == [str(new), str(data)]
+            and [m["max_tokens"] for m in rec["mix"]] == [None, 300])
     assert rec["path"] == f"{new}, {data}:300"
     capsys.readouterr()
     assert main(["train", "mtp", "--data", str(new), str(work / "nowhere"), "-o", str(work / "x.gguf"), *LOOP]) == 2
@@ -248,7 +249,8 @@ def test_swap_vocab_from_other_answers_counts_their_tokens_not_the_training_data
     assert "swapped for --swap-vocab-from's answers' most frequent" in capsys.readouterr().err
     assert torch.equal(HeadFile(out).tensor("d2t").long(), want)
     sw = _recipe(out)["init"]["draft_vocab"]["swapped_for_the_data"]
-    assert sw["counted_on"] == [str(folder)] and sw["counted_answer_coverage"]["after"] > sw["counted_answer_coverage"]["before"]
+    coverage = sw["counted_answer_coverage"]
+    assert sw["counted_on"] == [str(folder)] and coverage["after"] > coverage["before"]
     assert main(["heads", "show", str(out)]) == 0
     assert "swapped for those of other answers (--swap-vocab-from)" in capsys.readouterr().out
     # a folder of another target's tokens, and --swap-vocab-from without --swap-vocab: one clear error each
@@ -260,7 +262,8 @@ def test_swap_vocab_from_other_answers_counts_their_tokens_not_the_training_data
     assert _train("eagle3", data, work / "x.gguf", "--init", str(bases["eagle3"]), "--swap-vocab", "6",
                   "--swap-vocab-from", str(alien)) == 2
     assert "alien-tokens: its answers are in another target's tokens" in capsys.readouterr().err
-    assert _train("eagle3", data, work / "x.gguf", "--init", str(bases["eagle3"]), "--swap-vocab-from", str(folder)) == 2
+    assert _train("eagle3", data, work / "x.gguf", "--init", str(bases["eagle3"]),
+                  "--swap-vocab-from", str(folder)) == 2
     assert "give --swap-vocab N too" in capsys.readouterr().err
 
 

@@ -7,8 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from specplug.heads import (Calibrator, DraftLoop, ParallelHeadsDrafter, StateKeeper, assert_draft_aligned,
-                            newest_state_position)
+from specplug.heads import (
+    Calibrator,
+    DraftLoop,
+    ParallelHeadsDrafter,
+    StateKeeper,
+    assert_draft_aligned,
+    newest_state_position,
+)
 from specplug.heads.masks import ahead, parallel_mask
 from specplug.testing import assert_greedy_equal, speculator
 from specplug.types import Batch, DraftRequest

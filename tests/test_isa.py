@@ -90,7 +90,8 @@ def test_describe_names_the_cpu_and_the_path(monkeypatch):
 
 def test_the_pair_threshold_follows_the_cpu_and_specplug_pair_rows(monkeypatch):
     monkeypatch.delenv(native.PAIR_ROWS_ENV, raising=False)
-    monkeypatch.setattr(native, "cpu_id", lambda: ("AuthenticAMD", 25))  # Zen 4: the 8-bit kinds on 256 bits at 1-2 rows
+    # Zen 4: the 8-bit kinds on 256 bits at 1-2 rows
+    monkeypatch.setattr(native, "cpu_id", lambda: ("AuthenticAMD", 25))
     assert native.pair_rows() == (1, 3)
     monkeypatch.setattr(native, "cpu_id", lambda: ("GenuineIntel", 6))  # the others: pairs from one row
     assert native.pair_rows() == native.PAIR_ROWS_DEFAULT == (1, 1)

@@ -1,8 +1,8 @@
 """scripts/kernel_builds.load_build: a build by name with the run-time tunings the runtime gives its
 own, and `<build>@pairs<N>` to time tile-pair thresholds side by side."""
 import pytest
-from conftest import load_script
 
+from conftest import load_script
 from specplug.runtime import native
 
 

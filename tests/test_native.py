@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from specplug.errors import ModelError
-from specplug.runtime import GGUFFile, load_target
-from specplug.runtime import native
+from specplug.runtime import GGUFFile, load_target, native
 from specplug.testing import RandomDrafts, assert_greedy_equal, isa_env, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
@@ -209,7 +208,8 @@ def test_auto_picks_gguf_for_quantized_files_only(tmp_path, tiny_gguf):
     q = write_tiny_gguf(tmp_path / "q.gguf", tensor_type="Q8_0")
     assert load_target(str(q), device="cpu").model.quant == "gguf"
     assert load_target(str(tiny_gguf), device="cpu").model.quant == "none"  # F32 weights stay exact
-    with pytest.raises(ModelError, match="quant: gguf is not possible here: it runs on device: cpu with dtype: float32"):
+    with pytest.raises(ModelError,
+                       match="quant: gguf is not possible here: it runs on device: cpu with dtype: float32"):
         load_target(str(q), device="cpu", dtype="bfloat16", quant="gguf")
     odd = write_tiny_gguf(tmp_path / "odd.gguf", n_embd=48, n_head=4, n_head_kv=2, n_ff=80)
     with pytest.raises(ModelError, match="multiples of 32"):
@@ -434,7 +434,8 @@ def test_the_prefill_ceiling_prices_every_multiply_add_at_its_isa_peak(qtiny, mo
     assert c["tok_s"] == pytest.approx(n / ((n * layer_macs + head_macs + attn) / 1e9), rel=1e-3)
     # the 8-bit weights' multiply-adds (this model's head) at their own peak: twice as fast, less time
     eight = (head_macs if m.head.qs.shape[2] == 256 else 0) + n * sum(
-        lin.qs.shape[1] * 32 * lin.out_features for layer in m.layers for lin in layer.linears() if lin.qs.shape[2] == 256)
+        lin.qs.shape[1] * 32 * lin.out_features
+        for layer in m.layers for lin in layer.linears() if lin.qs.shape[2] == 256)
     assert c["linear_gmacs_8bit"] == pytest.approx(eight / 1e9, abs=1e-6)
     peaks["peak_gmac_s_isa_8bit"] = 2.0
     faster = bench_runtime.prefill_ceiling(m, n)

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import Process, prompts_file, run_config, wait_for
 
 from specplug.cli import main
-
-from launch import Process, prompts_file, run_config, wait_for
 
 # every finished answer takes sys.argv[1] seconds more (the engine's _finish is slowed)
 SLOW_FINISH = """

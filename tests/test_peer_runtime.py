@@ -2,6 +2,7 @@
 decode over the weights read once at the round's streaming rate; our prefill at the ISA's compute
 peaks over llama.cpp's)."""
 import pytest
+
 from conftest import load_script
 
 # two rounds of each engine: ours 5 / 4 ms (tg128), 1800 / 2000 tok/s, 140 MB streamed at 35 / 28 GB/s;

@@ -84,7 +84,8 @@ def test_a_worker_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny, tmp
     assert rc == [0]
     man = json.loads((out / "manifest.json").read_text())
     assert sorted(s["index"] for s in man["shards"]) == list(range(12))  # none lost, none twice
-    assert sorted(p.name for p in out.iterdir() if p.name != "manifest.json") == sorted(s["file"] for s in man["shards"])
+    assert (sorted(p.name for p in out.iterdir() if p.name != "manifest.json")
+            == sorted(s["file"] for s in man["shards"]))
     assert manifest_sha256(man) == manifest_sha256(json.loads((tmp_path / "one" / "manifest.json").read_text()))
     assert _shards(out) == _shards(tmp_path / "one")
 
@@ -94,7 +95,8 @@ def _bench_config(tmp: Path, model: Path) -> Path:
     # cost_trim: false: drafting decisions that do not depend on timings, so that accepted lengths
     # repeat exactly from run to run (priced drafting reads the clock, on one machine as on Ray)
     cfg.write_text(f"model: {model}\nchat: false\nmax_tokens: 24\nthreads: 1\n"
-                   "speculators:\n  - {type: ngram-simple, cost_trim: false}\n  - {type: ngram-map-k, cost_trim: false}\n")
+                   "speculators:\n  - {type: ngram-simple, cost_trim: false}\n"
+                   "  - {type: ngram-map-k, cost_trim: false}\n")
     return cfg
 
 
@@ -133,12 +135,12 @@ def test_serve_with_two_replicas_answers_as_specplug_serve_does(cluster, tiny, t
     import openai
     from prometheus_client.parser import text_string_to_metric_families
     from ray import serve
+    from test_server import running
 
     from specplug.api import build_engine
     from specplug.config import load_config
     from specplug.serve_ray import deploy
     from specplug.server import create_app
-    from test_server import running
 
     cfg_path = tmp_path / "serve.yaml"
     cfg_path.write_text(f"model: {tiny}\nmax_tokens: 20\nthreads: 1\nparallel: 2\nray: {{replicas: 1}}\n"

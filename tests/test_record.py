@@ -17,6 +17,7 @@ import signal
 import httpx
 import numpy as np
 import pytest
+from launch import MODEL, prompts_file, run_config, running, wait_for, write_config
 
 import specplug.record as record_mod
 from specplug.api import prompt_ids
@@ -30,8 +31,6 @@ from specplug.runtime import load_target
 from specplug.server import create_app
 from specplug.testing import make_engine, write_tiny_gguf
 from specplug.train.tokens import read_tokens_manifest, rebuild_dataset
-
-from launch import MODEL, prompts_file, run_config, running, wait_for, write_config
 
 PROMPTS = [[1, 5, 9, 20], [3, 4], [7, 7, 7, 7, 7, 7], [30, 2, 11]]
 

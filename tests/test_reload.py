@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+from launch import MODEL, running, wait_for, write_config
 
 from specplug.api import build_engine, prompt_ids
 from specplug.config import parse_config
@@ -26,8 +27,6 @@ from specplug.engine import Request, target_info
 from specplug.hooks import hookimpl
 from specplug.server import create_app
 from specplug.testing import RandomDrafts, make_engine, make_train_data, repetitive_prompts, speculator
-
-from launch import MODEL, running, wait_for, write_config
 
 ADMIN = "admin-sekret"
 
@@ -102,9 +101,10 @@ def test_replace_speculator_between_steps_keeps_running_sequences_and_their_outp
 def heads(tiny_gguf, tiny_target, tmp_path_factory):
     """Two MTP heads for the tiny model (A, B), a cut copy of A, and a head made for another target."""
     pytest.importorskip("specplug_mtp")
+    from specplug_mtp.train import MTPTrainer
+
     from specplug.heads import HeadMeta, write_head
     from specplug.train.loop import LoopOptions, train
-    from specplug_mtp.train import MTPTrainer
 
     work = tmp_path_factory.mktemp("reload")
     data = make_train_data(tiny_gguf, work / "data", repetitive_prompts(60), max_tokens=24, shard_prompts=30)

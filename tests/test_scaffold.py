@@ -21,7 +21,8 @@ def test_a_generated_package_installs_and_passes_its_own_tests(tmp_path, kind, n
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
                     str(site), str(pkg)], check=True, capture_output=True, timeout=300)
     env = dict(os.environ, PYTHONPATH=str(site))
-    ep = subprocess.run([sys.executable, "-c", "from specplug.plugins import installed_names; print(installed_names())"],
+    code = "from specplug.plugins import installed_names; print(installed_names())"
+    ep = subprocess.run([sys.executable, "-c", code],
                         env=env, capture_output=True, text=True, timeout=120)
     assert name in ep.stdout, ep.stdout + ep.stderr
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=pkg, env=env,

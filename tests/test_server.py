@@ -16,14 +16,13 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from launch import MODEL, running, stream_until_first_token, wait_for, write_config
 
 from specplug.api import prompt_ids
-from specplug.server import TextOut, create_app
 from specplug.engine import Request
 from specplug.hooks import hookimpl
+from specplug.server import TextOut, create_app
 from specplug.testing import Faulty, Oracle, RandomDrafts, make_engine, speculator
-
-from launch import MODEL, running, stream_until_first_token, wait_for, write_config
 
 TEXTS = ["hello there the", "in the beginning was", "a", "on the other hand, the", "xyz 123", "the the the",
          "she sells sea shells", "onion"]
@@ -93,7 +92,8 @@ def test_chat_and_completions_equal_plain_decoding(server, tiny_target):
     tok = tiny_target.tokenizer
     (ref2, n2, _), = reference(tiny_target, [tok.encode(TEXTS[1])], 30)
     r = c.completions.create(model=MODEL, prompt=TEXTS[1], max_tokens=30, temperature=0)
-    assert r.choices[0].text == ref2 and r.usage.completion_tokens == n2 and r.usage.prompt_tokens == len(tok.encode(TEXTS[1]))
+    assert (r.choices[0].text == ref2 and r.usage.completion_tokens == n2
+            and r.usage.prompt_tokens == len(tok.encode(TEXTS[1])))
     # a prompt as token ids
     r = c.completions.create(model=MODEL, prompt=tok.encode(TEXTS[1]), max_tokens=30, temperature=0)
     assert r.choices[0].text == ref2
@@ -222,7 +222,8 @@ def test_malformed_json_and_bad_prompts(server):
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1, 10 ** 9]}, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "vocabulary" in r.json()["error"]["message"]
+    assert (r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+            and "vocabulary" in r.json()["error"]["message"])
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     with pytest.raises(openai.BadRequestError) as e:

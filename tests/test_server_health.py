@@ -13,11 +13,10 @@ import time
 
 import httpx
 import pytest
+from launch import MODEL, running, stream_until_first_token, wait_for, write_config
 
 from specplug.server import create_app
 from specplug.testing import make_engine
-
-from launch import MODEL, running, stream_until_first_token, wait_for, write_config
 
 LONG = {"prompt": "a", "max_tokens": 400, "ignore_eos": True}
 

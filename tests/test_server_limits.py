@@ -15,11 +15,10 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+from test_server import MODEL, running
 
 from specplug.server import create_app
 from specplug.testing import make_engine
-
-from test_server import MODEL, running
 
 MAX_CHARS = 65536 * 13  # the limited server's context x the tiny vocabulary's longest token, "<|endoftext|>"
 SMALL = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0, "speculative": False}

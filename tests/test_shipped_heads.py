@@ -48,10 +48,11 @@ def test_shipped_head_is_lossless_and_trained(smollm2_gguf, plain_outputs, name)
 def test_the_default_eagle3_head_reads_the_lookup_and_a_plain_one_ships_beside_it(smollm2_gguf):
     if "eagle3" not in installed_names():
         pytest.skip("specplug-eagle3 is not installed")
+    from specplug_eagle3.speculator import find_head, shipped_heads
+
     from specplug.engine import target_info
     from specplug.heads import HeadFile
     from specplug.train.datagen import file_sha256
-    from specplug_eagle3.speculator import find_head, shipped_heads
 
     heads = {p.name: p for p in shipped_heads()}
     default = find_head(target_info(smollm2_gguf, 1, 256))

@@ -16,7 +16,7 @@ import torch
 from specplug.errors import ModelError
 from specplug.runtime import Transformer, load_target
 from specplug.runtime.static import ROW_BUCKETS, StaticOptions, ctx_bucket, row_bucket
-from specplug.testing import RandomDrafts, Oracle, assert_greedy_equal, greedy_outputs, write_tiny_gguf
+from specplug.testing import Oracle, RandomDrafts, assert_greedy_equal, greedy_outputs, write_tiny_gguf
 
 CTX = 512
 

@@ -18,8 +18,15 @@ from specplug.runtime.gguf_file import GGUFFile
 from specplug.testing import write_tiny_gguf
 from specplug.train.datagen import answer_text, second_turn_messages
 from specplug.train.prompts import read_prompt_file
-from specplug.train.selfprompts import (Candidate, FilterSettings, NearDuplicates, RequestFilter, normalize,
-                                        sample_seed, user_turn_prefix)
+from specplug.train.selfprompts import (
+    Candidate,
+    FilterSettings,
+    NearDuplicates,
+    RequestFilter,
+    normalize,
+    sample_seed,
+    user_turn_prefix,
+)
 
 GPTEACHER = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "train" / "gpteacher"
 
@@ -67,7 +74,8 @@ def test_a_bad_json_array_is_one_clear_error_naming_the_record(tmp_path, content
 
 def test_conversations_keep_every_turn(tmp_path):
     f = tmp_path / "chat.jsonl"
-    f.write_text(json.dumps({"turns": ["Hi, who are you? ", "Tell me more."]}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    f.write_text(json.dumps({"turns": ["Hi, who are you? ", "Tell me more."]}) + "\n"
+                 + json.dumps({"prompt": "x"}) + "\n")
     a, b = read_prompt_file(f)
     assert a.text == "Hi, who are you?" and a.turns == ("Hi, who are you?", "Tell me more.")
     assert a.user_turns(1) == ("Hi, who are you?",) and b.user_turns() == ("x",)
@@ -148,7 +156,8 @@ def test_the_user_turn_prefix_is_what_the_chat_template_puts_before_a_users_text
         first = user_turn_prefix(tiny_tok, [], system)
         whole = prompt_ids(tiny_tok, "What is a cat?", True, system)
         assert whole[:len(first)] == first and tiny_tok.decode(first).endswith("<|im_start|>user\n")
-        assert whole[len(first):len(first) + len(tiny_tok.encode("What is a cat?"))] == tiny_tok.encode("What is a cat?")
+        cat = tiny_tok.encode("What is a cat?")
+        assert whole[len(first):len(first) + len(cat)] == cat
         history = [{"role": "user", "content": "What is a cat?"}, {"role": "assistant", "content": "An animal."}]
         nxt = user_turn_prefix(tiny_tok, history, system)
         conv = prompt_ids(tiny_tok, history + [{"role": "user", "content": "And a dog?"}], True, system)
@@ -167,7 +176,8 @@ def test_self_prompts_from_smollm2_are_deterministic_and_can_be_made_in_pieces(s
     t1, t2 = stats["filters"]["turn1"], stats["filters"]["turn2"]
     assert stats["candidates"] == 8 and stats["kept"] == len(recs) == t1["near_dup"]["in"] - t1["near_dup"]["dropped"]
     assert t1["finished"]["in"] == 8 and t2["finished"]["in"] <= len(recs)
-    assert sum(len(r["turns"]) == 2 for r in recs) == stats["two_turns"] == t2["near_dup"]["in"] - t2["near_dup"]["dropped"]
+    assert (sum(len(r["turns"]) == 2 for r in recs) == stats["two_turns"]
+            == t2["near_dup"]["in"] - t2["near_dup"]["dropped"])
     assert f"{len(recs)} of 8 candidate requests kept" in err and len(recs) >= 3  # SmolLM2 writes mostly usable ones
     assert all(r["source"] == "self" and r["seed"] == 3 and all(t.strip() for t in r["turns"]) for r in recs)
     prompts = read_prompt_file(whole)  # the output is a prompt file for `train data --turns 2`
@@ -214,7 +224,8 @@ def test_two_turn_data_is_generated_as_run_feeds_the_second_turn(tiny, tmp_path,
     assert man["turns"] == 2 and [p.get("turns") for p in man["prompts"]] == [2 if n <= 2 else None for n in line]
     assert man["sources"]["p.jsonl"]["two_turns"] == 2
     off, plens, pidx = sh["offsets"].tolist(), sh["prompt_lens"].tolist(), sh["prompt_index"].tolist()
-    assert pidx == [i for i, n in enumerate(line) for _ in range(2 if n <= 2 else 1)] and man["totals"]["sequences"] == 5
+    assert (pidx == [i for i, n in enumerate(line) for _ in range(2 if n <= 2 else 1)]
+            and man["totals"]["sequences"] == 5)
     seq = lambda s: sh["tokens"][off[s]:off[s + 1]]  # noqa: E731
     firsts = [pidx.index(i) for i in range(3)]  # a prompt's first sequence is its first turn
     one_line = [int(p["id"].split(":")[1]) for p in one["prompts"]]

@@ -5,9 +5,13 @@ then `python docs/results/forward-glue-s37.py` from the checkout's root: per row
 300 forwards after 512 tokens: the wall time, the layers' loop, the head, the layers' loop less the
 kernels' own timers inside it (glue_layers), and the rest outside both (Python, the embedding, the
 call itself)."""
-import sys, time, statistics, torch
+import statistics
+import sys
+import time
+
 sys.path.insert(0, '.')
-from scripts.kernel_builds import load_build, swappable_model, fill, step
+from scripts.kernel_builds import fill, load_build, step, swappable_model
+
 m, use = swappable_model("smollm2-135m", 2)
 kb = load_build("specplug_gguf_glue2"); use(kb)
 cache = m.new_cache(1, 2048); fill(m, cache, 512)

@@ -102,7 +102,8 @@ def figures(results: list[PromptResult], variant: str) -> dict:
         # the speculator's own time (drafting and keeping its context in step) per token it drafted
         "draft_ms_per_token": round(1e3 * t_spec / drafted, 4) if drafted else 0.0,
         "draft_ms_per_forward": round(1e3 * t_spec / forwards, 4) if forwards else 0.0,
-        "asked_share": round(sum(x.asked for x in runs) / steps, 4) if (steps := sum(x.seq_steps for x in runs)) else 0.0,
+        "asked_share": (round(sum(x.asked for x in runs) / steps, 4)
+                        if (steps := sum(x.seq_steps for x in runs)) else 0.0),
         "verified_share": round(drafts / steps, 4) if steps else 0.0,
         "draft_ms_per_accepted": round(1e3 * sum(x.draft_s for x in runs) / accepted, 4) if accepted else None,
         "first_token_match": round(sum(x.first_hit for x in runs) / proposed, 4)

@@ -33,11 +33,17 @@ Drafting toolkit (each part usable on its own):
     Calibrator, pick_tokens   confidences from outcomes; one token per row of logits
     masks                which training rows a chain or parallel head is scored on
 """
-from specplug.heads.file import (HEAD_ARCH, HeadError, HeadFile, HeadMeta, layer_from_head, token_table_sha256,
-                                 write_head)
-
 from specplug.heads.calibrate import Calibrator
 from specplug.heads.chain import ChainDrafter, ChainHead
+from specplug.heads.file import (
+    HEAD_ARCH,
+    HeadError,
+    HeadFile,
+    HeadMeta,
+    layer_from_head,
+    token_table_sha256,
+    write_head,
+)
 from specplug.heads.loop import DraftLoop
 from specplug.heads.pairstep import PairStep
 from specplug.heads.parallel import NewestStateDrafter, ParallelHead, ParallelHeadsDrafter

@@ -48,8 +48,8 @@ from specplug.heads.lookup import pair_lookup
 from specplug.heads.loop import DraftLoop, Picks
 from specplug.heads.state import StateKeeper
 from specplug.hooks import hookimpl
-from specplug.runtime.linear import take_rows
 from specplug.runtime.kv_cache import KVCache
+from specplug.runtime.linear import take_rows
 from specplug.types import Batch, Draft, DraftRequest, TargetInfo, Verified
 
 

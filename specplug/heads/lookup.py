@@ -181,7 +181,8 @@ def check_lookup_options(method: str, lookup: bool, n: int) -> None:
     if problem:
         raise SpecplugError(f"{method} options: {problem}")
     if n != 2 and not lookup:
-        raise SpecplugError(f"{method} options: lookup_n {n} needs --lookup true (a head without the lookup reads none)")
+        raise SpecplugError(f"{method} options: lookup_n {n} needs --lookup true "
+                            "(a head without the lookup reads none)")
 
 
 def lookup_n_of(head) -> int:

@@ -34,8 +34,8 @@ from typing import Sequence
 import torch
 
 from specplug.runtime import native
-from specplug.runtime.layers import Backend, DecoderLayer, Rope, note_rows
 from specplug.runtime.kv_cache import KVCache
+from specplug.runtime.layers import Backend, DecoderLayer, Rope, note_rows
 from specplug.runtime.model import EMBED_TYPES, embed_blocks
 
 
@@ -96,7 +96,8 @@ class PairStep:
     @torch.inference_mode()
     def __call__(self, h: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
                  rows: Sequence[int], want_logits: bool = False, raw: bool = False,
-                 lookup: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int], list[float], torch.Tensor | None]:
+                 lookup: Sequence[int] | None = None,
+                 ) -> tuple[torch.Tensor, list[int], list[float], torch.Tensor | None]:
         """Rows (h(t-1) [n, d], x_t, t, seq) -> (output states [n, d], for each of `rows` the top-1 target
         id and its probability, and with `want_logits` the logits [len(rows), draft vocab]).
         raw: h is [n, pre's input width], put through `pre` first. Every row's K/V go into the cache.

@@ -45,15 +45,18 @@ def report(path: str | Path, target: str | Path | None = None) -> dict:
 
 def _text(r: dict) -> str:
     t = r["target"]
-    lines = [f"{r['file']['path']}: {r['method']} head, format version {r['version']} ({r['file']['bytes'] / 1e6:.2f} MB)",
+    lines = [f"{r['file']['path']}: {r['method']} head, format version {r['version']} "
+             f"({r['file']['bytes'] / 1e6:.2f} MB)",
              f"  trained for  {t['name']} ({t['arch']}, n_embd {t['n_embd']}, vocab {t['vocab_size']}, "
              f"token table {t['token_table_sha256'][:12]})",
              f"  taps         {', '.join(r['taps']) or '(none)'}"]
     if "target_check" in r:
         c = r["target_check"]
-        lines.append(f"  target       {c['target']}: " + ("compatible" if c["compatible"] else f"NOT compatible: {c['problem']}"))
+        verdict = "compatible" if c["compatible"] else f"NOT compatible: {c['problem']}"
+        lines.append(f"  target       {c['target']}: {verdict}")
     dv = r["draft_vocab"]
-    lines.append(f"  draft vocab  {dv['size']} of {dv['of']} tokens" + (f" (tensor {dv['tensor']})" if dv["tensor"] else ""))
+    tensor = f" (tensor {dv['tensor']})" if dv["tensor"] else ""
+    lines.append(f"  draft vocab  {dv['size']} of {dv['of']} tokens{tensor}")
     lines.append(f"  config       {json.dumps(r['config'], sort_keys=True)}")
     lines.append(f"  tensors      {len(r['tensors'])}")
     for x in r["tensors"]:

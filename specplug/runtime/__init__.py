@@ -10,9 +10,8 @@ from specplug.runtime.model import ForwardOutput, OutputHead, TokenEmbeddings, T
 from specplug.runtime.resolve import resolve_model
 from specplug.runtime.tokenizer import Tokenizer
 
-__all__ = ["GGUFFile", "ModelConfig", "KVCache", "ForwardOutput", "Transformer", "OutputHead", "TokenEmbeddings", "Tokenizer",
-           "resolve_model",
-           "Target", "load_target", "resolve_threads"]
+__all__ = ["GGUFFile", "ModelConfig", "KVCache", "ForwardOutput", "Transformer", "OutputHead", "TokenEmbeddings",
+           "Tokenizer", "resolve_model", "Target", "load_target", "resolve_threads"]
 
 
 @dataclass

@@ -216,7 +216,8 @@ class GGUFFile:
         try:
             arr = dequantize(np.asarray(t.data), qtype)
         except NotImplementedError:
-            raise ModelError(f"{self.path}: tensor {name!r} has type {qtype.name}, which cannot be dequantized") from None
+            raise ModelError(f"{self.path}: tensor {name!r} has type {qtype.name}, "
+                             "which cannot be dequantized") from None
         except Exception as exc:
             raise ModelError(f"{self.path}: tensor {name!r} ({qtype.name}) is corrupt or truncated ({exc})") from None
         shape = tuple(int(d) for d in reversed(t.shape))

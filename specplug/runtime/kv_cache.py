@@ -113,7 +113,8 @@ class KVCache:
             else:
                 self._valid_np[seq_ids, positions] = True
         else:
-            self.valid[torch.as_tensor(seq_ids, device=self.device), torch.as_tensor(positions, device=self.device)] = True
+            rows = torch.as_tensor(seq_ids, device=self.device)
+            self.valid[rows, torch.as_tensor(positions, device=self.device)] = True
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int | None = None) -> None:
         """Make positions [p0, p1) of `dst` a copy of those of `src` (shared prompt prefixes).

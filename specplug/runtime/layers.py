@@ -194,7 +194,8 @@ class Step:
         self._rotations: dict[int, torch.Tensor] = {}  # id(rope) -> [B*T, 1, D/2] complex (torch backend)
         if self.native:
             if cache.dtype not in (torch.float16, torch.float32) or cache.device.type != "cpu":
-                raise ValueError("the native kernels need a float16 or float32 CPU cache (make it with Backend.new_cache)")
+                raise ValueError("the native kernels need a float16 or float32 CPU cache "
+                                 "(make it with Backend.new_cache)")
             note_rows(positions, seq_ids, cache)
             self.positions, self.seq_ids = positions, seq_ids  # (the all-layers call takes them as lists)
             self.cos, self.sin = rope.cos_sin(cache.max_ctx)
@@ -575,13 +576,17 @@ class _Plan:
             cache.valid[self._w_seq, self._w_pos] = True
         # keys visible to the batch: each slot's cells [0, L)
         self.L = L = max(cache.end[s] for s in self.slots)
-        self._slot_span = (self.slots[0], self.slots[0] + B) if self.slots == list(range(self.slots[0], self.slots[0] + B)) else None
+        first = self.slots[0]
+        self._slot_span = (first, first + B) if self.slots == list(range(first, first + B)) else None
         self._slot_idx = None if self._slot_span else torch.tensor(self.slots, dtype=torch.long, device=dev)
         need_mask = B > 1 or T > 1 or not all(cache.dense[s] for s in self.slots) or limits is not None
         self._mask: torch.Tensor | None = None  # [B, T, L] additive; None: no mask needed
         if need_mask:
             kpos = torch.arange(L, device=dev)
-            valid = cache.valid[self._slot_span[0]:self._slot_span[1], :L] if self._slot_span else cache.valid[self._slot_idx, :L]
+            if self._slot_span:
+                valid = cache.valid[self._slot_span[0]:self._slot_span[1], :L]
+            else:
+                valid = cache.valid[self._slot_idx, :L]
             lim = self.q_pos if limits is None else torch.tensor([int(x) for x in limits], dtype=torch.long, device=dev)
             keep = (kpos.view(1, 1, L) <= lim.view(B, T, 1)) & valid.view(B, 1, L)  # [B, T, L]
             # additive float mask (SDPA converts a bool one on every call), rows laid out as

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from specplug.errors import ModelError
-from specplug.runtime.gguf_file import GGUFFile, ModelConfig
 from specplug.runtime import native, pages
+from specplug.runtime.gguf_file import GGUFFile, ModelConfig
 from specplug.runtime.kv_cache import RING_SLACK, KVCache
 from specplug.runtime.layers import Backend, DecoderLayer, LayerKind, LayerShape, Linear, Rope, Step
 from specplug.runtime.linear import int8_available
@@ -135,7 +135,8 @@ class ForwardOutput:
     """What one forward returns, rows in the order of the batch entries."""
 
     logits: torch.Tensor | None  # [len(logits_rows), vocab] float32
-    hidden: dict[int, torch.Tensor]  # tap -> [n_entries, n_embd] float32; tap i = input of layer i, n_layer = pre-norm final
+    # tap -> [n_entries, n_embd] float32; tap i = input of layer i, n_layer = pre-norm final
+    hidden: dict[int, torch.Tensor]
 
 
 def _neox_to_interleaved(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:

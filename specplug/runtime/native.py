@@ -5,7 +5,8 @@ Q6_K are unpacked at load into their integer values and float32 scales (exactly 
 dequantizer gives); any other type is dequantized and re-quantized to Q8_0. Activations are quantized per row to 8 bits
 per block of 32 and dotted in integers, on the best instruction set the CPU has (AVX-512 VNNI,
 else AVX2; `SPECPLUG_ISA=avx2|avx512` forces one); every path gives bit-identical results. That
-reads ~97 MB per token for SmolLM2-135M instead of 540 MB of float32 weights, and verifying a few drafted rows costs little more
+reads ~97 MB per token for SmolLM2-135M instead of 540 MB of float32 weights, and verifying a few
+drafted rows costs little more
 than one because each weight tile is unpacked once for all the rows.
 
 The kernels (csrc/gguf_kernels.cpp) are compiled on first use with torch's C++ extension

@@ -308,7 +308,8 @@ def head_steps(target, backend, fn, rope, group: int, linears=()) -> StaticSteps
     """A head's draft step as static-shape steps where its target runs them (`target.static`, a
     TargetInfo's), else None (then the head runs its eager forward). fn(step, inputs, key): the
     head's rows function (see StaticSteps); group: its layer's n_head // n_head_kv; linears: the
-    head's Linear layers (unpacked for the compiler on CPU). Rows are bucketed, not fixed: a draft is verified by the target, so a head's
+    head's Linear layers (unpacked for the compiler on CPU). Rows are bucketed, not fixed: a draft is
+    verified by the target, so a head's
     numerics never reach the output and its steps stay as small as its batch."""
     opts = getattr(target, "static", None)
     if opts is None or backend.native:

@@ -24,8 +24,13 @@ length), `prompts` (the pool), `worker` (the engine thread), `metrics`, `answers
 from __future__ import annotations
 
 from specplug.server.answers import Answers, TextOut
-from specplug.server.app import DEFAULT_MAX_BODY_MB, EXIT_ENGINE_FAILED, create_app, serve
-from specplug.server.app import _model_name  # noqa: F401  (specplug.serve_ray names a served model with it)
+from specplug.server.app import (
+    DEFAULT_MAX_BODY_MB,
+    EXIT_ENGINE_FAILED,
+    _model_name,  # noqa: F401  (specplug.serve_ray names a served model with it)
+    create_app,
+    serve,
+)
 from specplug.server.limits import BodyLimit
 from specplug.server.metrics import Metrics
 from specplug.server.prompts import Prompts

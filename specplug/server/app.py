@@ -11,7 +11,8 @@ import time
 from contextlib import asynccontextmanager
 from typing import Callable, Sequence
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -25,8 +26,14 @@ from specplug.server.limits import BodyLimit
 from specplug.server.metrics import Metrics
 from specplug.server.prompts import Prompts
 from specplug.server.reload import Reloader, ReloadError, head_identity
-from specplug.server.schemas import (APIError, ChatRequest, CompletionRequest, ReloadRequest, engine_unavailable,
-                                     validation_error)
+from specplug.server.schemas import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    ReloadRequest,
+    engine_unavailable,
+    validation_error,
+)
 from specplug.server.worker import EngineWorker
 
 log = logging.getLogger("specplug.server")

@@ -46,7 +46,8 @@ class Metrics:
         w = self._worker
         eng = w.engine
         yield GaugeMetricFamily("specplug_requests_running", "Requests in a sequence slot", value=eng.n_running)
-        yield GaugeMetricFamily("specplug_requests_waiting", "Requests queued for a slot (queue depth)", value=w.waiting)
+        yield GaugeMetricFamily("specplug_requests_waiting", "Requests queued for a slot (queue depth)",
+                                value=w.waiting)
         yield GaugeMetricFamily("specplug_slots", "Sequence slots (parallel)", value=eng.n_parallel)
         yield GaugeMetricFamily("specplug_engine_up", "1 while the engine serves, 0 once it died or stalled",
                                 value=0.0 if w.failure is not None else 1.0)
@@ -56,7 +57,8 @@ class Metrics:
         if w.recorder is not None:
             yield from self._recording(w.recorder.stats)
         st = eng.stats
-        yield CounterMetricFamily("specplug_target_forwards", "Decoding forwards of the target", value=st.target_forwards)
+        yield CounterMetricFamily("specplug_target_forwards", "Decoding forwards of the target",
+                                  value=st.target_forwards)
         yield CounterMetricFamily("specplug_emitted_tokens", "Tokens the target produced, stop tokens included",
                                   value=st.emitted_tokens)
         yield GaugeMetricFamily("specplug_mean_accepted_length", "Tokens per decoding forward over all requests",

@@ -13,8 +13,7 @@ from specplug.errors import SpecplugError
 from specplug.record import lower_priority
 from specplug.sampling import SamplingParams
 from specplug.server.limits import BoundedTokenizer, PromptTooLong
-from specplug.server.schemas import (APIError, ChatRequest, CompletionRequest, SamplingBody,
-                                     SpeculativeOptions)
+from specplug.server.schemas import APIError, ChatRequest, CompletionRequest, SamplingBody, SpeculativeOptions
 
 
 class Prompts:

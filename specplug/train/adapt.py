@@ -40,8 +40,7 @@ import numpy as np
 from specplug.errors import SpecplugError
 from specplug.outputs import claim, exit_1_on_write_error, replacing
 from specplug.train.datagen import MANIFEST, write_json_atomic
-from specplug.train.tokens import (TOKENS_KIND, TOKENS_VERSION, _read_token_shard, read_tokens_manifest,
-                                   token_shard_npz)
+from specplug.train.tokens import TOKENS_KIND, TOKENS_VERSION, _read_token_shard, read_tokens_manifest, token_shard_npz
 
 REPORT = "adapt-report.json"
 
@@ -92,7 +91,8 @@ def write_token_folder(out_dir: Path, like: dict, seqs: list, shard_sequences: i
         with replacing(out_dir / name, "--work") as tmp:
             tmp.write_bytes(blob)
         shards.append({"index": len(shards), "file": name, "sequences": len(chunk),
-                       "tokens": sum(len(t) for t, _, _ in chunk), "answer_tokens": sum(len(t) - p for t, p, _ in chunk),
+                       "tokens": sum(len(t) for t, _, _ in chunk),
+                       "answer_tokens": sum(len(t) - p for t, p, _ in chunk),
                        "sha256": hashlib.sha256(blob).hexdigest()})
     keep = {k: v for k, v in like.items() if k not in ("shards", "totals")}
     man = {**keep, "kind": TOKENS_KIND, "version": TOKENS_VERSION, "shard_prompts": shard_sequences,
@@ -239,10 +239,12 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--record", required=True, metavar="DIR", help="recorded traffic (serve/run --record DIR)")
     p.add_argument("--head", required=True, metavar="HEAD.gguf", help="the head serving today")
-    p.add_argument("-o", "--output", required=True, metavar="NEW.gguf", help="the adapted head (written only if better)")
+    p.add_argument("-o", "--output", required=True, metavar="NEW.gguf",
+                   help="the adapted head (written only if better)")
     p.add_argument("--work", default=None, metavar="DIR",
                    help="split, rebuilt data, checkpoints and the report (default: NEW.adapt/ beside -o)")
-    p.add_argument("--hold-back", type=float, default=0.2, help="share of the recorded prompts, the latest, kept to judge")
+    p.add_argument("--hold-back", type=float, default=0.2,
+                   help="share of the recorded prompts, the latest, kept to judge")
     p.add_argument("--mix", nargs="*", default=[], metavar="DIR[:TOKENS]",
                    help="data sets the head was trained on, mixed in so it does not forget (e.g. orig:300k)")
     p.add_argument("--answers-only", action="store_true",

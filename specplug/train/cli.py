@@ -96,7 +96,8 @@ def _data(args, files) -> int:
     rng.shuffle(chosen)  # shards mix all sources, so a partial data set is a fair sample
     dropped = sum(s["dropped_overlap"] for s in sources.values())
     print(f"specplug: {len(chosen)} prompts; dropped {dropped} sharing a 13-token n-gram with an evaluation prompt "
-          f"(Spec-Bench, MT-bench, HumanEval): " + ", ".join(f"{k}: {v['dropped_overlap']}" for k, v in sources.items()),
+          "(Spec-Bench, MT-bench, HumanEval): "
+          + ", ".join(f"{k}: {v['dropped_overlap']}" for k, v in sources.items()),
           file=sys.stderr)
     settings = {"command": " ".join(sys.argv), "seed": args.seed, "chat": chat, "system": args.system,
                 "max_prompt_tokens": args.max_prompt_tokens, "parallel": args.parallel, "limit": args.limit,
@@ -248,7 +249,8 @@ def register(sub) -> None:
     from specplug.cli_args import add_ray_args, threads_arg
 
     p = sub.add_parser("train", help="make training data from the target, or train a speculator head")
-    tsub = p.add_subparsers(dest="train_command", required=True, metavar="{data,prompts,tokens," + ",".join(_trainer_names()) + "}")
+    tsub = p.add_subparsers(dest="train_command", required=True,
+                            metavar="{data,prompts,tokens," + ",".join(_trainer_names()) + "}")
 
     d = tsub.add_parser("data", help="the target answers prompts; tokens, hidden states and top-k into shards")
     d.add_argument("--model", default="smollm2-135m", help="known model name or path to a .gguf (the target)")

@@ -46,8 +46,16 @@ import torch
 from specplug.errors import SpecplugError
 from specplug.heads import token_table_sha256
 from specplug.outputs import claim, write_atomic
-from specplug.train.generator import (FORMAT_VERSION, DataGenerator, _concat, choose_tap_dtype, file_sha256,
-                                     shard_record, tap_dtype_entry, write_shard)
+from specplug.train.generator import (
+    FORMAT_VERSION,
+    DataGenerator,
+    _concat,
+    choose_tap_dtype,
+    file_sha256,
+    shard_record,
+    tap_dtype_entry,
+    write_shard,
+)
 from specplug.train.prompts import TrainPrompt
 
 MANIFEST = "manifest.json"

@@ -179,7 +179,8 @@ class DataGenerator:
                 q.topk_lp.append(top_lp[j:j + k].to(torch.float16))
             if k and q.final:  # a known sequence: the target's greedy choice after each row is the next token
                 nxt_rows = range(q.fed + d0 + 1, q.fed + n + 1)
-                self.disagree += sum(1 for b, p in zip(best[j:j + k], nxt_rows) if p < len(q.tokens) and b != q.tokens[p])
+                self.disagree += sum(1 for b, p in zip(best[j:j + k], nxt_rows)
+                                     if p < len(q.tokens) and b != q.tokens[p])
             q.fed += n
             if k and q.fed == len(q.tokens) and not q.final:
                 nxt = best[j + k - 1]

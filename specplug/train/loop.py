@@ -281,7 +281,8 @@ def score(trainer: Any, data: TrainData, groups: Iterable[Sequence], device: tor
           with_loss: bool = False) -> tuple[torch.Tensor, torch.Tensor, float | None]:
     """The validation of a trainer over batch groups of `data`: per depth, tokens where the head's top-1
     is the target's greedy token and tokens counted (`evaluate` summed), and with `with_loss` the
-    method's loss averaged over the batches (weighted by their tokens). Seeded, and the random state restored after: a loss that samples (DFlash's
+    method's loss averaged over the batches (weighted by their tokens). Seeded, and the random state
+    restored after: a loss that samples (DFlash's
     anchors) gives the same figure every time and leaves the training's draws alone."""
     trainer.module.eval()
     hit, tot = torch.zeros(trainer.depths), torch.zeros(trainer.depths)
@@ -324,7 +325,8 @@ def _val_groups(data: TrainData, loop: LoopOptions) -> list:
 def _data_record(data: TrainData) -> dict:
     """What a recipe records of its data: the folder (a mix: every folder, with its share) and identity."""
     rec = {"path": ", ".join(str(s) for s in data.sources), "manifest_sha256": data.manifest_sha256,
-           "train_tokens": data.count("train"), "val_tokens": data.count("val"), "target_sha256": data.target.get("sha256")}
+           "train_tokens": data.count("train"), "val_tokens": data.count("val"),
+           "target_sha256": data.target.get("sha256")}
     if len(data.sources) > 1 or data.sources[0].max_tokens:
         rec["mix"] = [{"path": str(s.path), "max_tokens": s.max_tokens, "manifest_sha256": manifest_sha256(m)}
                       for s, m in zip(data.sources, data.manifests)]
@@ -341,7 +343,8 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path | Sequence, o
     wd = work_dir(out)
     ckpt = wd / "checkpoint.pt"
     if ckpt.is_file() and not (resume or restart):
-        raise SpecplugError(f"{ckpt} exists from an earlier run: add --resume to continue it, or --restart to start over")
+        raise SpecplugError(f"{ckpt} exists from an earlier run: add --resume to continue it, "
+                            "or --restart to start over")
     random.seed(loop.seed)
     torch.manual_seed(loop.seed)
     data, trainer = build(cls, opts, data_dir, device, loop.val_fraction, loop.limit_tokens or None, loop.max_len,

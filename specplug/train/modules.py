@@ -102,7 +102,8 @@ class TrainLayer(nn.Module):
 
     def head_params(self, prefix: str) -> dict[str, nn.Parameter]:
         """The parameters themselves under the names `specplug.heads.layer_from_head` reads."""
-        out = {prefix + "attn_qkv": self.wqkv, prefix + "attn_output": self.wo, prefix + "ffn_norm": self.ffn_norm.weight,
+        out = {prefix + "attn_qkv": self.wqkv, prefix + "attn_output": self.wo,
+               prefix + "ffn_norm": self.ffn_norm.weight,
                prefix + "ffn_gate_up": self.w_gate_up, prefix + "ffn_down": self.w_down}
         if self.attn_norm is not None:
             out[prefix + "attn_norm"] = self.attn_norm.weight

@@ -5,19 +5,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from specplug_dflash.head import DFlashRuntime
+from specplug_dflash.speculator import DFlash
+from specplug_dflash.train import DFlashTrainer
 
 from specplug.api import build_speculators, prompt_ids
 from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
 from specplug.runtime import load_target
-from specplug.testing import (assert_greedy_equal, fine_tune_with_lookup, greedy_outputs, make_engine,
-                              make_train_data, repetitive_prompts, speculator, write_tiny_gguf)
+from specplug.testing import (
+    assert_greedy_equal,
+    fine_tune_with_lookup,
+    greedy_outputs,
+    make_engine,
+    make_train_data,
+    repetitive_prompts,
+    speculator,
+    write_tiny_gguf,
+)
 from specplug.train.loop import LoopOptions, train
 from specplug.types import Batch, DraftRequest
-from specplug_dflash.head import DFlashRuntime
-from specplug_dflash.speculator import DFlash
-from specplug_dflash.train import DFlashTrainer
 
 TAPS = "1,2,final"
 

@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 import torch
+from specplug_draft import DraftModel
 
 import specplug.testing as sptest
 from specplug.api import build_speculators
@@ -17,8 +18,6 @@ from specplug.hooks import hookimpl
 from specplug.sampling import SamplingParams
 from specplug.testing import Oracle, assert_greedy_equal, greedy_outputs, make_engine, speculator, write_tiny_gguf
 from specplug.types import Batch, DraftRequest
-
-from specplug_draft import DraftModel
 
 TEXTS = ["hello there the", "in the beginning was", "on the other hand, the", "she sells sea shells"]
 CTX = 512  # make_engine's default max_ctx

@@ -8,20 +8,30 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from specplug_eagle3.head import Eagle3Runtime
+from specplug_eagle3.speculator import Eagle3
+from specplug_eagle3.train import Eagle3Trainer
 
 from specplug.api import build_speculators, prompt_ids
 from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
 from specplug.runtime import load_target
-from specplug.testing import (assert_greedy_equal, check_lookup_step, check_native_step, drafted_lookups,
-                              fine_tune_with_lookup, greedy_outputs, make_engine, make_train_data, repetitive_prompts,
-                              speculator, write_tiny_gguf)
+from specplug.testing import (
+    assert_greedy_equal,
+    check_lookup_step,
+    check_native_step,
+    drafted_lookups,
+    fine_tune_with_lookup,
+    greedy_outputs,
+    make_engine,
+    make_train_data,
+    repetitive_prompts,
+    speculator,
+    write_tiny_gguf,
+)
 from specplug.train.loop import LoopOptions, train
 from specplug.types import Batch, DraftRequest
-from specplug_eagle3.head import Eagle3Runtime
-from specplug_eagle3.speculator import Eagle3
-from specplug_eagle3.train import Eagle3Trainer
 
 LAYERS = "1,2,3"
 
@@ -92,7 +102,8 @@ def test_trained_head_beats_untrained_head(tiny, data, trained, work):
 def test_fused_state_pairing_after_rejections_equals_a_fresh_replay(tiny, trained):
     target = _target(tiny, "gguf")
     spec = _eagle(target, trained, stop_below=0.0, catch_up=None)  # reads every row, the prompt's too
-    eng = make_engine(target, [speculator(spec, "eagle3", cost_trim=False)], n_parallel=3, max_ctx=512)  # every draft verified
+    # every draft verified
+    eng = make_engine(target, [speculator(spec, "eagle3", cost_trim=False)], n_parallel=3, max_ctx=512)
     for r in [Request(p, 30) for p in _ids(target, 3)]:
         eng.add(r)
     for _ in range(9):  # nine draft-verify steps (all three admitted at the first), then stop mid-generation
@@ -153,7 +164,8 @@ def test_bad_heads_are_clear_errors(tiny, trained, work):
     bad = dict(tensors, d2t=tensors["d2t"].clone())
     bad["d2t"][5] = 100000
     write_head(work / "bad-d2t.gguf", h.meta, bad)
-    with pytest.raises(ConfigError, match=r"d2t maps draft rows to token ids \[100000\] outside the target's vocabulary"):
+    with pytest.raises(ConfigError,
+                       match=r"d2t maps draft rows to token ids \[100000\] outside the target's vocabulary"):
         _eagle(target, work / "bad-d2t.gguf")
     meta = HeadMeta(**{**h.meta.__dict__, "taps": ("0", "2", "3")})
     write_head(work / "bad-taps.gguf", meta, tensors)
@@ -253,7 +265,8 @@ def test_a_public_eagle3_checkpoint_drafts_the_same_tokens_after_conversion(tiny
     d2t_abs = torch.randperm(mc.vocab_size, generator=g)[:N].sort().values
     sd = {"fc.weight": r(d, 3 * d), "midlayer.input_layernorm.weight": 1 + 0.1 * torch.randn(d, generator=g),
           "midlayer.hidden_norm.weight": 1 + 0.1 * torch.randn(d, generator=g),
-          "midlayer.self_attn.q_proj.weight": r(H * D, 2 * d, scale=3), "midlayer.self_attn.k_proj.weight": r(Hkv * D, 2 * d, scale=3),
+          "midlayer.self_attn.q_proj.weight": r(H * D, 2 * d, scale=3),
+          "midlayer.self_attn.k_proj.weight": r(Hkv * D, 2 * d, scale=3),
           "midlayer.self_attn.v_proj.weight": r(Hkv * D, 2 * d), "midlayer.self_attn.o_proj.weight": r(d, H * D),
           "midlayer.post_attention_layernorm.weight": torch.ones(d), "midlayer.mlp.gate_proj.weight": r(n_ff, d),
           "midlayer.mlp.up_proj.weight": r(n_ff, d), "midlayer.mlp.down_proj.weight": r(d, n_ff),
@@ -402,8 +415,9 @@ def test_a_head_reading_the_pair_lookup_starts_as_its_base_and_drafts_losslessly
     # the native draft step adds the lookup and its gate in the same call as the Python form does
     check_lookup_step(spec.rt)
 
-    from specplug.errors import SpecplugError
     from specplug_eagle3.llamacpp import export_llamacpp
+
+    from specplug.errors import SpecplugError
 
     with pytest.raises(SpecplugError, match=r"reads the context's pair lookup .* export a head trained without"):
         export_llamacpp(with_lookup, tiny, with_lookup.with_name("lookup-lcpp.gguf"))

@@ -12,6 +12,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from specplug_eagle3.head import Eagle3Config, write_eagle3
+from specplug_eagle3.speculator import Eagle3
 
 from specplug.api import prompt_ids
 from specplug.cli import main
@@ -21,8 +23,6 @@ from specplug.heads import HeadFile
 from specplug.runtime import load_target
 from specplug.testing import repetitive_prompts, write_tiny_gguf
 from specplug.types import Batch, DraftRequest
-from specplug_eagle3.head import Eagle3Config, write_eagle3
-from specplug_eagle3.speculator import Eagle3
 
 VT, QT = gguf.GGUFValueType, gguf.GGMLQuantizationType
 LAYERS, N_DRAFT, H, HKV, D, N_FF = (1, 2, 3), 150, 4, 2, 16, 96

@@ -5,18 +5,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from specplug_mtp.head import MTPRuntime
+from specplug_mtp.speculator import MTP
+from specplug_mtp.train import MTPTrainer
 
 from specplug.api import build_speculators
 from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
 from specplug.runtime import load_target
-from specplug.testing import assert_greedy_equal, check_lookup_step, check_native_step, drafted_lookups, \
-    fine_tune_with_lookup, greedy_outputs, make_train_data, repetitive_prompts, speculator, write_tiny_gguf
+from specplug.testing import (
+    assert_greedy_equal,
+    check_lookup_step,
+    check_native_step,
+    drafted_lookups,
+    fine_tune_with_lookup,
+    greedy_outputs,
+    make_train_data,
+    repetitive_prompts,
+    speculator,
+    write_tiny_gguf,
+)
 from specplug.train.loop import LoopOptions, train
-from specplug_mtp.head import MTPRuntime
-from specplug_mtp.speculator import MTP
-from specplug_mtp.train import MTPTrainer
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +111,16 @@ def test_head_cache_after_rejections_equals_a_fresh_replay(tiny, trained):
     from specplug.testing import make_engine
 
     spec = _mtp(target, trained, stop_below=0.0, catch_up=None)  # reads every row, the prompt's too
-    eng = make_engine(target, [speculator(spec, "mtp", cost_trim=False)], n_parallel=3, max_ctx=512)  # every draft verified
+    # every draft verified
+    eng = make_engine(target, [speculator(spec, "mtp", cost_trim=False)], n_parallel=3, max_ctx=512)
     for r in [Request(p, 30) for p in prompts]:
         eng.add(r)
     for _ in range(9):  # nine draft-verify steps (all three admitted at the first), then stop mid-generation
         eng.step()
     seqs = {q.slot: list(q.tokens) for q in eng._active.values()}
     assert seqs  # the sequences still running (a finished one has been cleared)
-    assert spec.calib.table[..., 1].sum() > 0 and (spec.calib.table[..., 1] > spec.calib.table[..., 0]).any()  # rejections seen
+    # rejections seen
+    assert spec.calib.table[..., 1].sum() > 0 and (spec.calib.table[..., 1] > spec.calib.table[..., 0]).any()
     m = target.model
     for slot, toks in seqs.items():
         st = spec.state[slot]

@@ -14,17 +14,16 @@ import numpy as np
 import pluggy
 import pytest
 import torch
-
-from specplug import hooks
-from specplug.errors import ConfigError, PluginError, SpecplugError
-from specplug.types import Draft, DraftRequest, TargetInfo, Verified
-
 from specplug_ngram import cache_file
 from specplug_ngram.cache import NgramCache
 from specplug_ngram.map_k import NgramMapK
 from specplug_ngram.map_k4v import NgramMapK4V
 from specplug_ngram.mod import NgramMod
 from specplug_ngram.simple import NgramSimple
+
+from specplug import hooks
+from specplug.errors import ConfigError, PluginError, SpecplugError
+from specplug.types import Draft, DraftRequest, TargetInfo, Verified
 
 TYPES = {"ngram-simple": NgramSimple, "ngram-map-k": NgramMapK, "ngram-map-k4v": NgramMapK4V,
          "ngram-mod": NgramMod, "ngram-cache": NgramCache}
@@ -97,7 +96,8 @@ def test_simple_no_match_and_limits():
     hist = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
     assert draft(s, hist, n_max=2) == (3, 4)
     assert draft(s, hist, n_max=0) is None
-    assert draft(make(NgramSimple, n=2, m=8), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2], n_max=16) == tuple(range(3, 11))
+    hist = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2]
+    assert draft(make(NgramSimple, n=2, m=8), hist, n_max=16) == tuple(range(3, 11))
 
 
 def _naive_simple(hist, n, n_min, m, n_max, match_max):
@@ -567,7 +567,8 @@ def test_build_command_with_smollm2(tmp_path):
 
 @pytest.mark.parametrize("cls, params, name", [
     (NgramSimple, {"n": 0}, "n"), (NgramSimple, {"match_max": 2}, "match_max"),
-    (NgramSimple, {"candidates": 0}, "candidates"), (NgramSimple, {"n": 2, "ngram_min": 3}, "ngram_min"), (NgramSimple, {"m": 0}, "m"),
+    (NgramSimple, {"candidates": 0}, "candidates"), (NgramSimple, {"n": 2, "ngram_min": 3}, "ngram_min"),
+    (NgramSimple, {"m": 0}, "m"),
     (NgramSimple, {"n": "3"}, "n"), (NgramSimple, {"m": True}, "m"),
     (NgramMapK, {"min_hits": 0}, "min_hits"), (NgramMapK, {"n": -1}, "n"),
     (NgramMapK4V, {"k": 0}, "k"), (NgramMapK4V, {"min_ratio": -1.0}, "min_ratio"),

@@ -159,7 +159,8 @@ class DFlashRuntime:
         self.mask_emb = head.tensor("mask_emb", (d,)).to(dev, backend.dtype)
         d2t = head.tensor("d2t")
         if d2t.ndim != 1 or len(d2t) == 0 or int(d2t.min()) < 0 or int(d2t.max()) >= target.vocab_size:
-            raise HeadError(f"{head.path}: d2t maps draft rows outside the target's vocabulary [0, {target.vocab_size})")
+            raise HeadError(f"{head.path}: d2t maps draft rows outside the target's vocabulary "
+                            f"[0, {target.vocab_size})")
         self.d2t = d2t
         self.lm = target.output_head.linear(d2t.tolist(), backend, norm_weight=head.tensor("norm", (d,)))
         self.embed = target.token_embeddings
@@ -199,7 +200,8 @@ class DFlashRuntime:
     def add_context(self, ctx: torch.Tensor, positions: Sequence[int], seq_ids: Sequence[int]) -> None:
         """Every layer's K/V of the context features of committed rows, at their cells."""
         if self.static is not None:
-            self.static(self.cache, positions, seq_ids, [ctx.to(self.backend.device, self.backend.dtype)], key=("context",))
+            self.static(self.cache, positions, seq_ids, [ctx.to(self.backend.device, self.backend.dtype)],
+                        key=("context",))
             return
         step = Step(positions, seq_ids, self.cache, self.rope, self.backend)
         x = step.rows(ctx.contiguous())

@@ -16,8 +16,14 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.heads.lookup import (LOOKUP_CONFIG_KEYS, LOOKUP_NAMES, anchor_chains, check_lookup_options,
-                                   lookup_defaults, lookup_draft_rows)
+from specplug.heads.lookup import (
+    LOOKUP_CONFIG_KEYS,
+    LOOKUP_NAMES,
+    anchor_chains,
+    check_lookup_options,
+    lookup_defaults,
+    lookup_draft_rows,
+)
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets
 from specplug.train.finetune import draft_vocabulary

@@ -71,8 +71,10 @@ class DraftModel:
             _check(isinstance(self.model, str) and self.model.strip() != "", "model",
                    "a known model name or a .gguf path", self.model)
             _check(isinstance(self.device, str) and self.device != "", "device", "auto, cpu or cuda[:N]", self.device)
-            _check(isinstance(self.dtype, str) and self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}", self.dtype)
-            _check(isinstance(self.quant, str) and self.quant in QUANTS, "quant", f"one of {', '.join(QUANTS)}", self.quant)
+            _check(isinstance(self.dtype, str) and self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}",
+                   self.dtype)
+            _check(isinstance(self.quant, str) and self.quant in QUANTS, "quant", f"one of {', '.join(QUANTS)}",
+                   self.quant)
             _check(_number(self.temperature) and self.temperature >= 0, "temperature", ">= 0", self.temperature)
             _check(_number(self.draft_p_min) and 0 <= self.draft_p_min < 1, "draft_p_min", "in [0, 1)",
                    self.draft_p_min)

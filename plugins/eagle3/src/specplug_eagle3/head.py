@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write_head
-from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, LOOKUP_NAMES, LookupForward, LookupReader, LookupTrain
+from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, LookupForward, LookupReader, LookupTrain
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
 from specplug.runtime.static import chain_head_step, embedded, head_steps, token_input
@@ -172,7 +172,8 @@ class Eagle3Runtime(LookupForward):
         # torch backend next to a target on static steps (CUDA): the draft step compiled and captured too
         self.static = head_steps(target, backend, self._rows, self.rope, cfg.shape.n_head // cfg.shape.n_head_kv,
                                  (self.fc, *self.layer.linears(), self.lm))
-        self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, spare=int(self.static is not None))
+        self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim,
+                                       spare=int(self.static is not None))
         # the whole step in one native call where the kernels run it (None on torch/CUDA)
         self.native_step = PairStep.build(embed=self.embed, norm_a=self.input_norm, norm_b=self.hidden_norm,
                                           h_first=False, eps=cfg.eps, layer=self.layer, lm=self.lm, lm_eps=cfg.eps,

@@ -156,7 +156,6 @@ def import_llamacpp(source: Path, target, output: Path, weights: str = "f16") ->
     Q8_0 / F16 / F32 tensors keep their exact bits, BF16 becomes F32 (exact); other types are
     dequantized and stored as `weights`. What specplug's Eagle3 cannot run is refused by name."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     from specplug.errors import ModelError
     from specplug.runtime.gguf_file import GGUFFile

@@ -1,7 +1,8 @@
 """`eagle3`: drafts with a trained (or imported) EAGLE-3 head.
 
 The host taps the inputs of the head's three target layers; `encode` puts them side by side and
-the head's draft step fuses them (fc: 3d -> d) for the rows it reads; the decoder layer reads [embed(x_t); fused h(t-1)] and recurses on
+the head's draft step fuses them (fc: 3d -> d) for the rows it reads; the decoder layer reads
+[embed(x_t); fused h(t-1)] and recurses on
 its own output state. Keeping its cache in step with the target, batching, confidences and
 calibration come from `specplug.heads.ChainDrafter` (the toolkit's `StateKeeper` and `DraftLoop`:
 no head forward for a token the host's `DraftRequest.break_even` says it would trim).

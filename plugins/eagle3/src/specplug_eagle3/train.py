@@ -10,8 +10,13 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.heads.lookup import (LOOKUP_CONFIG_KEYS, LOOKUP_NAMES, check_lookup_options, lookup_defaults,
-                                   training_lookups)
+from specplug.heads.lookup import (
+    LOOKUP_CONFIG_KEYS,
+    LOOKUP_NAMES,
+    check_lookup_options,
+    lookup_defaults,
+    training_lookups,
+)
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
 from specplug.train.finetune import draft_vocabulary
@@ -26,7 +31,8 @@ def _parse_layers(spec: str, n_layer: int | None = None) -> tuple[int, ...] | No
     try:
         layers = tuple(int(x) for x in spec.split(","))
     except ValueError:
-        raise SpecplugError(f"eagle3 options: layers must be 'auto' or three layer indices like 3,15,27, got {spec!r}") \
+        raise SpecplugError(f"eagle3 options: layers must be 'auto' or three layer indices like 3,15,27, "
+                            f"got {spec!r}") \
             from None
     if len(layers) != 3 or any(x < 0 for x in layers):
         raise SpecplugError(f"eagle3 options: layers must be three layer indices (low, mid, high), got {spec!r}")
@@ -63,7 +69,8 @@ class Eagle3Trainer:
     def taps(cls, options, target: dict) -> tuple[str, ...]:
         layers = _parse_layers(options.layers, int(target["n_layer"]))
         if max(layers) >= int(target["n_layer"]):
-            raise SpecplugError(f"eagle3 options: layers {list(layers)} go past the target's {target['n_layer']} layers")
+            raise SpecplugError(f"eagle3 options: layers {list(layers)} go past the target's "
+                                f"{target['n_layer']} layers")
         return tuple(str(x) for x in layers)
 
     @classmethod

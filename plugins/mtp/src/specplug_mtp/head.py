@@ -131,7 +131,8 @@ class MTPTrain(nn.Module):
         meta = HeadMeta.for_target(target_info, METHOD, VERSION, ["final"], asdict(self.cfg), recipe)
         tensors = {**{k: v.detach() for k, v in self.head_params().items()}, "d2t": d2t.to(torch.int32)}
         mats = {"proj"} | TrainLayer.quantized_names("blk.")
-        write_head(path, meta, {k: v.detach().float().cpu() if v.is_floating_point() else v for k, v in tensors.items()},
+        tensors = {k: v.detach().float().cpu() if v.is_floating_point() else v for k, v in tensors.items()}
+        write_head(path, meta, tensors,
                    quantize=mats if weights == "q8_0" else (), f16=mats if weights == "f16" else ())
 
 
@@ -157,7 +158,8 @@ class MTPRuntime(LookupForward):
         # torch backend next to a target on static steps (CUDA): the draft step compiled and captured too
         self.static = head_steps(target, backend, self._rows, self.rope, cfg.shape.n_head // cfg.shape.n_head_kv,
                                  (self.proj, *self.layer.linears(), self.lm))
-        self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim, spare=int(self.static is not None))
+        self.cache = backend.new_cache(1, n_seq, max_ctx, cfg.n_head_kv, cfg.head_dim,
+                                       spare=int(self.static is not None))
         # the whole step in one native call where the kernels run it (None on torch/CUDA)
         self.native_step = PairStep.build(embed=self.embed, norm_a=self.hnorm, norm_b=self.enorm, h_first=True,
                                           eps=cfg.eps, layer=self.layer, lm=self.lm, lm_eps=self.target_eps,

@@ -16,8 +16,13 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.heads.lookup import (LOOKUP_CONFIG_KEYS, LOOKUP_NAMES, check_lookup_options, lookup_defaults,
-                                   training_lookups)
+from specplug.heads.lookup import (
+    LOOKUP_CONFIG_KEYS,
+    LOOKUP_NAMES,
+    check_lookup_options,
+    lookup_defaults,
+    training_lookups,
+)
 from specplug.train.dataset import SeqBatch, TrainData
 from specplug.train.distill import draft_ce, invert, soft_targets, step_mask
 from specplug.train.finetune import check_config

@@ -17,7 +17,6 @@ import numpy as np
 
 from specplug.hooks import hookimpl
 from specplug.types import Draft, DraftRequest, TargetInfo, Verified
-
 from specplug_ngram._common import TOKEN_DTYPE, History, SequenceStates, make_draft, window_bytes
 
 

@@ -27,7 +27,6 @@ import numpy as np
 from specplug.errors import ConfigError, PluginError
 from specplug.hooks import hookimpl
 from specplug.types import Draft, DraftRequest, TargetInfo
-
 from specplug_ngram._common import History, SequenceStates, check_int, make_draft
 from specplug_ngram.cache_file import Part, Table, load_tables, save_tables, vocab_fingerprint, window_rows
 

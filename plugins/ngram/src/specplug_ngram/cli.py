@@ -19,9 +19,7 @@ import numpy as np
 
 from specplug.errors import PluginError, SpecplugError
 from specplug.outputs import claim, exit_1_on_write_error
-
 from specplug_ngram.cache_file import MAX_N, build_tables, save_tables, vocab_fingerprint
-
 
 
 def register(subparsers: Any) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specplug.types import TargetInfo
-
 from specplug_ngram._common import check_int
 from specplug_ngram._valuemap import MapSpeculator
 

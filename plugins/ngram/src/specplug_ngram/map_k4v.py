@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specplug.types import TargetInfo
-
 from specplug_ngram._common import check_int, check_number
 from specplug_ngram._valuemap import Key, MapSpeculator, Value
 

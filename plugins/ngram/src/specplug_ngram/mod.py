@@ -22,7 +22,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from specplug.hooks import hookimpl
 from specplug.types import Draft, DraftRequest, TargetInfo, Verified
-
 from specplug_ngram._common import History, SequenceStates, check_int, check_number, make_draft
 
 NAME = "ngram-mod"

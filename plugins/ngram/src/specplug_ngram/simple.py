@@ -24,7 +24,6 @@ import numpy as np
 
 from specplug.hooks import hookimpl
 from specplug.types import Draft, DraftRequest, TargetInfo, Verified
-
 from specplug_ngram._common import History, SequenceStates, check_int, window_bytes
 
 NAME = "ngram-simple"
