@@ -11,17 +11,27 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
 from specplug.engine import Engine, Request, SequenceResult
 from specplug.errors import SpecplugError
 
 if TYPE_CHECKING:
+    from prometheus_client import Counter, Histogram
+
     from specplug.record import Recorder
-    from specplug.server.metrics import Metrics
 
 log = logging.getLogger("specplug.server")
 T = TypeVar("T")
+
+
+class StepMetrics(Protocol):
+    """What the engine thread counts (`specplug.server.metrics.Metrics` has these; it reads the rest
+    from the worker at scrape time)."""
+
+    engine_stalls: Counter
+    engine_failures: Counter
+    step_seconds: Histogram
 
 
 @dataclass
@@ -67,9 +77,9 @@ class EngineWorker:
     once (`serve` exits non-zero there, so that a supervisor restarts the process).
     """
 
-    def __init__(self, engine: Engine, max_queue: int, metrics: "Metrics | None" = None,
+    def __init__(self, engine: Engine, max_queue: int, metrics: StepMetrics | None = None,
                  step_timeout_s: float | None = None, on_failure: Callable[[str], None] | None = None,
-                 recorder: "Recorder | None" = None):
+                 recorder: Recorder | None = None):
         self.engine = engine
         self.recorder = recorder  # offered every request that finishes without an error
         self.heads: dict[str, str] = {}  # speculator -> its head file's identity (metrics labels; see reload.py)
