@@ -1,4 +1,4 @@
-"""For every test (core and plugins): measured verification curves (specplug.runtime.curve_cache) go to a
+"""For every test (core and plugins): measured verification curves (specplug.pricing.cache) go to a
 folder of this run, removed after it, never the user's ~/.cache, so no test reads a curve another run left."""
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ step_rows = defaultdict(list)
 for r, s in steps:
     step_rows[r].append(s)
 t1 = statistics.median(by_rows[1])
-curve = eng.model.verify_cost
+curve = eng.pricing.cost
 res = {"config": sys.argv[1], "prompts": n, "machine": describe("cpu"),
        "forward_ms": {r: round(statistics.median(v) * 1e3, 3) for r, v in sorted(by_rows.items()) if r <= 16},
        "forward_n": {r: len(v) for r, v in sorted(by_rows.items()) if r <= 16},

@@ -3,7 +3,7 @@
 Prices chain drafting with the *measured* figures of a `specplug bench` run (results.json): each
 variant's acceptance per draft position (conditional: token i accepted given 1..i-1 were) and its
 drafting time per drafted token, against the runtime's T(k)/T(1) verification curve
-(`Transformer.verify_cost`, the curve the engine trims drafts with) and the plain decode step time
+(`specplug.pricing`, the curve the engine trims drafts with) and the plain decode step time
 of the same run. For every fixed draft length g it computes
 
     speedup(g) = E_g / (T(g+1)/T(1) + g * c),   E_g = 1 + sum_{i<=g} prod_{j<=i} a_j
@@ -24,7 +24,7 @@ import argparse
 import json
 
 from specplug.machine import describe
-from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
+from specplug.pricing import BUILTIN_CURVES, interpolate_cost
 
 
 def speedup(acc: list[float], c: float, curve, g_max: int = 8) -> tuple[int, float]:
@@ -57,7 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", help="results.json of a `specplug bench` run")
     ap.add_argument("--category", default=None, help="a category of the run (default: overall)")
-    ap.add_argument("--curve", default="gguf", choices=sorted(VERIFY_COST_CURVES),
+    ap.add_argument("--curve", default="gguf", choices=sorted(BUILTIN_CURVES),
                     help="the engine's built-in T(k)/T(1) curve to price verification with")
     ap.add_argument("--runtime", default=None,
                     help="instead: the curve this machine measured (`specplug bench-runtime --repeats 60 --json F`)")
@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     rep = json.load(open(args.results))
     figs = rep["overall"] if args.category is None else rep["categories"][args.category]
-    curve = VERIFY_COST_CURVES[args.curve]
+    curve = BUILTIN_CURVES[args.curve]
     if args.runtime:
         ratios = json.load(open(args.runtime))["verify_ratio"]
         curve = tuple(sorted((int(k), float(v)) for k, v in ratios.items()))

@@ -34,11 +34,11 @@ from specplug.config import load_config
 from specplug.engine import Request
 from specplug.heads.chain import ChainDrafter
 from specplug.machine import describe
-from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
+from specplug.pricing import BUILTIN_CURVES, interpolate_cost
 
 K = 5
 # issue 38's targets as a curve: T(2)/T(1) 1.08, T(4)/T(1) 1.15, T(8)/T(1) 1.5
-CURVES = {**VERIFY_COST_CURVES, "issue38-targets": ((1, 1.0), (2, 1.08), (4, 1.15), (8, 1.5))}
+CURVES = {**BUILTIN_CURVES, "issue38-targets": ((1, 1.0), (2, 1.08), (4, 1.15), (8, 1.5))}
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Runs plain greedy decoding on a prompt set, then replays each output against drafters that
 know the answer, pricing every verification forward with the runtime's T(k)/T(1) curve
-(`Transformer.verify_cost`), the same curve the engine trims drafts with:
+(`specplug.pricing`), the same curve the engine trims drafts with:
 
 - `copy oracle`: drafts the longest prefix of the true continuation that occurs anywhere in
   the context (prompt + output so far), at most `n_max` tokens: any copy-based drafter's ceiling;
@@ -30,6 +30,7 @@ from specplug.bench.cli import select_prompts
 from specplug.bench.data import DATASETS, dataset_path, read_jsonl_prompts
 from specplug.config import load_config, target_args
 from specplug.engine import Request
+from specplug.pricing import for_run
 from specplug.runtime import load_target
 
 
@@ -108,7 +109,7 @@ def main() -> int:
     eng = build_engine(cfg, target, speculators=False)
     path = dataset_path(args.data) if args.data in DATASETS else args.data
     recs = select_prompts(read_jsonl_prompts(path), args.categories, args.limit, str(path))
-    cost = target.model.verify_cost
+    cost = for_run(target.model, cfg).cost
     sums: dict = collections.defaultdict(lambda: collections.Counter())
     for n, rec in enumerate(recs, 1):
         ids = prompt_ids(target.tokenizer, rec["turns"][0], cfg.chat, cfg.system)

@@ -7,6 +7,7 @@ from specplug.config import RunConfig, target_args
 from specplug.engine import Engine, Speculator, target_info
 from specplug.errors import PluginError, SpecplugError
 from specplug.plugins import HookCaller, get_type, new_plugin_manager
+from specplug.pricing import Pricing, builtin, for_run
 from specplug.runtime import KVCache, Target, Tokenizer, load_target
 from specplug.types import EmbeddingRequest, TargetInfo
 
@@ -57,16 +58,20 @@ def startup_hooks(caller: HookCaller, type_name: str, info: TargetInfo | None) -
 
 
 def build_engine(cfg: RunConfig, target: Target | None = None, speculators: bool = True,
-                 cache: KVCache | None = None) -> Engine:
+                 cache: KVCache | None = None, pricing: Pricing | None = None) -> Engine:
     """Load the target (unless given) and build an Engine; speculators=False gives plain decoding.
-    `cache`: a KV cache to share with engines that never run at the same time."""
+    `cache`: a KV cache to share with engines that never run at the same time. `pricing`: how drafts
+    are priced; default: the config's `verify_curve` resolved now (specplug.pricing.for_run, which may
+    time the target for ~2 s); engines built around one target can share one."""
     if target is None:
         target = load_target(cfg.model, **target_args(cfg))
-    info = target_info(target, cfg.parallel, cfg.context)
+    if pricing is None:
+        pricing = for_run(target.model, cfg) if speculators else builtin(target.model)
+    info = target_info(target, cfg.parallel, cfg.context, pricing.cost)
     specs = build_speculators(cfg, info) if speculators else []
     return Engine(target, specs, n_parallel=cfg.parallel, max_ctx=cfg.context, sampling=cfg.sampling,
                   prefill_chunk=cfg.prefill_chunk, ignore_eos=cfg.ignore_eos, cache=cache,
-                  hook_warn_ms=cfg.hook_warn_ms)
+                  hook_warn_ms=cfg.hook_warn_ms, pricing=pricing)
 
 
 def prompt_ids(tokenizer: Tokenizer, turns: str | Sequence[dict], chat: bool, system: str | None = None) -> list[int]:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from specplug import machine
+from specplug.pricing import builtin, interpolate_cost
 from specplug.runtime import pages
 from specplug.runtime.timing import in_turn as _in_turn
 from specplug.runtime.timing import median_ms as _median_ms  # (scripts import it from here)
@@ -114,8 +115,8 @@ def run_bench(model, repeats: int = 20) -> dict:
     res["verify_ms"] = {str(k): round(v, 3 if cuda else 2) for k, v in verify.items()}
     t1 = res["verify_ms"]["1"]
     res["verify_ratio"] = {k: round(v / t1, 3) for k, v in res["verify_ms"].items()}
-    # what the engine prices drafts with on this runtime (the built-in curve unless one was set)
-    res["engine_verify_curve"] = model.verify_curve_info()
+    # what the engine prices drafts with on this runtime without a config (the built-in curve)
+    res["engine_verify_curve"] = builtin(model).info()
 
     def prefill():
         cache.clear(1)
@@ -152,9 +153,7 @@ def run_bench(model, repeats: int = 20) -> dict:
 def _engine_curve_lines(res: dict) -> list[str]:
     """The built-in pricing curve (bench-runtime loads the model without a config) at the same row counts,
     beside the measured one, and a hint when they part by more than a tenth of a step at 8 rows or fewer
-    (records from before session 40 have none)."""
-    from specplug.runtime.model import interpolate_cost
-
+    (older records have none)."""
     info = res.get("engine_verify_curve")
     if not info:
         return []
@@ -369,7 +368,7 @@ def weight_bits(qs: torch.Tensor, d: torch.Tensor) -> int:
     """How the floor's walk (stream_dots) reads these weight tiles ([tiles, blocks, bytes a block]) with
     their scales d: 8 for Q8_0's bytes (256 bytes a block, float16 scales: values up to 8 bits, each
     dot widened at once on AVX2), 6 for the 5- and 6-bit values in byte tiles (Q5_K, Q6_K: float32
-    scales; their AVX2 dots sum 4 loads in 16 bits since session 41), 4 for nibble tiles (128 bytes:
+    scales; their AVX2 dots sum 4 loads in 16 bits), 4 for nibble tiles (128 bytes:
     Q4_0, Q4_1, Q4_K; 160: Q5_0, its fifth bits folded into the nibbles)."""
     if qs.shape[2] != 256:
         return 4
@@ -475,8 +474,8 @@ def profile(model, repeats: int = 10) -> dict:
 
 def linear_compute_ms(r: dict, lim: dict) -> float:
     """A row's linear multiply-adds at the dot instruction's peak, ms: those the 8-bit mix computes
-    (dot_bits: Q8_0's) at its peak, the rest at the 4-bit one's. (A record from before session 40 has
-    one peak, the 4-bit one, for all of them.)"""
+    (dot_bits: Q8_0's) at its peak, the rest at the 4-bit one's. (An older record has one peak, the
+    4-bit one, for all of them.)"""
     g8 = r.get("linear_gmacs_8bit", 0.0) if lim.get("peak_gmac_s_isa_8bit") else 0.0
     return ((r["linear_gmacs"] - g8) / lim["peak_gmac_s_isa"] + (g8 / lim["peak_gmac_s_isa_8bit"] if g8 else 0.0)) * 1e3
 

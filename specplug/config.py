@@ -21,6 +21,7 @@ import yaml
 from specplug.engine import DraftPolicy
 from specplug.errors import ConfigError, SpecplugError
 from specplug.plugins import HOST_KEYS
+from specplug.pricing.curves import check_curve
 from specplug.sampling import SamplingParams
 
 log = logging.getLogger("specplug")
@@ -85,10 +86,10 @@ class RunConfig:
     batch_invariant: bool = True  # static step: every step has the same shape, so speculative greedy == plain
     # static step, batch-invariant: tokens per sequence in every step (default: 1 + n_max)
     step_tokens: int | None = None
-    # how drafts are priced: T(k)/T(1) of a k-row verification. builtin: the runtime's table (one per kernel
-    # path, from the machine it was measured on); measure: this model on this machine, timed at load (~2 s);
-    # auto: measure on the gguf CPU kernels when a speculator is priced (cost_trim), else builtin;
-    # or [[1, 1.0], [2, 1.4], ...]
+    # how drafts are priced (specplug.pricing): T(k)/T(1) of a k-row verification. builtin: the runtime's
+    # table (one per kernel path, from the machine it was measured on); measure: this model on this machine,
+    # timed when the engine is built (~2 s); auto: measure on the gguf CPU kernels when a speculator is
+    # priced (cost_trim), until three are kept, then their median; else builtin; or [[1, 1.0], [2, 1.4], ...]
     verify_curve: str | list = "auto"
     context: int = 2048  # positions per sequence
     parallel: int = 1  # sequences in flight at once
@@ -110,10 +111,8 @@ def target_args(cfg: "RunConfig") -> dict[str, Any]:
     """load_target's keyword arguments for this run (how the target loads and steps)."""
     n_max = max((s.policy.n_max for s in cfg.speculators), default=0)
     tokens = cfg.step_tokens or min(64, 1 + n_max)
-    priced = any(s.policy.cost_trim for s in cfg.speculators)  # auto: no priced speculator, no curve to time
     return dict(device=cfg.device, dtype=cfg.dtype, quant=cfg.quant, threads=cfg.threads, compile=cfg.compile,
-                cuda_graphs=cfg.cuda_graphs, step_tokens=tokens if cfg.batch_invariant else None,
-                verify_curve="builtin" if cfg.verify_curve == "auto" and not priced else cfg.verify_curve)
+                cuda_graphs=cfg.cuda_graphs, step_tokens=tokens if cfg.batch_invariant else None)
 
 
 _SPEC_HOST_KEYS = {"type", "name"} | {f.name for f in dataclasses.fields(DraftPolicy)}
@@ -218,10 +217,8 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
         if isinstance(cfg.verify_curve, str):
             raise ConfigError(f"verify_curve must be auto, builtin, measure or a list of [rows, T(rows)/T(1)] pairs, "
                               f"got {cfg.verify_curve!r}")
-        from specplug.runtime.model import check_verify_curve
-
         try:
-            check_verify_curve(cfg.verify_curve)
+            check_curve(cfg.verify_curve)
         except ValueError as e:
             raise ConfigError(f"verify_curve: {e}") from None
     for key, ok, rule in [("context", cfg.context >= 16, ">= 16"), ("parallel", cfg.parallel >= 1, ">= 1"),

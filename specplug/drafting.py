@@ -3,7 +3,7 @@ worth, and which draft is verified.
 
 Everything is priced in one unit: the time of a one-row target forward, T(1). An accepted draft
 token saves a sequence's share of a step, T(B)/B for B sequences; a draft token costs its extra
-verification row, T(R+1) - T(R) on the runtime's curve (`verify_cost`), plus what the speculator
+verification row, T(R+1) - T(R) on the run's curve (`cost`: specplug.pricing), plus what the speculator
 took to draft it, measured online (seconds of its `draft` hook per drafted token, divided by the
 measured seconds of T(1)). That drafting cost is measured on calls for sequences it was also asked
 for the step before (steady drafting). A call that resumes a sequence (its first, or the first

@@ -24,6 +24,7 @@ import torch
 from specplug.drafting import Drafting, DraftPolicy, Speculator  # noqa: F401 (DraftPolicy: re-exported)
 from specplug.errors import SpecplugError
 from specplug.metrics import RunStats, SeqStats, SpecStats
+from specplug.pricing import Pricing, builtin
 from specplug.runtime import KVCache, Target
 from specplug.runtime.linear import take_rows
 from specplug.sampling import SamplingParams, sample, target_probs
@@ -90,14 +91,16 @@ class _Seq:
 
 
 class Engine:
-    """Runs requests through a target with zero or more speculators."""
+    """Runs requests through a target with zero or more speculators. `pricing`: the verification curve
+    drafts are priced with (specplug.pricing; default: the built-in one of the target's kernel path)."""
 
     def __init__(self, target: Target, speculators: Sequence[Speculator] = (), n_parallel: int = 1,
                  max_ctx: int = 2048, sampling: SamplingParams = SamplingParams(), prefill_chunk: int = 256,
                  ignore_eos: bool = False, strict: bool = False, cache: KVCache | None = None,
-                 hook_warn_ms: float = 500.0):
+                 hook_warn_ms: float = 500.0, pricing: Pricing | None = None):
         self.target = target
         self.model = target.model
+        self.pricing = pricing if pricing is not None else builtin(target.model)
         self.specs = list(speculators)
         self.n_parallel = n_parallel
         self.max_ctx = max_ctx
@@ -126,7 +129,7 @@ class Engine:
         self._backlog: dict[str, list[_Held]] = {}
         self._backlog_rows: dict[str, int] = {}
         self._unseen: dict[str, set[int]] = {}  # speculator -> slots whose sequence began before it came in
-        self.drafting = Drafting(self.specs, self.model.verify_cost, self._call, self._disable, self.vocab, max_ctx,
+        self.drafting = Drafting(self.specs, self.pricing.cost, self._call, self._disable, self.vocab, max_ctx,
                                  before_draft=self._deliver)
 
     def _taps_of(self, specs: Sequence[Speculator]) -> frozenset[int]:
@@ -599,12 +602,14 @@ def _derived_seed(sp: SamplingParams, index: int) -> int:
     return (sp.seed or 0) * 1_000_003 + index
 
 
-def target_info(target: Target, n_seq: int, max_ctx: int) -> TargetInfo:
-    """What speculators are told about the target."""
+def target_info(target: Target, n_seq: int, max_ctx: int,
+                verify_cost: Callable[[int], float] | None = None) -> TargetInfo:
+    """What speculators are told about the target; `verify_cost`: the run's pricing (Pricing.cost;
+    default: the built-in curve of the target's kernel path)."""
     m, tok, cfg = target.model, target.tokenizer, target.model.config
     return TargetInfo(model_path=str(m.path), arch=cfg.arch, n_layer=cfg.n_layer, n_embd=cfg.n_embd,
                       vocab_size=cfg.vocab_size, token_texts=tok.token_texts, token_types=tok.token_type,
                       bos_id=tok.bos_id, eos_id=tok.eos_id, eot_ids=frozenset(tok.eot_ids), device=m.device,
                       dtype=m.dtype, n_seq=n_seq, max_ctx=max_ctx, token_embeddings=m.embed,
                       output_head=m.output_head, quant=m.quant, rms_eps=cfg.rms_eps,
-                      verify_cost=m.verify_cost, static=None if m.static is None else m.static.options)
+                      verify_cost=verify_cost or builtin(m).cost, static=None if m.static is None else m.static.options)

@@ -227,7 +227,7 @@ def test_runtime_bench_shows_the_engine_s_curve_beside_the_machine_s():
     assert len(_engine_curve_lines({"verify_ratio": measured, "engine_verify_curve": close})) == 1
     own = {**builtin, "source": "measured"}  # already this machine's: no hint
     assert len(_engine_curve_lines({"verify_ratio": measured, "engine_verify_curve": own})) == 1
-    assert _engine_curve_lines({"verify_ratio": measured}) == []  # a record from before session 40
+    assert _engine_curve_lines({"verify_ratio": measured}) == []  # an older record, without the engine's curve
 
 
 def test_bench_records_the_verification_curve_it_priced_with(tmp_path, tiny_gguf):

@@ -221,7 +221,7 @@ def test_break_even_reaches_the_drafter(tiny_target, prompts):
     fast = Slow(vocab, 0.0)
     eng = make_engine(tiny_target, [speculator(fast, "fast", n_max=6)])
     eng.run([Request(p, 24) for p in prompts[:2]])
-    cost = tiny_target.model.verify_cost
+    cost = eng.pricing.cost
     priced = [r for r in fast.requests if r.break_even]
     assert priced, "no request carried break-even advice"
     for r in priced:
@@ -257,7 +257,7 @@ def test_drafting_cost_is_measured_in_target_steps(tiny_target):
     spec.note_draft_time(0.002, 4)  # 0.5 ms per drafted token = 1/8 of a step
     assert spec.draft_cost(d.t_row) == pytest.approx(0.125)
     be = d.break_even(spec, 1, 3)
-    cost = tiny_target.model.verify_cost
+    cost = eng.pricing.cost
     assert be[0] == pytest.approx(cost(2) - cost(1) + 0.125)
 
 

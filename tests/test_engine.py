@@ -6,6 +6,7 @@ import torch
 
 from specplug.engine import Request
 from specplug.hooks import hookimpl
+from specplug.pricing import Pricing
 from specplug.testing import (
     Faulty,
     Oracle,
@@ -226,7 +227,7 @@ class _Confident(Oracle):
 
 
 def _linear_cost(monkeypatch, target, per_row):
-    monkeypatch.setattr(target.model, "verify_cost", lambda n: 1.0 + per_row * (n - 1))
+    monkeypatch.setattr(Pricing, "cost", lambda self, n: 1.0 + per_row * (n - 1))
 
 
 def test_confidences_trim_drafts_to_the_rows_that_pay(tiny_target, prompts, plain, monkeypatch):
@@ -249,7 +250,7 @@ def test_confidences_trim_drafts_to_the_rows_that_pay(tiny_target, prompts, plai
 
 def test_trimming_gives_rows_to_the_likeliest_tokens_of_the_batch(tiny_target, prompts, plain, monkeypatch):
     # rows 3 and 4 of a forward are cheap (0.1 each), a fifth costs more than any token saves
-    monkeypatch.setattr(tiny_target.model, "verify_cost", lambda n: 1.0 + 0.1 * (n - 1) if n <= 4 else 10.0 * n)
+    monkeypatch.setattr(Pricing, "cost", lambda self, n: 1.0 + 0.1 * (n - 1) if n <= 4 else 10.0 * n)
     cont = {tuple(p): g for p, g in zip(prompts, plain)}
     conf = {0: [0.9] * 40, 1: [0.5] * 40}  # cumulative 0.9, 0.81, ... vs 0.5, 0.25, ...
     eng = make_engine(tiny_target, [_Confident(cont, conf)], n_parallel=2)

@@ -221,83 +221,85 @@ def test_int8_model_rows_nearly_independent_of_batch(tiny_gguf):
 
 
 def test_verify_cost_curves_interpolate_and_extend():
-    from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
+    from specplug.pricing import BUILTIN_CURVES, interpolate_cost
 
     curve = ((1, 1.0), (2, 1.5), (4, 2.0))
     assert [interpolate_cost(curve, n) for n in (1, 2, 3, 4, 6)] == [1.0, 1.5, 1.75, 2.0, 2.5]
-    for name, c in VERIFY_COST_CURVES.items():  # every runtime's curve starts at 1 and rises
+    for name, c in BUILTIN_CURVES.items():  # every runtime's curve starts at 1 and rises
         values = [interpolate_cost(c, n) for n in range(1, 65)]
         assert values[0] == 1.0 and all(b > a for a, b in zip(values, values[1:])), name
 
 
 def test_a_measured_or_given_verification_curve_replaces_the_built_in_one(tiny_gguf):
-    """`verify_curve: measure` times T(k)/T(1) of the model on this machine at load (every k in turn,
-    never falling); a given curve is checked and used as is; the engine prices with what verify_cost
-    reads, and results record where it came from."""
+    """`verify_curve: measure` times T(k)/T(1) of the model on this machine when drafting is set up
+    (every k in turn, never falling); a given curve is checked and used as is; the engine prices with
+    what Pricing.cost reads, and results record where it came from."""
     from specplug.errors import ModelError
+    from specplug.pricing import BUILTIN_CURVES, MEASURE_K, builtin, builtin_key, interpolate_cost, resolve
     from specplug.runtime import load_target
-    from specplug.runtime.model import MEASURE_K, VERIFY_COST_CURVES, interpolate_cost
 
-    m = load_target(str(tiny_gguf), device="cpu", verify_curve="measure").model
-    curve = m.verify_curve
+    model = load_target(str(tiny_gguf), device="cpu").model
+    pricing = resolve(model, "measure")
+    curve = pricing.curve
     assert [k for k, _ in curve] == list(MEASURE_K) and curve[0] == (1, 1.0)
     assert all(b >= a for (_, a), (_, b) in zip(curve, curve[1:]))
-    assert m.verify_cost(3) == interpolate_cost(curve, 3)
-    assert m.verify_curve_info() == {"source": "measured", "points": [list(p) for p in curve]}
-    m.verify_curve = None  # back to the runtime's own table
-    assert m.verify_curve_info()["source"] == f"builtin {m.cost_curve}"
-    assert m.verify_cost(8) == interpolate_cost(VERIFY_COST_CURVES[m.cost_curve], 8)
+    assert pricing.cost(3) == interpolate_cost(curve, 3)
+    assert pricing.info() == {"source": "measured", "points": [list(p) for p in curve]}
+    pricing = builtin(model)  # back to the runtime's own table
+    assert pricing.info()["source"] == f"builtin {builtin_key(model.kernel_path)}"
+    assert pricing.cost(8) == interpolate_cost(BUILTIN_CURVES[builtin_key(model.kernel_path)], 8)
 
-    given = load_target(str(tiny_gguf), device="cpu", verify_curve=[[1, 1.0], [2, 1.5], [4, 2.0]]).model
-    assert [given.verify_cost(n) for n in (2, 3, 6)] == [1.5, 1.75, 2.5]
-    assert given.verify_curve_info()["source"] == "configured"
+    given = resolve(load_target(str(tiny_gguf), device="cpu").model, [[1, 1.0], [2, 1.5], [4, 2.0]])
+    assert [given.cost(n) for n in (2, 3, 6)] == [1.5, 1.75, 2.5]
+    assert given.info()["source"] == "configured"
     with pytest.raises(ModelError, match="verify_curve: a verification curve never falls"):
-        load_target(str(tiny_gguf), device="cpu", verify_curve=[[1, 1.0], [2, 0.9]])
+        resolve(load_target(str(tiny_gguf), device="cpu").model, [[1, 1.0], [2, 0.9]])
 
 
 def test_verify_curve_auto_measures_on_the_gguf_cpu_kernels_when_drafts_are_priced(tiny_gguf, tmp_path):
-    """A config's default `verify_curve: auto`: timed at load on the gguf CPU kernels (their built-in
-    tables each came from one machine) when a speculator is priced; the built-in table for float
-    weights, and when nothing is priced (no curve to time)."""
-    from specplug.config import parse_config, target_args
+    """A config's default `verify_curve: auto`: timed when drafting is set up on the gguf CPU kernels
+    (their built-in tables each came from one machine) when a speculator is priced; the built-in table
+    for float weights, and when nothing is priced (no curve to time)."""
+    from specplug.config import parse_config
+    from specplug.pricing import BUILTIN_CURVES, curve_setting, resolve
     from specplug.runtime import load_target
     from specplug.testing import write_tiny_gguf
 
     priced = parse_config({"speculators": [{"type": "noop"}]})
-    assert priced.verify_curve == "auto" and target_args(priced)["verify_curve"] == "auto"
-    assert target_args(parse_config({}))["verify_curve"] == "builtin"  # nothing drafts
+    assert priced.verify_curve == "auto" and curve_setting(priced) == "auto"
+    assert curve_setting(parse_config({})) == "builtin"  # nothing drafts
     unpriced = parse_config({"speculators": [{"type": "noop", "cost_trim": False}]})
-    assert target_args(unpriced)["verify_curve"] == "builtin"
-    assert target_args(parse_config({"verify_curve": "measure"}))["verify_curve"] == "measure"  # asked for: kept
+    assert curve_setting(unpriced) == "builtin"
+    assert curve_setting(parse_config({"verify_curve": "measure"})) == "measure"  # asked for: kept
 
     q = write_tiny_gguf(tmp_path / "q.gguf", tensor_type="Q4_1", n_layer=2, seed=3)
-    on_kernels = load_target(str(q), device="cpu", quant="gguf", verify_curve="auto").model
-    assert on_kernels.verify_curve_info()["source"] == "measured" and on_kernels.verify_curve[0] == (1, 1.0)
-    floats = load_target(str(tiny_gguf), device="cpu", quant="none", verify_curve="auto").model
-    assert floats.verify_curve is None and floats.verify_curve_info()["source"] == "builtin cpu"
+    on_kernels = resolve(load_target(str(q), device="cpu", quant="gguf").model, "auto")
+    assert on_kernels.info()["source"] == "measured" and on_kernels.curve[0] == (1, 1.0)
+    floats = resolve(load_target(str(tiny_gguf), device="cpu", quant="none").model, "auto")
+    assert floats.curve is BUILTIN_CURVES["cpu"] and floats.info()["source"] == "builtin cpu"
 
 
 def test_verify_curve_auto_times_a_model_until_three_are_kept_then_reads_their_median(tmp_path, monkeypatch):
-    """`auto` on the gguf CPU kernels measures at load while fewer than three curves of this model, on this
-    machine and set-up, are kept (specplug.runtime.curve_cache), then prices with their median and measures no
-    more; `measure` always times anew (the newest five kept); other threads or a changed model file are
-    another key; a damaged cache is set aside with a warning, an unwritable one costs a warning, never the run."""
-    from specplug.runtime import curve_cache
-    from specplug.runtime.model import Transformer
+    """`auto` on the gguf CPU kernels measures while fewer than three curves of this model, on this machine
+    and set-up, are kept (specplug.pricing.cache), then prices with their median and measures no more;
+    `measure` always times anew (the newest five kept); other threads or a changed model file are another
+    key; a damaged cache is set aside with a warning, an unwritable one costs a warning, never the run."""
+    from specplug import pricing
+    from specplug.pricing import cache as curve_cache
 
     monkeypatch.setenv("SPECPLUG_CACHE_DIR", str(tmp_path / "cache"))
     timed = []
 
-    def fake_measure(self):  # distinct curves, so the median is checkable
+    def fake_measure(model):  # distinct curves, so the median is checkable
         timed.append(1)
         r = 1.0 + 0.1 * len(timed)
         return ((1, 1.0), (2, round(r, 3)), (4, round(2 * r, 3)))
-    monkeypatch.setattr(Transformer, "measure_verify_curve", fake_measure)
+    monkeypatch.setattr(pricing, "measure_curve", fake_measure)
     q = write_tiny_gguf(tmp_path / "q.gguf", tensor_type="Q4_1", n_layer=1, seed=3)
 
     def load(curve="auto"):
-        m = load_target(str(q), device="cpu", quant="gguf", verify_curve=curve).model
-        return m.verify_curve_info()
+        m = load_target(str(q), device="cpu", quant="gguf").model
+        return pricing.resolve(m, curve).info()
 
     assert [load()["source"] for _ in range(3)] == ["measured"] * 3 and len(timed) == 3
     info = load()  # three kept: their median (r = 1.1, 1.2, 1.3), nothing timed
@@ -335,7 +337,7 @@ def test_verify_curve_auto_times_a_model_until_three_are_kept_then_reads_their_m
 
 
 def test_median_curve_is_taken_row_count_by_row_count_and_never_falls():
-    from specplug.runtime.curve_cache import median_curve
+    from specplug.pricing.cache import median_curve
 
     a, b, c = ((1, 1.0), (2, 1.5), (4, 2.0)), ((1, 1.0), (2, 1.3), (4, 2.6)), ((1, 1.0), (2, 1.9), (4, 1.4))
     assert median_curve([a, b, c]) == ((1, 1.0), (2, 1.5), (4, 2.0))
@@ -343,9 +345,9 @@ def test_median_curve_is_taken_row_count_by_row_count_and_never_falls():
 
 
 def test_model_verify_cost_follows_its_runtime(tiny_target):
-    from specplug.runtime.model import VERIFY_COST_CURVES, interpolate_cost
+    from specplug.pricing import BUILTIN_CURVES, builtin, builtin_key, interpolate_cost
 
     m = tiny_target.model
-    key = {"gguf": f"gguf-{m.isa}" if f"gguf-{m.isa}" in VERIFY_COST_CURVES else "gguf"}.get(m.quant, "cpu")
-    assert m.cost_curve == key
-    assert m.verify_cost(8) == interpolate_cost(VERIFY_COST_CURVES[key], 8) > 1.0
+    key = {"gguf": f"gguf-{m.isa}" if f"gguf-{m.isa}" in BUILTIN_CURVES else "gguf"}.get(m.quant, "cpu")
+    assert builtin_key(m.kernel_path) == key
+    assert builtin(m).cost(8) == interpolate_cost(BUILTIN_CURVES[key], 8) > 1.0

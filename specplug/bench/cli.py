@@ -120,7 +120,7 @@ def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
     return passes, {"device": str(target.model.device), "quant": target.model.quant,
                     "threads": torch.get_num_threads(), "variants": [n for n in bench.engines if n != "plain"],
                     "peak_rss_mb": peak_rss_mb(), "machine": machine.describe(str(target.model.device)),
-                    "verify_curve": target.model.verify_curve_info()}
+                    "verify_curve": bench.pricing.info()}
 
 
 def register(sub) -> None:

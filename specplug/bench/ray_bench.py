@@ -40,7 +40,7 @@ class BenchWorker:
         m = self.target.model
         return {"device": str(m.device), "quant": m.quant, "threads": torch.get_num_threads(),
                 "variants": [n for n in self.bench.engines if n != "plain"], "peak_rss_mb": peak_rss_mb(),
-                "machine": machine.describe(str(m.device)), "verify_curve": m.verify_curve_info()}  # (worker 0's)
+                "machine": machine.describe(str(m.device)), "verify_curve": self.bench.pricing.info()}  # (worker 0's)
 
     def fresh(self) -> None:
         self.bench.fresh_engines()

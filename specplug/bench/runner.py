@@ -18,6 +18,7 @@ import torch
 from specplug.api import build_engine, prompt_ids
 from specplug.config import RunConfig
 from specplug.engine import Engine, Request
+from specplug.pricing import for_run
 from specplug.runtime import Target
 
 
@@ -84,6 +85,7 @@ class Bench:
         self.target = target
         self.variants = variants(self.cfg, chain)
         self.cache = target.model.new_cache(1, self.cfg.context)  # the variants run one after another
+        self.pricing = for_run(target.model, self.cfg)  # resolved once (it may time the target): every variant's
         self.fresh_engines()
 
     def fresh_engines(self) -> None:
@@ -92,7 +94,7 @@ class Bench:
         would otherwise have seen a prompt's answer when it is repeated."""
         self.engines: dict[str, Engine] = {"plain": build_engine(self.cfg, self.target, False, self.cache)}
         for name, vcfg in self.variants.items():
-            self.engines[name] = build_engine(vcfg, self.target, cache=self.cache)
+            self.engines[name] = build_engine(vcfg, self.target, cache=self.cache, pricing=self.pricing)
 
     def _once(self, name: str, ids: list[int], max_tokens: int) -> Run:
         eng = self.engines[name]

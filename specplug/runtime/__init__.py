@@ -37,18 +37,15 @@ def resolve_threads(threads: int | str | None) -> int | None:
 
 def load_target(model: str, device: str = "auto", dtype: str = "auto", quant: str = "auto",
                 threads: int | str | None = None, compile: bool | str = False, cuda_graphs: bool = True,
-                step_tokens: int | None = None, verify_curve="builtin") -> Target:
+                step_tokens: int | None = None) -> Target:
     """Resolve a model name or path, load weights and tokenizer; ModelError on any problem.
     `threads`: CPU threads for torch and the native kernels (see resolve_threads); "auto" on a
     CPU with several cores also chooses the count online (specplug.runtime.governor).
     `compile`: run forwards through the static-shape step (specplug.runtime.static); "auto" = on
     CUDA with torch weights. `cuda_graphs`: capture its shapes on CUDA. `step_tokens`: make it
     batch-invariant, every step all sequence slots x this many tokens (rounded up to a bucket).
-    `verify_curve`: how the engine prices a verification of k rows (Transformer.verify_cost):
-    "builtin" (the runtime's table, measured once per kernel path), "measure" (T(k)/T(1) of this
-    model on this machine, timed now, ~2 s, and kept in specplug.runtime.curve_cache), "auto" (on the
-    gguf CPU kernels, whose tables came from one machine each: timed at load until three of this
-    model on this machine are kept, then their median; builtin elsewhere), or [[k, T(k)/T(1)], ...] pairs."""
+    Nothing is timed here: how drafts are priced on this target is chosen where drafting is set up
+    (specplug.pricing)."""
     import torch
 
     n = resolve_threads(threads)
@@ -69,18 +66,5 @@ def load_target(model: str, device: str = "auto", dtype: str = "auto", quant: st
 
         m.use_static(StaticOptions(cuda_graphs=cuda_graphs,
                                    fixed_tokens=None if step_tokens is None else row_bucket(min(step_tokens, 64))))
-    if verify_curve == "auto" and m.quant == "gguf" and m.device.type == "cpu":
-        from specplug.runtime.curve_cache import auto_curve
-
-        m.set_verify_curve(*auto_curve(m))
-    elif verify_curve == "measure":
-        from specplug.runtime.curve_cache import measured_curve
-
-        m.set_verify_curve(*measured_curve(m))
-    elif verify_curve not in ("auto", "builtin"):
-        try:
-            m.set_verify_curve(verify_curve)
-        except ValueError as e:
-            raise ModelError(f"verify_curve: {e} (or builtin, or measure)") from None
     tok = Tokenizer.from_metadata(m.metadata, source=str(path))
     return Target(m, tok)

@@ -25,72 +25,6 @@ from specplug.runtime.linear import int8_available
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTS = ("auto", "none", "int8", "gguf")
 
-# T(k)/T(1): the time of one forward of k new rows relative to one row, per runtime, measured with
-# `specplug bench-runtime` (SmolLM2-135M, 2 threads, median of 3; README). The engine trims drafts
-# that carry confidences to the length where one more row costs more than it is expected to save.
-# CPU float32 (and int8, not measured apart) is flat because one row is already slow; the gguf
-# kernels are fast at one row (3.4 ms after 512 tokens, 2026-11-23), so each extra row costs
-# ~0.25-0.35 of a step: its compute, at the kernels' peak (`bench-runtime --profile`). CUDA: not measured
-# here (no GPU was lent); a small model's forward is launch-bound for dozens of rows, hence nearly flat.
-VERIFY_COST_CURVES = {
-    # the gguf kernels' AVX2 path (AMD EPYC Zen 3, 2 threads, issue 13)
-    "gguf": ((1, 1.0), (2, 1.27), (3, 1.58), (4, 1.76), (6, 2.66), (8, 3.21), (12, 4.85), (16, 6.86), (32, 12.39)),
-    # their AVX-512 VNNI path (AMD EPYC Zen 4, 2 threads, ctx 512; scripts/kernel_builds.py, medians of 3
-    # alternated rounds, docs/results/kernels-isa-t2-2026-11-25.json)
-    "gguf-avx512": ((1, 1.0), (2, 1.09), (4, 1.33), (8, 2.08), (16, 3.71)),
-    "cpu": ((1, 1.0), (2, 1.11), (3, 1.17), (4, 1.29), (6, 1.39), (8, 1.54), (12, 1.79), (16, 2.07), (32, 3.06)),
-    "cuda": ((1, 1.0), (32, 1.3)),
-}
-
-
-# The row counts a measured curve times (Transformer.measure_verify_curve); past the last one the
-# engine extends its last slope (interpolate_cost).
-MEASURE_K = (1, 2, 3, 4, 6, 8, 12, 16)
-
-
-def check_verify_curve(points) -> tuple[tuple[int, float], ...]:
-    """A verification curve given as [[k, T(k)/T(1)], ...] (a config's `verify_curve`), checked: row
-    counts ascending from 1 with ratio 1.0, ratios at least 1 and never falling. ValueError naming what
-    to fix otherwise."""
-    try:
-        curve = tuple((int(k), float(r)) for k, r in points)
-        ok_types = all(isinstance(k, int) and not isinstance(k, bool) for k, _ in points)
-    except (TypeError, ValueError):
-        curve, ok_types = (), False
-    if not ok_types or not curve:
-        raise ValueError(f"a verification curve is a list of [rows, T(rows)/T(1)] pairs, e.g. [[1, 1.0], [2, 1.4]], "
-                         f"not {points!r}")
-    if curve[0] != (1, 1.0):
-        raise ValueError(f"a verification curve starts at [1, 1.0] (one row is the unit), not {list(curve[0])}")
-    for (a, ra), (b, rb) in zip(curve, curve[1:]):
-        if b <= a:
-            raise ValueError(f"a verification curve's row counts must ascend: {a} then {b}")
-        if rb < ra:
-            raise ValueError(f"a verification curve never falls: T({b})/T(1) = {rb} is below T({a})/T(1) = {ra}")
-    return curve
-
-
-def never_falling(points) -> tuple[tuple[int, float], ...]:
-    """(k, ratio) points in ascending k as a pricing curve: 1.0 at the first, each ratio at least the one
-    before (a noisy reading never makes more rows look cheaper), rounded to 3 decimals."""
-    out, top = [], 1.0
-    for i, (k, r) in enumerate(points):
-        top = max(top, r) if i else 1.0
-        out.append((k, round(top, 3)))
-    return tuple(out)
-
-
-def interpolate_cost(curve: Sequence[tuple[int, float]], n: int) -> float:
-    """Piecewise-linear T(n)/T(1) through the curve's points, extended with its last slope."""
-    if n <= curve[0][0]:
-        return curve[0][1]
-    for (a, ta), (b, tb) in zip(curve, curve[1:]):
-        if n <= b:
-            return ta + (tb - ta) * (n - a) / (b - a)
-    (a, ta), (b, tb) = curve[-2], curve[-1]
-    return tb + (tb - ta) * (n - b) / (b - a)
-
-
 def resolve_device(device: str) -> torch.device:
     """'auto' -> cuda when available, else cpu."""
     if device == "auto":
@@ -269,10 +203,6 @@ class Transformer:
         self.backend = backend = Backend(device, dtype, quant)
         self.governor = None  # a ThreadGovernor under `threads: auto` (specplug.runtime.governor)
         self.static = None  # a StaticRunner once use_static() is called (specplug.runtime.static)
-        # the verification curve in place of the built-in one (VERIFY_COST_CURVES): measured on this
-        # machine (measure_verify_curve) or given (a config's `verify_curve`); None: built-in
-        self.verify_curve: tuple[tuple[int, float], ...] | None = None
-        self.verify_curve_source = "builtin"
         self._stack = None  # (kernels module, its LayerStack of the layers, their RoPEs, ids to logits): _layer_stack
         self._stacks: dict[Any, tuple] = {}  # every kernels module's, kept
         self._stack_tokens = False  # the stack also embeds and applies the head (forward_tokens)
@@ -379,7 +309,7 @@ class Transformer:
         emb, head = self.embed, self.head
         tokens = (isinstance(emb, TokenEmbeddings) and emb._gather is not None
                   and isinstance(head, native.QuantLinear) and head.norm_weight is not None
-                  and hasattr(stack, "forward_tokens"))  # (a build from before session 36 has not)
+                  and hasattr(stack, "forward_tokens"))  # (a build of older sources, scripts/kernel_builds.py, has not)
         if tokens:
             stack.set_embedding(emb._gather[1], emb._gather[2], emb.shape[1], float(self.config.embed_scale))
             stack.set_head(*head.packed(), float(self.config.rms_eps))
@@ -412,57 +342,11 @@ class Transformer:
         return cls(GGUFFile(path), dev, DTYPES[dtype], quant)
 
     @property
-    def pricing_curve(self) -> tuple[tuple[int, float], ...]:
-        """The T(k)/T(1) points verify_cost reads: the one set (measured or given), else the built-in one."""
-        return self.verify_curve or VERIFY_COST_CURVES[self.cost_curve]
-
-    def verify_cost(self, n_rows: int) -> float:
-        """Estimated time of a forward of `n_rows` new rows, in units of a one-row forward."""
-        return interpolate_cost(self.pricing_curve, n_rows)
-
-    def verify_curve_info(self) -> dict:
-        """The curve verify_cost reads, for results records: its points and where they come from
-        ("builtin <key>", "measured", "configured")."""
-        src = f"builtin {self.cost_curve}" if self.verify_curve is None else self.verify_curve_source
-        return {"source": src, "points": [list(p) for p in self.pricing_curve]}
-
-    def set_verify_curve(self, points, source: str = "configured") -> None:
-        """Price verification with `points` ([[k, T(k)/T(1)], ...], check_verify_curve) from now on."""
-        self.verify_curve, self.verify_curve_source = check_verify_curve(points), source
-
-    def measure_verify_curve(self, ks: Sequence[int] = MEASURE_K, ctx: int = 256, rounds: int = 5) -> tuple:
-        """T(k)/T(1) of this model on this machine now: after `ctx` tokens of context in a scratch cache,
-        one forward of k rows (every row's logits, as a verification) for each k, taken in turn as
-        `bench-runtime` takes T(k) (specplug.runtime.timing: the order reversed every round, so a
-        drifting machine falls on all of them; a warm-up call each first), at the threads of the moment
-        (the governor set aside: no probes of other counts); medians over `rounds`, each over T(1)'s,
-        never falling. ~2 s for SmolLM2-135M on 2 threads."""
-        from specplug.runtime.timing import medians_in_turn_ms
-
-        ks = sorted(set(ks) | {1})
-        cache = self.new_cache(1, ctx + max(ks) + 1)
-        n_vocab = len(self.embed)
-        self.forward([(100 + i) % n_vocab for i in range(ctx)], list(range(ctx)), [0] * ctx, cache, logits_rows=[])
-
-        def verify(k: int):
-            def fn():
-                self.forward([(7 + i) % n_vocab for i in range(k)], list(range(ctx, ctx + k)), [0] * k, cache)
-                cache.seq_rm(0, ctx)
-            return fn
-
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        gov, self.governor = self.governor, None
-        try:
-            ms = medians_in_turn_ms({k: verify(k) for k in ks}, rounds, warmup=1, sync=sync)
-        finally:
-            self.governor = gov
-        return never_falling([(k, ms[k] / ms[1]) for k in ks])
-
-    @property
-    def cost_curve(self) -> str:
-        """The key of this runtime's curve in VERIFY_COST_CURVES (the gguf kernels' per ISA path)."""
+    def kernel_path(self) -> str:
+        """Which code runs this model's forwards: "gguf-<isa>" (the gguf kernels on that instruction-set
+        path), else torch's "cuda" or "cpu" (what specplug.pricing keys its built-in curves by)."""
         if self.quant == "gguf":
-            return f"gguf-{self.isa}" if f"gguf-{self.isa}" in VERIFY_COST_CURVES else "gguf"
+            return f"gguf-{self.isa}"
         return "cuda" if self.device.type == "cuda" else "cpu"
 
     def new_cache(self, n_seq: int, max_ctx: int, dtype: torch.dtype | None = None,

@@ -60,7 +60,7 @@ def smoke_draft(engine: Engine, spec: Speculator) -> str | None:
     (engine thread only: it uses the target); why it fails, or None. `spec`'s hooks see slot 0 and
     fewer positions than its TargetInfo allows; the request's end removes its rows again."""
     tok = engine.target.tokenizer
-    probe = Engine(engine.target, [spec], n_parallel=1, max_ctx=min(engine.max_ctx, 128))
+    probe = Engine(engine.target, [spec], n_parallel=1, max_ctx=min(engine.max_ctx, 128), pricing=engine.pricing)
     probe.run([Request(tok.encode(SMOKE_TEXT)[:64], SMOKE_TOKENS, ignore_eos=True)])
     if spec.name in probe.stats.disabled:
         return f"the smoke draft failed: {probe.stats.disabled[spec.name]}"
@@ -80,7 +80,7 @@ class Reloader:
         self.configs = {sc.name: sc for sc in speculators}
         self.on_swap = on_swap
         eng = self.engine
-        self.info = target_info(eng.target, eng.n_parallel, eng.max_ctx)  # what build_engine told them
+        self.info = target_info(eng.target, eng.n_parallel, eng.max_ctx, eng.pricing.cost)  # as build_engine told them
         self._lock = threading.Lock()  # one reload at a time
 
     def reload(self, name: str, head: str, timeout: float = 300.0) -> dict:

@@ -1,7 +1,7 @@
 """Measured verification curves kept between runs, so `verify_curve: auto` times a model once per machine.
 
-`Transformer.measure_verify_curve` takes ~2 s (SmolLM2-135M, 2 threads), and on a busy machine one
-minute can read a third slower than the next. So `auto` measures at load until this machine holds
+`specplug.pricing.measure_curve` takes ~2 s (SmolLM2-135M, 2 threads), and on a busy machine one
+minute can read a third slower than the next. So `auto` measures when the engine is built until this machine holds
 AUTO_MEASUREMENTS measurements of the same model on the same kernels and threads, then prices with
 the median of the stored ones, row count by row count, and measures no more; `measure` always
 times the curve anew (and stores it: the newest KEEP stay). The key is everything the curve depends
@@ -27,6 +27,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from specplug.pricing.curves import MEASURE_K, Curve, check_curve, never_falling
+
 ENV = "SPECPLUG_CACHE_DIR"
 FILE = "verify-curves.json"
 VERSION = 1
@@ -48,7 +50,6 @@ def curve_key(model) -> tuple[str, dict]:
 
     from specplug import machine
     from specplug.runtime import native
-    from specplug.runtime.model import MEASURE_K
 
     info = machine.describe()
     st = Path(model.path).resolve().stat()
@@ -60,10 +61,8 @@ def curve_key(model) -> tuple[str, dict]:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16], what
 
 
-def median_curve(curves: list) -> tuple[tuple[int, float], ...]:
+def median_curve(curves: list) -> Curve:
     """The median of several curves at each row count (they share their row counts), never falling."""
-    from specplug.runtime.model import never_falling
-
     return never_falling([(k, statistics.median(c[i][1] for c in curves)) for i, (k, _) in enumerate(curves[0])])
 
 
@@ -87,13 +86,11 @@ def _read(path: Path) -> dict:
 
 
 def _valid(entry) -> list:
-    """The stored measurements of one key that still check (check_verify_curve), oldest first."""
-    from specplug.runtime.model import check_verify_curve
-
+    """The stored measurements of one key that still check (check_curve), oldest first."""
     out = []
     for m in entry.get("measured", []) if isinstance(entry, dict) else []:
         try:
-            out.append({"when": str(m["when"]), "points": check_verify_curve(m["points"])})
+            out.append({"when": str(m["when"]), "points": check_curve(m["points"])})
         except (KeyError, TypeError, ValueError):
             continue  # a hand-edited or damaged measurement: left out
     return out
@@ -144,21 +141,3 @@ def store(key: str, what: dict, curve) -> None:
     except OSError as exc:
         warnings.warn(f"verification curve not cached ({exc}); set {ENV} to a writable folder to keep it",
                       stacklevel=3)
-
-
-def measured_curve(model, key: tuple[str, dict] | None = None) -> tuple[tuple, str]:
-    """(`model`'s curve timed now, "measured"), stored for later loads (under `key`, curve_key's, when
-    the caller has it)."""
-    curve = model.measure_verify_curve()
-    store(*(key or curve_key(model)), curve)
-    return curve, "measured"
-
-
-def auto_curve(model) -> tuple[tuple, str]:
-    """(curve, source) for `verify_curve: auto` on the gguf CPU kernels: timed now while fewer than
-    AUTO_MEASUREMENTS are stored for this model, machine and set-up; else the stored ones' median."""
-    key = curve_key(model)
-    have = stored(key[0])
-    if len(have) < AUTO_MEASUREMENTS:
-        return measured_curve(model, key)
-    return median_curve(have), f"cached (median of {len(have)} measurements)"
