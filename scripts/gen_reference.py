@@ -26,12 +26,14 @@ PAGE = ROOT / "docs" / "reference.md"
 MODULES = [
     ("specplug.heads", "the head file (GGUF) and the drafting toolkit"),
     ("specplug.heads.masks", "which training rows a chain or parallel head is scored on"),
-    ("specplug.heads.lookup", "the context's pair lookup, and what a head that reads it adds (Eagle3, MTP, DFlash)"),
+    ("specplug.heads.lookup", "the context's pair lookup, and what a head that reads it adds when it drafts (Eagle3, "
+                              "MTP, DFlash)"),
     ("specplug.train.loop", "the training loop and the `Trainer` contract of `specplug train <type>`"),
     ("specplug.train.dataset", "reading and batching a data set of `specplug train data`"),
     ("specplug.train.target", "the target's frozen weights a head trains against"),
     ("specplug.train.modules", "trainable twins of the runtime's layers"),
     ("specplug.train.distill", "self-distillation targets and losses"),
+    ("specplug.train.lookup", "what a head that reads the pair lookup adds, in training (`LookupTrain`)"),
     ("specplug.train.finetune", "starting a trainer from a head file (`--init`)"),
 ]
 PLUMBING = re.compile(r"^(cmd_\w+|register|main|add_parser|add_trainer_parsers|run_trainer|trainer_entry_points)$")

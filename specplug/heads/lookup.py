@@ -20,10 +20,10 @@ A block drafter (DFlash) reads the lookup chained over its block instead (`chain
 `anchor_chains`): the proposal for c+1, then for c+2 from the pair (or longest m-gram) that proposal
 ends, and so on.
 
-What a head does with it is written once here, for every head that reads it (Eagle3, MTP, DFlash;
-see below): `LookupTrain` (training form, a head module's `lookup`), `LookupReader` (the drafting
-form, from a head file) and `LookupForward` (a pair head runtime's `forward` / `forward_pick` that
-hand it to the step).
+What a head does with it is written once, for every head that reads it (Eagle3, MTP, DFlash):
+`specplug.train.lookup.LookupTrain` (the training form, a head module's `lookup`), and here
+`LookupReader` (the drafting form, from a head file) and `LookupForward` (a pair head runtime's
+`forward` / `forward_pick` that hand it to the step).
 """
 from __future__ import annotations
 
@@ -213,37 +213,6 @@ def training_lookups(tokens: torch.Tensor, valid: torch.Tensor, t2d: torch.Tenso
     draft row (-1: none or outside the draft vocabulary); valid [B, T] bool marks each sequence's tokens."""
     look = batch_lookups(tokens, valid.sum(1).tolist(), n)
     return look, lookup_draft_rows(look, t2d)
-
-
-class LookupTrain(torch.nn.Module):
-    """The training form of what a head adds from its lookup L: `proj(norm(embed(L)))` added to its
-    state before its layer (`input`), and `gate . out + gate_bias` added to L's logit (`boost`); zero-started
-    (the norm at one), so a head fine-tuned into one starts as it was. A head module owns one as `lookup`."""
-
-    def __init__(self, d: int, eps: float):
-        super().__init__()
-        from specplug.train.modules import RMSNorm  # training only: drafting does not import the trainer
-
-        self.proj = torch.nn.Parameter(torch.zeros(d, d))
-        self.norm = RMSNorm(d, eps)
-        self.gate = torch.nn.Parameter(torch.zeros(1, d))
-        self.gate_bias = torch.nn.Parameter(torch.zeros(1))
-
-    def input(self, embed: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
-        """What the lookups [B, T] add to the head's state: [B, T, d] (zero where there is none);
-        embed: the target's embedding table."""
-        e = self.norm(embed[lookup.clamp(min=0)])
-        return torch.nn.functional.linear(e, self.proj) * (lookup >= 0).unsqueeze(-1)
-
-    def boost(self, logits: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """logits [n, V] with `gate . out + bias` added at each row's lookup draft row (rows [n], -1: none)."""
-        gate = torch.nn.functional.linear(out, self.gate, self.gate_bias).squeeze(-1)
-        add = torch.zeros_like(logits).scatter(-1, rows.clamp(min=0).unsqueeze(-1), (gate * (rows >= 0)).unsqueeze(-1))
-        return logits + add
-
-    def head_params(self) -> dict[str, torch.nn.Parameter]:
-        """The parameters under their head file names (`LOOKUP_NAMES`)."""
-        return dict(zip(LOOKUP_NAMES, (self.proj, self.norm.weight, self.gate, self.gate_bias)))
 
 
 class LookupReader:

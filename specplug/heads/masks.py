@@ -5,7 +5,7 @@ A batch row t holds token x_t, the target's hidden states h(t) computed at it, a
 `dist_start` is the last prompt row: drafting starts there.
 
 - A recursive head (MTP, Eagle3) at unroll step r reads row t and predicts token t + 1 from an
-  anchor t - r: `chain_mask(batch, r)` (= `specplug.train.distill.step_mask`).
+  anchor t - r: `chain_mask(batch, r)` (also `specplug.train.distill.step_mask`, beside the losses).
 - Parallel heads read the newest state h(s) and the token x(s+1) (at `draft`: s = len(tokens) - 2)
   and head k predicts token s + 2 + k, whose distribution is recorded at row s + 1 + k:
   `parallel_mask(batch, k)` over state rows s, and `ahead(x, 1 + k)` to bring row s + 1 + k's
@@ -16,7 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specplug.train.distill import step_mask as chain_mask
+
+def chain_mask(batch, r: int) -> torch.Tensor:
+    """[B, T] rows counted at unroll step r: a recorded distribution, and an anchor t - r at or after
+    the last prompt token (drafts start there)."""
+    t = torch.arange(batch.tokens.shape[1], device=batch.tokens.device).view(1, -1)
+    return batch.has_dist & (t - r >= batch.dist_start.view(-1, 1))
 
 
 def ahead(x: torch.Tensor, n: int) -> torch.Tensor:

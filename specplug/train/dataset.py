@@ -25,8 +25,7 @@ class SeqBatch:
     positions: torch.Tensor  # [B, T] int64 positions in the sequence
     valid: torch.Tensor  # [B, T] bool, real rows
     has_dist: torch.Tensor  # [B, T] bool: the row carries the target's next-token distribution and a next token
-    # [B, T, k] int64 the target's k likeliest next tokens (topk_ids[..., 0] = its greedy choice)
-    topk_ids: torch.Tensor
+    topk_ids: torch.Tensor  # [B, T, k] int64 the target's k likeliest next tokens ([..., 0]: its greedy choice)
     topk_logprobs: torch.Tensor  # [B, T, k] float32 their log-probabilities
     taps: dict[str, torch.Tensor]  # tap -> [B, T, n_embd] float32 hidden states
     dist_start: torch.Tensor  # [B] int64: first row with a distribution (the last prompt token)

@@ -1,9 +1,11 @@
 """Self-distillation targets shared by head trainers: the target's recorded next-token
-distribution restricted to a draft vocabulary, and which rows count at each unroll step."""
+distribution restricted to a draft vocabulary, and which rows count at each unroll step
+(`step_mask`: `specplug.heads.masks.chain_mask`, with the other masks)."""
 from __future__ import annotations
 
 import torch
 
+from specplug.heads.masks import chain_mask as step_mask
 from specplug.train.dataset import SeqBatch
 
 
@@ -17,13 +19,6 @@ def soft_targets(batch: SeqBatch, t2d: torch.Tensor) -> tuple[torch.Tensor, torc
     return idx.clamp_min(0), p
 
 
-def step_mask(batch: SeqBatch, r: int) -> torch.Tensor:
-    """[B, T] rows counted at unroll step r: a recorded distribution, and an anchor t - r at or after
-    the last prompt token (drafts start there)."""
-    t = torch.arange(batch.tokens.shape[1], device=batch.tokens.device).view(1, -1)
-    return batch.has_dist & (t - r >= batch.dist_start.view(-1, 1))
-
-
 def draft_ce(logits: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Per-row cross-entropy [n] of draft logits [n, V] against soft targets (idx, p) [n, k]."""
     return -(p * torch.log_softmax(logits, -1).gather(-1, idx)).sum(-1)
@@ -34,3 +29,6 @@ def invert(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
     t2d = torch.full((vocab,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(len(d2t))
     return t2d
+
+
+__all__ = ["draft_ce", "invert", "soft_targets", "step_mask"]

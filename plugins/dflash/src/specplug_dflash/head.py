@@ -30,9 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write_head
-from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, NONE, LookupReader, LookupTrain
+from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, NONE, LookupReader
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step
 from specplug.runtime.static import head_steps
+from specplug.train.lookup import LookupTrain
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables
 
 METHOD, VERSION = "dflash", 1

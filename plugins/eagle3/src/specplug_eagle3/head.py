@@ -28,10 +28,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.heads import HeadError, HeadFile, HeadMeta, layer_from_head, write_head
-from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, LookupForward, LookupReader, LookupTrain
+from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, LookupForward, LookupReader
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
 from specplug.runtime.static import chain_head_step, embedded, head_steps, token_input
+from specplug.train.lookup import LookupTrain
 from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
 
 METHOD, VERSION = "eagle3", 1
