@@ -308,8 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     _register_convert(sub)
     from specplug.heads.show import register as register_heads
     from specplug.scaffold import register as register_plugin
+    from specplug.train.eval import add_parser as register_heads_eval
 
-    register_heads(sub)
+    register_heads_eval(register_heads(sub))
     register_plugin(sub)
     for ep in entry_points(group=COMMANDS_GROUP):
         try:

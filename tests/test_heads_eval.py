@@ -10,8 +10,8 @@ import pytest
 from specplug_mtp.train import MTPTrainer
 
 from specplug.cli import main
-from specplug.heads.eval import evaluate_head
 from specplug.testing import repetitive_prompts, write_tiny_gguf
+from specplug.train.eval import evaluate_head
 from specplug.train.loop import LoopOptions, train
 
 SOURCES = {"cats.jsonl": repetitive_prompts(60, seed=1), "dogs.jsonl": repetitive_prompts(25, seed=2)}

@@ -11,9 +11,9 @@ import torch
 
 from specplug.cli import main
 from specplug.heads import HeadFile
-from specplug.heads.eval import evaluate_head
 from specplug.testing import make_train_data, repetitive_prompts, write_tiny_gguf
 from specplug.train.datagen import file_sha256
+from specplug.train.eval import evaluate_head
 from specplug.train.loop import work_dir
 
 LOOP = ["--steps", "2", "--batch-tokens", "1024", "--val-fraction", "0.2", "--val-every", "2", "--warmup", "1",

@@ -1,6 +1,6 @@
 """`specplug heads show FILE [--target MODEL]`: what a head file is, where it came from (its recipe
-and, for a fine-tuned head, its lineage), and whether it fits a target. `specplug heads eval` is in
-`specplug.heads.eval`."""
+and, for a fine-tuned head, its lineage), and whether it fits a target. `specplug heads eval` scores
+a head with its trainer, so it is in `specplug.train.eval` (the CLI adds it to `register`'s subparsers)."""
 from __future__ import annotations
 
 import json
@@ -107,7 +107,8 @@ def cmd_show(args) -> int:
     return 0 if r.get("target_check", {}).get("compatible", True) else 1
 
 
-def register(sub) -> None:
+def register(sub):
+    """The `heads` command with `show`; returns its subparsers, for `eval` (`specplug.train.eval.add_parser`)."""
     p = sub.add_parser("heads", help="inspect and evaluate trained head files")
     hsub = p.add_subparsers(dest="heads_command", required=True, metavar="{show,eval}")
     s = hsub.add_parser("show", help="a head file's method, target fingerprint, tensors, draft vocabulary and recipe")
@@ -117,9 +118,7 @@ def register(sub) -> None:
                         "smollm2-135m (exit 1 when it cannot)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.set_defaults(func=cmd_show)
-    from specplug.heads.eval import add_parser as add_eval
-
-    add_eval(hsub)
+    return hsub
 
 
 __all__ = ["cmd_show", "register", "report", "target_of"]

@@ -128,10 +128,10 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
           threads: int | None = None, quant: str = "auto", model: str | None = None, quiet: bool = False) -> dict:
     """Run the loop (see the module's doc); returns the report (also written to `work`/adapt-report.json)."""
     from specplug.heads import HeadFile
-    from specplug.heads.eval import evaluate_head
     from specplug.machine import describe
     from specplug.runtime import load_target
     from specplug.train.dataset import DataSource, read_manifest
+    from specplug.train.eval import evaluate_head
     from specplug.train.finetune import BaseHead
     from specplug.train.loop import LoopOptions, load_trainer, train
     from specplug.train.tokens import rebuild_dataset

@@ -266,9 +266,9 @@ def test_a_head_reading_the_chained_lookup_drafts_losslessly_and_as_trained(tiny
     """Lossless with parallel sequences; the runtime's block given the chained lookups equals the
     training module's; the drafter hands each block the chain of its sequence's history."""
     from specplug.heads import HeadFile
-    from specplug.heads.eval import evaluate_head
     from specplug.heads.lookup import anchor_chains, chain_lookup, lookup_draft_rows
     from specplug.train.dataset import TrainData
+    from specplug.train.eval import evaluate_head
 
     h = HeadFile(with_lookup)
     assert h.meta.config["lookup"] is True and abs(float(h.tensor("lookup.gate_bias")[0])) > 0

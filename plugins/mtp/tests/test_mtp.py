@@ -296,7 +296,7 @@ def with_lookup(data, trained, work) -> Path:
 
 def test_a_head_reading_the_pair_lookup_starts_as_its_base_and_drafts_losslessly(tiny, data, trained, with_lookup):
     from specplug.heads import HeadFile
-    from specplug.heads.eval import evaluate_head
+    from specplug.train.eval import evaluate_head
 
     h = HeadFile(with_lookup)
     assert h.meta.config["lookup"] is True and {"lookup.proj", "lookup.gate"} <= set(h.gguf.tensors)

@@ -3,7 +3,8 @@ data set of `specplug train data`, per prompt source (or category) and overall.
 
 It is the trainer's own validation (`specplug.train.loop.score` over the method's `evaluate`),
 run on every sequence of the data set: the head's trainer is built from the file
-(`specplug.train.finetune`) and never trained. Depth 1 is how often the head's first draft token
+(`specplug.train.finetune`) and never trained; so it lives with the trainer, and the CLI adds it
+under `specplug heads` (`add_parser`). Depth 1 is how often the head's first draft token
 is the target's greedy next token, from the target's own states (the first-token acceptance of
 greedy verification). Depth k > 1 is the trainer's multi-step validation: a recursive head (MTP,
 Eagle3) runs on its own states of the steps before, as when drafting k tokens past a committed
@@ -20,6 +21,11 @@ from pathlib import Path
 import torch
 
 from specplug.errors import SpecplugError
+from specplug.heads import HeadFile
+from specplug.machine import describe
+from specplug.outputs import write_atomic
+from specplug.train.finetune import BaseHead
+from specplug.train.loop import build, load_trainer, score
 
 BY = ("source", "category")
 
@@ -37,10 +43,6 @@ def evaluate_head(head_path: str | Path, data_dir: str | Path, by: str = "source
     """The report of `specplug heads eval`: {"head", "data", "by", "depths", "overall", "groups": {name: row},
     "note"}; a row is {"prompts", "sequences", "hit" [depths], "counted" [depths], "top1" [depths],
     "expected_accepted"}, and "overall" is the sum of the groups' rows."""
-    from specplug.heads import HeadFile
-    from specplug.train.finetune import BaseHead
-    from specplug.train.loop import build, load_trainer
-
     if by not in BY:
         raise SpecplugError(f"--by must be one of {', '.join(BY)}, got {by!r}")
     if depth is not None and depth < 1:
@@ -83,8 +85,6 @@ def _groups(data, prompts: list[dict], by: str) -> dict[str, list]:
 
 
 def _score_groups(trainer, data, groups: dict[str, list], batch_tokens: int, device, depths: int) -> dict:
-    from specplug.train.loop import score
-
     rows = {}
     for name, seqs in groups.items():
         data.split["eval"] = seqs  # the trainer's batching, over this group's sequences
@@ -135,22 +135,19 @@ def text_report(r: dict) -> str:
 
 
 def cmd_eval(args) -> int:
-    from specplug.outputs import write_atomic
-
     if args.threads:
         torch.set_num_threads(args.threads)
     r = evaluate_head(args.head, args.data, by=args.by, depth=args.depth, batch_tokens=args.batch_tokens,
                       device=args.device, model=args.model)
     print(text_report(r))
     if args.json:
-        from specplug.machine import describe
-
         write_atomic(Path(args.json), json.dumps({**r, "machine": describe(args.device)}, indent=1))
         print(f"specplug: wrote {args.json}", file=sys.stderr)
     return 0
 
 
 def add_parser(hsub) -> None:
+    """`specplug heads eval`, under the `heads` command's subparsers (`specplug.heads.show.register`)."""
     e = hsub.add_parser("eval", help="teacher-forced top-1 per draft depth of a head on a data set of "
                                      "`specplug train data`, per prompt source or category")
     e.add_argument("head", metavar="HEAD.gguf", help="the head file")
