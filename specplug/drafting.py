@@ -193,6 +193,14 @@ def pause(st: SeqDraftState, call_cost: float) -> None:
     st.probe = max(min(2 * st.probe, PROBE_MAX), floor)
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """The draft chosen for a sequence in a step, and the speculator that drafted it."""
+
+    spec: Speculator
+    draft: Draft
+
+
 class History(SequenceABC):
     """A read-only view of a sequence's tokens for plugins (no copy per step; slices are copies)."""
 
@@ -252,9 +260,10 @@ class Drafting:
         worth = cost(n_seqs) / n_seqs
         return tuple((cost(n_seqs + i + 1) - cost(n_seqs + i) + c) / worth for i in range(n))
 
-    def propose(self, seqs: Sequence[Any]) -> dict[int, tuple[Speculator, Draft]]:
-        """Ask every speculator; keep per sequence the draft with most expected accepted tokens."""
-        best: dict[int, tuple[float, Speculator, Draft]] = {}
+    def propose(self, seqs: Sequence[Any]) -> dict[int, Proposal]:
+        """Ask every speculator; keep per sequence (slot) the draft with most expected accepted tokens."""
+        chosen: dict[int, Proposal] = {}
+        score: dict[int, float] = {}  # slot -> the value of its chosen draft (_value)
         self._asked = []
         self._step += 1
         for spec in self.specs:
@@ -288,9 +297,11 @@ class Drafting:
             self._asked.append(_Asked(spec, {r.seq_id: d for r, d in zip(reqs, res)}, share))
             for r, d in zip(reqs, res):
                 scored = self._value(spec, d)
-                if scored is not None and (r.seq_id not in best or scored[0] > best[r.seq_id][0]):
-                    best[r.seq_id] = (scored[0], spec, scored[1])
-        chosen = {k: (v[1], v[2]) for k, v in best.items()}
+                if scored is None:
+                    continue
+                value, cut = scored
+                if r.seq_id not in chosen or value > score[r.seq_id]:
+                    chosen[r.seq_id], score[r.seq_id] = Proposal(spec, cut), value
         _trim(chosen, len(seqs), self.cost)
         return chosen
 
@@ -354,7 +365,7 @@ class Drafting:
             return None  # expected to cost more verification time than it saves
         return score, _cut(d, k)
 
-    def settle(self, seqs: Sequence[Any], chosen: dict[int, tuple[Speculator, Draft]],
+    def settle(self, seqs: Sequence[Any], chosen: dict[int, Proposal],
                outcome: dict[int, tuple[int, int]], first: dict[int, int], rows: int) -> None:
         """After verification: statistics, per-sequence value and draft length, `remove` and `verified`.
 
@@ -371,7 +382,7 @@ class Drafting:
             for slot, d in a.proposed.items():
                 q = by_slot[slot]
                 st = spec.state(slot)
-                mine = slot in chosen and chosen[slot][0] is spec
+                mine = slot in chosen and chosen[slot].spec is spec
                 n_d, n_a = outcome[slot] if mine else (len(d) if d is not None else 0, 0)
                 if d is not None and len(d):
                     spec.stats.proposed += 1
@@ -398,7 +409,7 @@ def _adapt_length(spec: Speculator, st: SeqDraftState, n_drafted: int, n_accepte
         st.skip = max(st.skip, 1 << min(st.dead - spec.policy.backoff, 6))
 
 
-def _trim(chosen: dict[int, tuple[Speculator, Draft]], n_seqs: int, cost: Callable[[int], float]) -> None:
+def _trim(chosen: dict[int, Proposal], n_seqs: int, cost: Callable[[int], float]) -> None:
     """Cut drafts that carry confidences where the next row is not worth verifying.
 
     A draft token is worth its row when its cumulative acceptance probability times what one
@@ -407,10 +418,12 @@ def _trim(chosen: dict[int, tuple[Speculator, Draft]], n_seqs: int, cost: Callab
     Rows go to the most probable tokens of all sequences first (cumulative probabilities
     only fall along a draft); drafts of speculators with `cost_trim: false` are kept whole.
     """
-    rows = n_seqs + sum(len(d) for s, d in chosen.values() if d.confidence is None or not s.policy.cost_trim)
+    def priced(p: Proposal) -> bool:
+        return p.draft.confidence is not None and p.spec.policy.cost_trim
+
+    rows = n_seqs + sum(len(p.draft) for p in chosen.values() if not priced(p))
     worth = cost(n_seqs) / n_seqs
-    fronts = {slot: _cumulative(d.confidence) for slot, (s, d) in chosen.items()
-              if d.confidence is not None and s.policy.cost_trim}
+    fronts = {slot: _cumulative(p.draft.confidence) for slot, p in chosen.items() if priced(p)}
     keep = dict.fromkeys(fronts, 0)
     while fronts:
         slot = max(fronts, key=lambda k: fronts[k][keep[k]])
@@ -421,11 +434,11 @@ def _trim(chosen: dict[int, tuple[Speculator, Draft]], n_seqs: int, cost: Callab
         if keep[slot] == len(fronts[slot]):
             del fronts[slot]
     for slot, k in keep.items():
-        s, d = chosen[slot]
-        if k < max(1, s.policy.n_min):
+        p = chosen[slot]
+        if k < max(1, p.spec.policy.n_min):
             del chosen[slot]
-        elif k < len(d):
-            chosen[slot] = (s, _cut(d, k))
+        elif k < len(p.draft):
+            chosen[slot] = Proposal(p.spec, _cut(p.draft, k))
 
 
 def _cumulative(confidence: Sequence[float]) -> list[float]:

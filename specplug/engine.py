@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from specplug.drafting import Drafting, DraftPolicy, Speculator  # noqa: F401 (DraftPolicy: re-exported)
+from specplug.drafting import Drafting, DraftPolicy, Proposal, Speculator  # noqa: F401 (DraftPolicy: re-exported)
 from specplug.errors import SpecplugError
 from specplug.metrics import RunStats, SeqStats, SpecStats
 from specplug.pricing import Pricing, builtin
@@ -509,8 +509,8 @@ class Engine:
         chosen = self.drafting.propose(seqs) if self.specs else {}
         toks, pos, sids, spans = [], [], [], []
         for q in seqs:
-            d = chosen.get(q.slot)
-            ids = [q.tokens[-1], *(d[1].token_ids if d else ())]
+            p = chosen.get(q.slot)
+            ids = [q.tokens[-1], *(p.draft.token_ids if p else ())]
             p0 = len(q.tokens) - 1
             spans.append((len(toks), len(ids)))
             toks += ids
@@ -525,9 +525,9 @@ class Engine:
         outcome: dict[int, tuple[int, int]] = {}  # slot -> (n_drafted, n_accepted)
         first: dict[int, int] = {}  # slot -> the token committed after the sequence's last one
         for q, (off, n) in zip(seqs, spans):
-            d = chosen.get(q.slot)
-            draft_ids = list(d[1].token_ids) if d else []
-            v = self._verify(q, out.logits[off:off + n], draft_ids, d)
+            p = chosen.get(q.slot)
+            draft_ids = list(p.draft.token_ids) if p else []
+            v = self._verify(q, out.logits[off:off + n], draft_ids, p)
             draft_ids = draft_ids[:v.n_accepted]
             p0 = len(q.tokens) - 1
             if v.n_accepted < n - 1:
@@ -535,36 +535,36 @@ class Engine:
             for i in range(v.n_accepted + 1):
                 committed.append((toks[off + i], p0 + i, q.slot))
                 rows.append(off + i)
-            n_drafted = n - 1 if d and d[0].enabled else 0
+            n_drafted = n - 1 if p and p.spec.enabled else 0
             outcome[q.slot] = (n_drafted, v.n_accepted)
             first[q.slot] = draft_ids[0] if v.n_accepted else v.next_token
             q.stats.target_forwards += 1
             self.stats.target_forwards += 1
             if n_drafted:
-                spec = d[0]
+                spec = p.spec
                 spec.stats.add(n_drafted, v.n_accepted)
                 q.stats.by_speculator[spec.name].add(n_drafted, v.n_accepted)
                 q.stats.drafted_tokens += n_drafted
                 q.stats.accepted_tokens += v.n_accepted
             self._append(q, draft_ids + [v.next_token])
         if self.specs:
-            self.drafting.settle(seqs, {k: v for k, v in chosen.items() if v[0].enabled}, outcome, first, len(toks))
+            self.drafting.settle(seqs, {k: p for k, p in chosen.items() if p.spec.enabled}, outcome, first, len(toks))
             # on the hidden states' device once a step (take_rows would otherwise copy a host index
             # there for every tap of every speculator)
             row_t = torch.tensor(rows, dtype=torch.long, device=self.model.device) if len(rows) != len(toks) else None
             self._tell_committed(committed, row_t, out.hidden, False)
 
-    def _verify(self, q: _Seq, logits: torch.Tensor, draft_ids: list[int], d) -> Verdict:
+    def _verify(self, q: _Seq, logits: torch.Tensor, draft_ids: list[int], p: Proposal | None) -> Verdict:
         """Verify one sequence's draft. A draft that makes verification fail (its probs, say)
         disables its speculator, and the sequence takes the target's own token instead."""
-        if not d:
+        if not p:
             return verify(logits, [], None, q.sampling, q.gen)
         try:
-            return verify(logits, draft_ids, d[1].probs, q.sampling, q.gen)
+            return verify(logits, draft_ids, p.draft.probs, q.sampling, q.gen)
         except Exception as exc:
             if self.strict:
                 raise
-            self._disable(d[0], f"its draft failed verification ({type(exc).__name__}: {exc})",
+            self._disable(p.spec, f"its draft failed verification ({type(exc).__name__}: {exc})",
                           traceback.format_exc())
             return verify(logits[:1], [], None, q.sampling, q.gen)
 
