@@ -268,7 +268,7 @@ def _stage_ms(ext, fwds: dict, repeats: int, besides: dict | None = None) -> dic
     the median over the same runs of each one's wall time less its kernels' (Python, embedding, ...),
     and `wall`: their median wall time (the timers cost one clock read per kernel call).
     `besides[key]`: a function run after each of that key's forwards, returning {name: seconds} (the
-    floor's walks, so that they and the forward see the same minutes of a VM that drifts); their
+    floor's walks, so that they and the forward see the same minutes of a machine that drifts); their
     medians too."""
     besides = besides or {}
     parts: dict = {k: [] for k in fwds}
@@ -303,7 +303,7 @@ def isa_peaks(ext) -> dict:
     """The build's dot instruction alone (`ext.dot_peak`: the ISA's own ceiling of G MAC/s on torch's
     threads, as the 4-bit kernels use it and, `_8bit`, as the 8-bit ones do) and its float
     multiply-add alone (`ext.fma_peak`: attention's ceiling); each the best of 7 runs of ~25 ms (the
-    first wakes the threads, and a loud VM only ever slows a run)."""
+    first wakes the threads, and a busy machine only ever slows a run)."""
     return {"isa": ext.isa(), "dot_instruction": ext.dot_instruction(),
             "peak_gmac_s_isa": round(max(ext.dot_peak(4) for _ in range(7)) / 1e9, 1),
             "dot_instruction_8bit": ext.dot_instruction(8),

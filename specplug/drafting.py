@@ -10,8 +10,8 @@ for the step before (steady drafting). A call that resumes a sequence (its first
 after a pause) also pays for catching up with the rows it missed (a head reads them, a draft model
 prefills them): that is the price of the pause and of the probe, not of a drafted token, so it
 counts in the call's realized value and in how far apart probes come, not in the break-even.
-(Charged to the drafted tokens, it made a head that pays when drafting steadily look too dear to
-draft at all: issue 37, docs/results/heads.md.) From these:
+(Charged to the drafted tokens, it would make a head that pays when drafting steadily look too dear
+to draft at all: docs/results/heads.md.) From these:
 
 - every `DraftRequest` carries `break_even[i]`, the probability that tokens 0..i are all accepted
   below which token i would not be verified; a drafter stops before computing such a token, and
@@ -26,9 +26,9 @@ draft at all: issue 37, docs/results/heads.md.) From these:
   its calls lose on average over all sequences, a new sequence starts paused, for what was left of
   the pause of the last sequence to end: a speculator that does not pay here is not asked at every
   sequence's first step, and a pause longer than a sequence runs on across sequences to its probe.
-  (A new sequence used to start the whole pause again, so once the pause outgrew the answers, 64
-  steps for 64-token answers or a costly probe's 130 for 128-token ones, the speculator was never
-  asked again, even where it would have paid: issue 37, docs/results/heads.md.)
+  (Were each new sequence to start the whole pause again, then once the pause outgrew the answers,
+  64 steps for 64-token answers or a costly probe's 130 for 128-token ones, the speculator would never
+  be asked again, even where it would pay: docs/results/heads.md.)
 Speculators with `cost_trim: false` are asked on every step and their drafts verified whole.
 """
 from __future__ import annotations

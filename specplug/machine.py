@@ -1,8 +1,8 @@
 """Where a figure was measured: one dict every results JSON carries, and the line its report prints.
 
-The project's machines change between sessions, and a ratio between runs on two machines means
-nothing, so each result says what ran it: the CPU model, the gguf kernels' instruction-set path
-and its compiler flags, the threads, the GPU where one was used, and the torch / specplug
+The machines the project's figures come from change, and a ratio between runs on two machines
+means nothing, so each result says what ran it: the CPU model, the gguf kernels' instruction-set
+path and its compiler flags, the threads, the GPU where one was used, and the torch / specplug
 versions and git commit.
 """
 from __future__ import annotations

@@ -450,8 +450,8 @@ def test_the_probes_time_the_build_s_own_instruction_and_refuse_what_they_cannot
 def test_a_path_this_cpu_cannot_run_still_compiles(isa):
     """Each kernel path this CPU lacks is still compiled, to the end of its semantic checks (-fsyntax-only:
     no code, nothing loaded), with its own flags and torch's: on an AVX2-only machine no other test
-    builds the AVX-512 source, and session 39 broke it there unseen (a name only that path lacked, in
-    an `if constexpr` branch outside a template). ~50 s a path."""
+    builds the AVX-512 source, and a change can break it there unseen (a name only that path lacked, in
+    an `if constexpr` branch outside a template, did). ~50 s a path."""
     import shutil
     import subprocess
     import sysconfig

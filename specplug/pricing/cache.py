@@ -1,17 +1,17 @@
 """Measured verification curves kept between runs, so `verify_curve: auto` times a model once per machine.
 
 `specplug.pricing.measure_curve` takes ~2 s (SmolLM2-135M, 2 threads), and on a busy machine one
-minute can read a third slower than the next. So `auto` measures when the engine is built until this machine holds
-AUTO_MEASUREMENTS measurements of the same model on the same kernels and threads, then prices with
-the median of the stored ones, row count by row count, and measures no more; `measure` always
-times the curve anew (and stores it: the newest KEEP stay). The key is everything the curve depends
+minute can read a third slower than the next. So `auto` measures when an engine is set up until this
+machine holds AUTO_MEASUREMENTS measurements of the same model on the same kernels and threads, then
+prices with the median of the stored ones, row count by row count, and measures no more; `measure`
+always times the curve anew (and stores it: the newest KEEP stay). The key is everything the curve depends
 on: the CPU, the kernels' build (their sources, flags, torch and Python: `native.build_key`) and
 instruction set, the page size and prefetch distance, the threads, the measured row counts, and the
 model file (its resolved path, size and modification time).
 
 The file is `verify-curves.json` in $SPECPLUG_CACHE_DIR, else $XDG_CACHE_HOME/specplug, else
 ~/.cache/specplug; delete it to forget every curve. It is written whole to a temporary file and
-renamed over the old one, under a lock (several workers may load at once); a file that cannot be
+renamed over the old one, under a lock (several workers may start at once); a file that cannot be
 read is set aside with a warning and rebuilt, and one that cannot be written costs a warning and
 the 2 s again next time, never the run.
 """

@@ -110,10 +110,10 @@ def cpu_id() -> tuple[str, int | None]:
 # at a time on 256-bit ones; both give the same bits, so which runs is a matter of speed only. Pairs
 # from one row suit Intel's server cores (Cascade Lake: the linears at one row 1.18x faster with the
 # pairs' software prefetch) and, since that prefetch goes to L2, Zen 4's 4-bit kinds too (the forward
-# at 1 / 2 / 4 / 8 rows 1.00 / 1.02 / 1.06 / 1.05x against its earlier tuning, the 256-bit path up to 4
-# rows); there the kinds with a byte a value (Q8_0, Q5_K, Q6_K) still stream 1.05x faster on 256 bits
-# at 1-2 rows (AMD EPYC Zen 4, 2 threads, `scripts/interleaved_builds.py`, docs/results/runtime.md). A
-# CPU measured to want other thresholds gets an entry here; SPECPLUG_PAIR_ROWS=n sets both for a run.
+# at 1 / 2 / 4 / 8 rows 1.00 / 1.02 / 1.06 / 1.05x against the 256-bit path up to 4 rows); there the
+# kinds with a byte a value (Q8_0, Q5_K, Q6_K) still stream 1.05x faster on 256 bits at 1-2 rows (AMD
+# EPYC Zen 4, 2 threads, `scripts/interleaved_builds.py`, docs/results/runtime.md). A CPU measured to
+# want other thresholds gets an entry here; SPECPLUG_PAIR_ROWS=n sets both for a run.
 PAIR_ROWS_ENV = "SPECPLUG_PAIR_ROWS"
 # (vendor, family): (from how many rows the 4- and 5-bit kinds run on tile pairs, the 8-bit ones).
 # AMD family 25 is Zen 3 and Zen 4; of them only Zen 4 has AVX-512, the only path with tile pairs.
@@ -147,9 +147,9 @@ def pair_rows() -> tuple[int, int]:
 # threshold) a call of at most this many rows asks, block by block, for the weights 4 KB on
 # (TILE_AHEAD in the kernels). Each build has its own default: 1 on AVX2, 0 on AVX-512, chosen when
 # the prefetch asked for a whole tile two ahead at once (a Zen 3 ran one row 8% faster with it, a
-# Zen 4 7-11% faster without, a Zen 1 1.24-1.30x faster without). Block by block (session 39), the
+# Zen 4 7-11% faster without, a Zen 1 1.24-1.30x faster without). Block by block, the
 # Zen 1 runs one row 1.12x (Q4_1) to 1.37x (Q8_0) faster than with none and 2 rows 1.00-1.04x, 4 rows
-# 0.98x (AMD EPYC, 2 threads, `scripts/interleaved_builds.py`, docs/results/runtime.md): 2 there. A CPU
+# 0.98x (AMD EPYC, 2 threads, 2026-12-06, `scripts/interleaved_builds.py`, docs/results/runtime.md): 2 there. A CPU
 # measured to want another gets an entry here; SPECPLUG_PREFETCH_ROWS=n sets it for a run (0: never).
 # The same bits either way.
 PREFETCH_ROWS_ENV = "SPECPLUG_PREFETCH_ROWS"

@@ -6,8 +6,8 @@
 // (its aligned path splits chunks, and every so often a larger request makes it consolidate its
 // fast bins: `perf` put malloc, free and malloc_consolidate at 1.4-2% of a one-row forward's
 // samples). Here a freed block goes back on a list of its size and the next request of that size
-// takes it, under one uncontended mutex (a tensor may be freed on any thread). On the Zen 4 of
-// session 37, builds call by call (scripts/interleaved_builds.py, four runs in both orders): the
+// takes it, under one uncontended mutex (a tensor may be freed on any thread). On an AMD EPYC Zen 4
+// (2026-11-29), builds call by call (scripts/interleaved_builds.py, four runs in both orders): the
 // forward after 512 positions 1.01-1.05x faster at one row, 1.01-1.04x at 2, 1.01-1.03x at 4-8;
 // prefill the same (docs/results/runtime.md).
 //
@@ -116,8 +116,8 @@ class Cache final : public c10::Allocator {
 // A thread's recent small outputs, whole tensors, handed out again once nothing holds them.
 //
 // The cache above saves the C library's calls, but each output is still a new tensor: a TensorImpl
-// and a StorageImpl built and destroyed, the cache's lock taken twice, ~0.5 us on the Zen 1 of session
-// 42, and a one-row forward makes ~17 outputs a layer. Here the last SLOTS outputs of at most
+// and a StorageImpl built and destroyed, the cache's lock taken twice, ~0.5 us on an AMD EPYC Zen 1
+// (2026-12-06), and a one-row forward makes ~17 outputs a layer. Here the last SLOTS outputs of at most
 // MAX_BYTES each made on this thread stay referenced; a request of the same shape and type takes one
 // that only the pool still holds (its tensor and its storage each counted once: no tensor, no view,
 // no Python object has it), so the next layer's same-shaped outputs reuse the last layer's. Only the

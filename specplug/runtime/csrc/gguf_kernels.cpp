@@ -428,8 +428,8 @@ std::atomic<int64_t> g_prefetch_rows{PREFETCH_ROWS};
 // value whose low 4 bits are in byte j of load l / 2, its low nibble for even l, its high one for
 // odd l. fifth_bits(plane, l) is 16 in each byte whose bit l is set, else 0: one shift of the plane
 // (in 16-bit lanes, which moves no bit l into another byte's bit 4) and one and, so the nibbles
-// take their fifth bit with an or. (Until session 41 a 32-bit mask a load, spread by vpshufb and
-// vpcmpeqb on AVX2: six instructions for each 32 values instead of three.)
+// take their fifth bit with an or. (A 32-bit mask a load, spread by vpshufb and vpcmpeqb on AVX2,
+// would take six instructions for each 32 values instead of three.)
 inline __m256i fifth_bits(__m256i plane, int l) {
   const __m256i v = l < 4 ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - l))
                           : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(l - 4));
@@ -564,10 +564,10 @@ inline void signed_block_dot(const uint8_t* blk, const Act& a, int64_t r0, int64
 // |w| times sign(x, w) takes two. The same integer sums, so the same bits, except for a weight of -128
 // (sign(-128, x) is -128 again for x < 0): only linears without one take it (Lin.signs, checked once
 // when a LayerStack takes them). Where the dot's instructions rather than the weights' stream set the
-// pace it pays: on the Zen 1 of session 44 (AVX2 only) one thread's linears take as long from the
-// caches as from memory, and the Q8_0 file's one-row forward ran 1.05-1.09x faster with it, the Q4_1
-// file's (its Q8_0 output head) 1.03x; at 2 threads, where the stream sets the pace, 0.96x, and at 2-4
-// rows 0.99 / 0.96x (docs/results/runtime.md). So calls of one row on at most g_sign_threads threads.
+// pace it pays: on an AMD EPYC Zen 1 (AVX2 only, 2026-12-06) one thread's linears take as long from
+// the caches as from memory, and the Q8_0 file's one-row forward ran 1.05-1.09x faster with it, the
+// Q4_1 file's (its Q8_0 output head) 1.03x; at 2 threads, where the stream sets the pace, 0.96x, and at
+// 2-4 rows 0.99 / 0.96x (docs/results/runtime.md). So calls of one row on at most g_sign_threads threads.
 #ifndef SIGN_THREADS
 #define SIGN_THREADS 1
 #endif
@@ -658,8 +658,8 @@ template <> struct KindOf<KQ4_0> { using S = uint16_t; static constexpr int byte
 // never faults past the end), one block's worth at a time, so the requests go out at the pace of the
 // compute instead of a tile's worth at once. Into L1 (T0), but one row's byte tiles (Q8_0, Q5_K,
 // Q6_K: the most bytes a multiply-add) ask for theirs non-temporally (BYTE_ROW_HINT): they are read
-// once a step, and the hint asks the caches not to keep them. On the Zen 1 of session 43 the one-row
-// forward of Q8_0 ran 1.03x faster (0.98-1.04x over 5 runs in both orders), Q5_K_M and Q6_K files
+// once a step, and the hint asks the caches not to keep them. On an AMD EPYC Zen 1 (2026-12-06) the
+// one-row forward of Q8_0 ran 1.03x faster (0.98-1.04x over 5 runs in both orders), Q5_K_M and Q6_K files
 // 1.01-1.03x; the nibble kinds did not gain (Q4_1 0.98x), nor did 2 rows (0.97x), so they keep T0
 // (docs/results/runtime.md). A template argument: as a run-time flag the test in the block loop made
 // the calls without it 2-5% slower at 3-8 rows on the Zen 1.
@@ -976,10 +976,10 @@ torch::Tensor matmul_impl(const std::vector<torch::Tensor>& xa, const torch::Ten
     const S* tm = wmp ? wmp + t * nb * NC : nullptr;
     // With few rows a tile's compute is short and the weight stream sets the pace: then each block
     // asks for the weights TILE_AHEAD bytes on (tile's AHEAD), in calls of at most prefetch_rows
-    // rows (a tuning per CPU). Until session 39 a tile asked for the whole tile two ahead at its
-    // start: a Zen 3 (AVX2) ran one row 8% faster with it, a Zen 4 (AVX-512) 7-11% faster without,
-    // a Zen 1 (AVX2) 1.24-1.30x faster without; block by block, the Zen 1 runs one row 1.12x (Q4_1)
-    // and 1.37x (Q8_0) faster than with none, 2 rows 1.00-1.04x (docs/results/runtime.md).
+    // rows (a tuning per CPU). Asking for the whole tile two ahead at its start instead, a Zen 3
+    // (AVX2) ran one row 8% faster than without, but a Zen 4 (AVX-512) ran 7-11% and a Zen 1 (AVX2)
+    // 1.24-1.30x faster without; block by block, the Zen 1 (AMD EPYC, 2026-12-06) runs one row 1.12x
+    // (Q4_1) and 1.37x (Q8_0) faster than with none, 2 rows 1.00-1.04x (docs/results/runtime.md).
     const bool ahead = M <= prefetch_rows;
     __m256 out[RT];
     for (int64_t r0 = 0; r0 < M; r0 += RT) {
@@ -1190,7 +1190,7 @@ constexpr bool ATT_REGS32 = false;
 // queries (or probabilities) and one loaded vector fit in the registers. Three heads of 4 keys on
 // AVX2's 16 registers are 12 accumulators with the queries read from memory: each reduce4 then sums
 // 4 scores, not 2 and 2 copies, and attention ran 1.03-1.09x faster than with 2 keys at 1-8 rows after
-// 512-1024 positions on the Zen 1 of session 38 (the same bits; docs/results/runtime.md).
+// 512-1024 positions on an AMD EPYC Zen 1, 2026-12-06 (the same bits; docs/results/runtime.md).
 constexpr int att_keys(int nq) { return ATT_REGS32 || nq <= 3 ? 4 : 2; }
 constexpr int att_vwidth(int nq) { return ATT_REGS32 ? (nq <= 3 ? 8 : 4) : (nq == 1 ? 8 : nq <= 3 ? 4 : 2); }
 
@@ -1271,7 +1271,7 @@ inline void scores_span(const float* qs, int64_t nd, const T* const* kr, const T
 // returns the sum of the exponentials (8 lanes in order, then hsum). The AVX-512 build takes 16
 // values a step, each lane the same operations, and adds the halves to the 8 lanes in order, so
 // both builds give the same bits; only the padded last group is masked. Against one exp8 with its
-// clamps and mask a group, on the Zen 4 of session 34 (scripts/attention_builds.py, 30 layers after
+// clamps and mask a group, on an AMD EPYC Zen 4, 2026-11-29 (scripts/attention_builds.py, 30 layers after
 // 512 positions): the softmax with the call's fixed work 1.20x at 1-16 rows; attention from memory
 // 0.95-1.10x over two runs and the forward 0.99-1.03x, within their noise (docs/results/runtime.md).
 inline float softmax_span(float* sc, int64_t n, float* m_out) {
@@ -1381,9 +1381,9 @@ constexpr int64_t ATT_PIECE = 32;
 // (0: never), instead of each row widening every K and V value it reads. The same values, the same
 // bits. Where widening is dear (Zen 1: a key's scores of 3 heads took 18.7 ns on float16 rows, 12.5 on
 // float32 ones, its 8 vcvtph2ps ymm ~2 cycles each beside 24 multiply-adds) it pays from 3 rows:
-// 1.08-1.09x at 3, 1.13-1.24x at 4-8 on the Zen 1 of session 38 (even at 2). Where it is cheap (Zen 4's AVX-512 build, session 36)
-// a separate pass waits on the memory reads the scores had overlapped: 0.75-0.87x, so the AVX-512 build
-// never widens (docs/results/runtime.md).
+// 1.08-1.09x at 3, 1.13-1.24x at 4-8 on an AMD EPYC Zen 1, 2026-12-06 (even at 2). Where it is cheap
+// (an AMD EPYC Zen 4's AVX-512 build, 2026-11-29) a separate pass waits on the memory reads the scores
+// had overlapped: 0.75-0.87x, so the AVX-512 build never widens (docs/results/runtime.md).
 #ifndef ATT_WIDEN_ROWS
 #if defined(__AVX512F__)
 #define ATT_WIDEN_ROWS 0
@@ -1677,11 +1677,11 @@ void AttPlan::make(const torch::Tensor& seq, const torch::Tensor& pos, const tor
   // follows the work: whole runs when there are enough of them for the threads (prefill), else
   // one span a task when enough spans hold many keys (long context), else all spans a task and
   // fewer query heads (short context, where a span of a few keys is not worth a task). Two tasks a
-  // thread: with four (before session 34) a row after 129-511 positions was cut into one task per
-  // query head, each reading its K/V head's keys again with one head's accumulators; with two it
-  // takes the spans with all its heads. On the Zen 4, attention from memory after 128-256 positions
-  // 1.09-1.42x faster at 1-8 rows, the forward after 256 1.00 / 1.04 / 1.06 / 1.06x at 1 / 2 / 4 / 8
-  // rows; from 512 positions on both cut the same (docs/results/runtime.md).
+  // thread: with four, a row after 129-511 positions would be cut into one task per query head,
+  // each reading its K/V head's keys again with one head's accumulators; with two it takes the spans
+  // with all its heads. Two against four on an AMD EPYC Zen 4 (2026-11-29): attention from memory
+  // after 128-256 positions 1.09-1.42x faster at 1-8 rows, the forward after 256 1.00 / 1.04 / 1.06 /
+  // 1.06x at 1 / 2 / 4 / 8 rows; from 512 positions on both cut the same (docs/results/runtime.md).
   const int64_t want = 2 * at::get_num_threads();
   const int64_t ps = D + 8;  // floats per partial: acc[D], m, l (and padding)
   // (span tasks share a buffer of their partials: at most 4 MB of them, else whole runs a task)

@@ -1,5 +1,5 @@
 // What this machine's cores do with the kernels' own instructions, for the roofline of
-// `bench-runtime --profile` (issue 38). Both run on the runtime's threads (chunk_pool), so they see
+// `bench-runtime --profile`. Both run on the runtime's threads (chunk_pool), so they see
 // the cores, caches and memory the kernels see.
 //
 //  - dot_peak(): the integer dot instruction alone, on the widest registers the build uses, as the
@@ -8,9 +8,9 @@
 //    every 8, as q4_1_block_dot does), 16 independent accumulators a thread (AVX2: 6 16-bit sums
 //    and the 6 they widen into, in its 16 registers) so its latency hides: the ISA's own ceiling of
 //    multiply-adds a second, which no kernel on this build can pass; dot_peak(8) times the 8-bit
-//    kernels' mix (AVX2: vpmaddubsw + vpmaddwd + vpaddd, each dot widened; VNNI: the same vpdpbusd). (Until
-//    session 39 the AVX2 probe widened after every vpmaddubsw, the 8-bit kernels' mix: two multiplies
-//    per 32 multiply-adds, half the 4-bit ceiling on a Zen 1, whose Q4_1 kernel then ran above it.)
+//    kernels' mix (AVX2: vpmaddubsw + vpmaddwd + vpaddd, each dot widened; VNNI: the same vpdpbusd).
+//    (Widened after every vpmaddubsw, as in the 8-bit mix, the 4-bit probe would pay two multiplies
+//    per 32 multiply-adds and read half the 4-bit ceiling: on a Zen 1, below what its Q4_1 kernel runs.)
 //  - fma_peak(): the float multiply-add alone (vfmadd on the same registers: 16 lanes a 512-bit one,
 //    8 a 256-bit one), 16 independent accumulators a thread (12 in AVX2's 16 registers, where 16
 //    spill and read half the peak): the ceiling of attention's float work (its scores and weighted
@@ -19,13 +19,13 @@
 //    weights: load, split 4-bit values into low and high nibbles (8-bit: offset by 128), one dot
 //    instruction per row per half (AVX2, 4-bit: into 16-bit sums widened once a block, as above; 8-bit:
 //    widened every time, as its kernels must; 6-bit, the 5- and 6-bit values Q5_K and Q6_K hold a byte
-//    each: one dot a load, into 16-bit sums widened every 4 loads, as their kernels do since session
-//    41), the scales read and not used, and nothing else (no float work,
-//    activations at hand). Over the weights as the runtime holds them it tells what the kernels
-//    could at best do with their stream; walked again from the caches (`repeat`), what the same
-//    work costs without it. So it measures whether this core overlaps the stream with the
-//    multiply-adds (streamed = the larger of the two) or pays for both (their sum), with a kernel
-//    that has nothing else in its way, and with software prefetch `ahead` bytes on or without.
+//    each: one dot a load, into 16-bit sums widened every 4 loads, as their kernels do), the scales
+//    read and not used, and nothing else (no float work, activations at hand). Over the weights as
+//    the runtime holds them it tells what the kernels could at best do with their stream; walked
+//    again from the caches (`repeat`), what the same work costs without it. So it measures whether
+//    this core overlaps the stream with the multiply-adds (streamed = the larger of the two) or pays
+//    for both (their sum), with a kernel that has nothing else in its way, and with software
+//    prefetch `ahead` bytes on or without.
 //
 // Included by gguf_kernels.cpp once per ISA build, after chunk_pool.h and CHUNK_BYTES.
 #pragma once
