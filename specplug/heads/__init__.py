@@ -20,6 +20,9 @@ draft-vocabulary map (e.g. `d2t`, draft row -> target token id) as I32.
 
 Drafting toolkit (each part usable on its own):
 
+    HeadSpeculator       a head speculator's start-up: which head file (`head:`, else the one shipped for
+                         the target), opening and checking it, `are_compatible`, `request_embeddings` from
+                         its taps; `check_head_params` checks the YAML keys head speculators share
     StateKeeper          committed rows per sequence in step, the newest state, `remove`, the position check
     DraftLoop            the batched drafting loop over per-depth logits: picking, calibrated confidences,
                          the stop rule (stop_below, and the host's `DraftRequest.break_even`)
@@ -49,9 +52,10 @@ from specplug.heads.pairstep import PairStep
 from specplug.heads.parallel import NewestStateDrafter, ParallelHead, ParallelHeadsDrafter
 from specplug.heads.pick import pick_tokens
 from specplug.heads.sequential import SequentialHead, SequentialHeadsDrafter
+from specplug.heads.speculator import HeadSpeculator, check_head_params
 from specplug.heads.state import StateKeeper, assert_draft_aligned, newest_state_position
 
 __all__ = ["Calibrator", "ChainDrafter", "ChainHead", "DraftLoop", "HEAD_ARCH", "HeadError", "HeadFile", "HeadMeta",
-           "NewestStateDrafter", "PairStep", "ParallelHead", "ParallelHeadsDrafter", "SequentialHead",
-           "SequentialHeadsDrafter", "StateKeeper", "assert_draft_aligned", "layer_from_head",
-           "newest_state_position", "pick_tokens", "token_table_sha256", "write_head"]
+           "HeadSpeculator", "NewestStateDrafter", "PairStep", "ParallelHead", "ParallelHeadsDrafter",
+           "SequentialHead", "SequentialHeadsDrafter", "StateKeeper", "assert_draft_aligned", "check_head_params",
+           "layer_from_head", "newest_state_position", "pick_tokens", "token_table_sha256", "write_head"]

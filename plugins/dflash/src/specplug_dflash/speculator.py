@@ -9,7 +9,8 @@ block - 1 tokens with calibrated confidences, walked by the toolkit's `DraftLoop
 than the host's n_max is cut to it, and the draft is cut after an end of turn or where the
 cumulative confidence falls below the host's break-even (`DraftRequest.break_even`: the host would
 trim those tokens). `remove(seq, p0)` drops positions >= p0. The position check is the toolkit's
-`StateKeeper`.
+`StateKeeper`; which head, its checks and the start-up hooks (the taps asked for are the head file's)
+are `specplug.heads.HeadSpeculator`'s.
 
 Reading only the newest `catch_up` (32) unread rows at a draft: a sequence's first draft reads the
 newest 32 rows of its prompt, and a probe after a pause the newest 32 of the rows the pause held
@@ -19,39 +20,24 @@ reads 1-3 rows a draft and is unaffected. `catch_up: null` reads every row.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib.resources import files
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from specplug.errors import ConfigError
-from specplug.heads import Calibrator, DraftLoop, HeadError, HeadFile, StateKeeper, token_table_sha256
+from specplug.heads import Calibrator, DraftLoop, HeadSpeculator, StateKeeper, check_head_params
 from specplug.heads.lookup import chain_lookup
 from specplug.hooks import hookimpl
 from specplug.runtime.layers import Backend
-from specplug.types import Batch, Draft, DraftRequest, EmbeddingRequest, TargetInfo, Verified
+from specplug.types import Batch, Draft, DraftRequest, TargetInfo, Verified
 from specplug_dflash.head import METHOD, VERSION, DFlashConfig, DFlashRuntime
 
 
-def shipped_heads() -> list[Path]:
-    return sorted(Path(str(files("specplug_dflash") / "heads")).glob("*.gguf"))
-
-
-def find_head(target: TargetInfo) -> Path | None:
-    want = token_table_sha256(target.token_texts)
-    for p in shipped_heads():
-        try:
-            meta = HeadFile(p, METHOD).meta
-        except HeadError:
-            continue
-        if meta.token_table_sha256 == want and meta.n_embd == target.n_embd:
-            return p
-    return None
-
-
-class DFlash:
+class DFlash(HeadSpeculator):
     """Speculator for a trained DFlash block drafter."""
+
+    method, versions, package, title = METHOD, (VERSION,), "specplug_dflash", "DFlash"
+    get_one = "train one (`specplug train dflash`) and set `head:`"
 
     @dataclass(frozen=True)
     class Params:
@@ -62,42 +48,19 @@ class DFlash:
         catch_up: int | None = 32  # a draft reads at most this many committed rows not read yet (newest; None: all)
 
         def __post_init__(self):
-            if self.head is not None and (not isinstance(self.head, str) or not self.head.strip()):
-                raise ConfigError(f"dflash: head must be a path to a .gguf head file, got {self.head!r}")
+            check_head_params(METHOD, self)
             if self.block_size is not None and not 2 <= self.block_size <= 64:
                 raise ConfigError(f"dflash: block_size must be in [2, 64], got {self.block_size!r}")
-            if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-                raise ConfigError(f"dflash: temperature must be >= 0, got {self.temperature!r}")
-            if self.catch_up is not None and (isinstance(self.catch_up, bool) or not isinstance(self.catch_up, int)
-                                              or self.catch_up < 1):
-                raise ConfigError(f"dflash: catch_up must be an integer >= 1 or null (read every row), "
-                                  f"got {self.catch_up!r}")
 
     def __init__(self, params: "DFlash.Params", target: TargetInfo):
         self.params = params
-        path = Path(params.head).expanduser() if params.head is not None else find_head(target)
-        if path is None:
-            raise ConfigError(f"dflash: no DFlash head ships for this target ({Path(str(target.model_path)).name}); "
-                              f"train one (`specplug train dflash`) and set `head:`")
-        try:
-            self.head = HeadFile(path, METHOD, {VERSION})
-            cfg = DFlashConfig.from_dict(self.head.meta.config)
-        except HeadError as exc:
-            raise ConfigError(f"dflash: head: {exc}") from None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"dflash: head: {path}: config is malformed ({exc})") from None
+        cfg = self.open_head(params.head, target, DFlashConfig.from_dict)
         self.taps = cfg.taps
         self.block = params.block_size or cfg.block
-        self.problem = self.head.check_target(target)
-        layers = [int(t) for t in cfg.taps if t != "final"]
-        if not self.problem and layers and max(layers) >= target.n_layer:
-            self.problem = f"the head taps layer {max(layers)} but the target has {target.n_layer} layers"
         if self.problem:
-            return
-        try:
+            return  # are_compatible reports it; nothing is built for a wrong target
+        with self.head_errors():
             self.rt = DFlashRuntime(self.head, target, Backend.for_target(target), target.n_seq, target.max_ctx)
-        except HeadError as exc:
-            raise ConfigError(f"dflash: head: {exc}") from None
         self.catch_up = params.catch_up
         # per sequence: committed rows not read yet, as (positions, taps side by side [n, k d]) chunks in order
         self.pending: list[list[tuple[list[int], torch.Tensor]]] = [[] for _ in range(target.n_seq)]
@@ -113,14 +76,6 @@ class DFlash:
     def _reset(self, s: int) -> None:
         self.rt.cache.seq_rm(s, 0)
         self.pending[s] = []
-
-    @hookimpl
-    def are_compatible(self, target: TargetInfo) -> str | None:
-        return f"{self.head.path}: {self.problem}" if self.problem else None
-
-    @hookimpl
-    def request_embeddings(self, target: TargetInfo) -> EmbeddingRequest:
-        return EmbeddingRequest(layers=tuple(int(t) for t in self.taps if t != "final"), final="final" in self.taps)
 
     @hookimpl
     def encode(self, batch: Batch) -> torch.Tensor:
@@ -202,3 +157,6 @@ class DFlash:
     @hookimpl
     def verified(self, results: Sequence[Verified]) -> None:
         self.calib.verified(results)
+
+
+shipped_heads, find_head = DFlash.shipped_heads, DFlash.find_head  # the heads this package ships, and a target's
