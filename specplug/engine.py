@@ -21,18 +21,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from specplug.delivery import Delivery
 from specplug.drafting import Drafting, DraftPolicy, Proposal, Speculator  # noqa: F401 (DraftPolicy: re-exported)
 from specplug.errors import SpecplugError
 from specplug.metrics import RunStats, SeqStats, SpecStats
 from specplug.pricing import Pricing, builtin
 from specplug.runtime import KVCache, Target
-from specplug.runtime.linear import take_rows
 from specplug.sampling import SamplingParams, sample, target_probs
-from specplug.types import Batch, TargetInfo
+from specplug.types import TargetInfo
 from specplug.verify import Verdict, verify
 
 log = logging.getLogger("specplug")
-BACKLOG_ROWS = 256  # a paused speculator's held-back rows are delivered at the latest at this many
 
 
 @dataclass
@@ -125,12 +124,9 @@ class Engine:
         self._next_handle = 0
         for s in self.specs:
             self.stats.speculators[s.name] = s.stats
-        # speculator -> decoding rows not yet delivered (see _tell_committed)
-        self._backlog: dict[str, list[_Held]] = {}
-        self._backlog_rows: dict[str, int] = {}
-        self._unseen: dict[str, set[int]] = {}  # speculator -> slots whose sequence began before it came in
+        self.delivery = Delivery(self._call, self._dormant, self.model.config.n_layer)
         self.drafting = Drafting(self.specs, self.pricing.cost, self._call, self._disable, self.vocab, max_ctx,
-                                 before_draft=self._deliver)
+                                 before_draft=self.delivery.deliver)
 
     def _taps_of(self, specs: Sequence[Speculator]) -> frozenset[int]:
         """The target layers whose hidden states `specs` need (n_layer: the pre-norm final state)."""
@@ -154,9 +150,7 @@ class Engine:
                                 f"{', '.join(repr(s.name) for s in self.specs) or 'none'}")
         old = self.specs[i]
         self.specs[i] = self.drafting.specs[i] = new
-        self._backlog.pop(new.name, None)
-        self._backlog_rows.pop(new.name, None)
-        self._unseen[new.name] = set(self._active)
+        self.delivery.replaced(new.name, set(self._active))
         for q in self._active.values():  # the running requests: every speculator they had, but this one
             names = [s.name for s in self.specs] if q.req.speculators is None else q.req.speculators
             q.req = dataclasses.replace(q.req, speculators=tuple(n for n in names if n != new.name))
@@ -164,19 +158,6 @@ class Engine:
         self.stats.speculators[new.name] = new.stats
         self.stats.disabled.pop(new.name, None)
         return old
-
-    def _seen_by(self, spec: Speculator, entries: list[tuple[int, int, int]],
-                 rows: torch.Tensor | None) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
-        """The entries (and their rows of the hidden states; None: all, in order) of sequences `spec`
-        has seen from their start (see replace_speculator)."""
-        unseen = self._unseen.get(spec.name)
-        if not unseen:
-            return entries, rows
-        keep = [k for k, e in enumerate(entries) if e[2] not in unseen]
-        if len(keep) == len(entries):
-            return entries, rows
-        at = torch.tensor(keep, dtype=torch.long)
-        return [entries[k] for k in keep], at if rows is None else rows[at]
 
     # --- speculator calls, each guarded so a failing plugin cannot change the output -----------
     def _call(self, spec: Speculator, hook: str, **kw) -> Any:
@@ -209,72 +190,10 @@ class Engine:
         if detail:
             log.debug(detail)
 
-    def _tell_committed(self, entries: list[tuple[int, int, int]], rows: torch.Tensor | None,
-                        hidden: dict[int, torch.Tensor], is_prompt: bool) -> None:
-        """process_batch (after encode) on every speculator, for entries (token, pos, seq).
-
-        A speculator paused for every running sequence (it will not be asked to draft next step)
-        gets its decoding rows later, in one batch before its next `draft` (or once it holds
-        BACKLOG_ROWS): the contract only needs each sequence's rows in position order, and one
-        batched encode/process_batch costs a fraction of one per step."""
-        users = [s for s in self.specs if s.enabled and (s.caller.implements("process_batch")
-                                                         or s.caller.implements("encode"))]
-        if not users:
-            return
-        for s in users:
-            seen, seen_rows = self._seen_by(s, entries, rows)
-            if not seen:
-                continue
-            if not is_prompt and self._dormant(s):
-                # held as references (the step's own tensors, which no plugin received: others got copies
-                # or index selections); the batch is built at delivery, so a paused speculator costs a
-                # list append per step
-                self._backlog.setdefault(s.name, []).append(_Held(seen, seen_rows, hidden))
-                n = self._backlog_rows[s.name] = self._backlog_rows.get(s.name, 0) + len(seen)
-                if n < BACKLOG_ROWS:
-                    continue
-                batch = None
-            else:
-                batch = self._batch(s, seen, seen_rows, hidden, is_prompt, len(users))
-            self._deliver(s, batch)
-
-    def _batch(self, spec: Speculator, entries: list[tuple[int, int, int]], rows: torch.Tensor | None,
-               hidden: dict[int, torch.Tensor], is_prompt: bool, n_users: int = 1) -> Batch:
-        """The Batch of committed entries for `spec`: tensors of its own (an in-place write reaches no
-        other plugin) holding the taps it asked for."""
-        tok, pos, seq = (torch.tensor(c, dtype=torch.long) for c in zip(*entries))
-        emb = {}
-        for layer in spec.embeddings.layers:
-            emb[layer] = _own(hidden[layer], rows, n_users)
-        if spec.embeddings.final:
-            emb["final"] = _own(hidden[self.model.config.n_layer], rows, n_users)
-        return Batch(tok, pos, seq, emb, is_prompt)
-
     def _dormant(self, spec: Speculator) -> bool:
         """Whether `spec` is paused for every running sequence it may draft for."""
         return all(spec.state(q.slot).skip > 0 for q in self._active.values()
                    if q.req.speculators is None or spec.name in q.req.speculators)
-
-    def _deliver(self, spec: Speculator, batch: Batch | None = None) -> None:
-        """encode + process_batch for what `spec` has been held back, then `batch`."""
-        held = self._backlog.pop(spec.name, [])
-        self._backlog_rows.pop(spec.name, None)
-        batches = []
-        if held:  # one batch of all held decoding rows (tensors made once, by concatenation: its own)
-            n_layer = self.model.config.n_layer
-            keys = [(layer, layer) for layer in spec.embeddings.layers] + \
-                ([("final", n_layer)] if spec.embeddings.final else [])
-            emb = {k: torch.cat([h.hidden[li] if h.rows is None else h.hidden[li][h.rows] for h in held])
-                   for k, li in keys}
-            tok, pos, seq = (torch.tensor(c, dtype=torch.long) for c in zip(*(e for h in held for e in h.entries)))
-            batches.append(Batch(tok, pos, seq, emb, False))
-        if batch is not None and batches and not batch.is_prompt:
-            batches = [_concat([batches[0], batch])]
-        elif batch is not None:
-            batches.append(batch)
-        for b in batches:
-            encoded = self._call(spec, "encode", batch=b) if b.embeddings else None
-            self._call(spec, "process_batch", batch=b, encoded=encoded)
 
     # --- the step-driven API: add, step, abort -----------------------------------------------------
     def check_request(self, req: Request, label: Any = None) -> None:
@@ -426,10 +345,7 @@ class Engine:
         self.cache.clear(seq.slot)
         for s in self.specs:
             s.forget(seq.slot)
-            if s.name in self._backlog:  # every committed row is delivered before the sequence ends
-                self._deliver(s)
-            if seq.slot in self._unseen.get(s.name, ()):  # it never saw this sequence: nothing to remove
-                self._unseen[s.name].discard(seq.slot)
+            if not self.delivery.finished(s, seq.slot):  # it never saw this sequence: nothing to remove
                 continue
             self._call(s, "remove", seq_id=seq.slot, p0=0)
         self._free.append(seq.slot)
@@ -472,7 +388,7 @@ class Engine:
                 b = min(len(ids), a + self.prefill_chunk)
                 last = b == len(ids)
                 out = self._forward(ids[a:b], list(range(a, b)), [slot] * (b - a), [b - a - 1] if last else [])
-                self._tell_committed([(ids[i], i, slot) for i in range(a, b)], None, out.hidden, True)
+                self.delivery.committed(self.specs, [(ids[i], i, slot) for i in range(a, b)], None, out.hidden, True)
                 logits = out.logits
         except BaseException:  # the slot stays usable: nothing of this prompt is left behind
             seq.finish = "abort"
@@ -552,7 +468,7 @@ class Engine:
             # on the hidden states' device once a step (take_rows would otherwise copy a host index
             # there for every tap of every speculator)
             row_t = torch.tensor(rows, dtype=torch.long, device=self.model.device) if len(rows) != len(toks) else None
-            self._tell_committed(committed, row_t, out.hidden, False)
+            self.delivery.committed(self.specs, committed, row_t, out.hidden, False)
 
     def _verify(self, q: _Seq, logits: torch.Tensor, draft_ids: list[int], p: Proposal | None) -> Verdict:
         """Verify one sequence's draft. A draft that makes verification fail (its probs, say)
@@ -567,34 +483,6 @@ class Engine:
             self._disable(p.spec, f"its draft failed verification ({type(exc).__name__}: {exc})",
                           traceback.format_exc())
             return verify(logits[:1], [], None, q.sampling, q.gen)
-
-
-@dataclass
-class _Held:
-    """Committed decoding rows held back for a paused speculator: the step's entries (token, position,
-    sequence), the committed rows of its forward (None: all) and its hidden states, by reference."""
-
-    entries: list[tuple[int, int, int]]
-    rows: torch.Tensor | None
-    hidden: dict[int, torch.Tensor]
-
-
-def _own(h: torch.Tensor, rows: torch.Tensor | None, n_users: int) -> torch.Tensor:
-    """The rows of hidden state `h` as a tensor of one speculator's own (an index selection is a
-    new tensor; the whole of `h` is copied when several speculators receive it)."""
-    if rows is not None:
-        return take_rows(h, rows)
-    return h.clone() if n_users > 1 else h
-
-
-def _concat(batches: list[Batch]) -> Batch:
-    """One batch of the rows of several, in order (each sequence's rows stay in position order)."""
-    if len(batches) == 1:
-        return batches[0]
-    cat = torch.cat
-    emb = {k: cat([b.embeddings[k] for b in batches]) for k in batches[0].embeddings}
-    return Batch(cat([b.token_ids for b in batches]), cat([b.positions for b in batches]),
-                 cat([b.seq_ids for b in batches]), emb, batches[0].is_prompt)
 
 
 def _derived_seed(sp: SamplingParams, index: int) -> int:
