@@ -143,13 +143,13 @@ def test_adapt_can_turn_a_pair_head_into_one_that_reads_the_pair_lookup(setup, c
     # a trainer without such a form (a third party's) is refused before any work
     import dataclasses
 
-    import specplug.train.loop
+    import specplug.train.adapt
 
     @dataclasses.dataclass(frozen=True)
     class NoLookup:
         width: int = 1
 
-    monkeypatch.setattr(specplug.train.loop, "load_trainer", lambda method: type("T", (), {"Options": NoLookup}))
+    monkeypatch.setattr(specplug.train.adapt, "load_trainer", lambda method: type("T", (), {"Options": NoLookup}))
     capsys.readouterr()
     assert main(["adapt", "--record", str(record), "--head", str(mtp), "-o", str(work / "x.gguf"), "--lookup"]) == 2
     assert "a mtp head has no form that reads the context's pair lookup (its trainer has no `lookup` option" \

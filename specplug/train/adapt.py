@@ -37,10 +37,25 @@ from pathlib import Path
 
 import numpy as np
 
-from specplug.errors import SpecplugError
+from specplug.errors import ModelError, SpecplugError
+from specplug.heads import HeadFile
+from specplug.machine import describe
 from specplug.outputs import claim, exit_1_on_write_error, replacing
+from specplug.runtime import load_target
+from specplug.runtime.resolve import KNOWN_MODELS, resolve_model
 from specplug.train.datagen import MANIFEST, write_json_atomic
-from specplug.train.tokens import TOKENS_KIND, TOKENS_VERSION, _read_token_shard, read_tokens_manifest, token_shard_npz
+from specplug.train.dataset import DataSource, read_manifest
+from specplug.train.eval import evaluate_head
+from specplug.train.finetune import BaseHead
+from specplug.train.loop import LoopOptions, load_trainer, train
+from specplug.train.tokens import (
+    TOKENS_KIND,
+    TOKENS_VERSION,
+    _read_token_shard,
+    read_tokens_manifest,
+    rebuild_dataset,
+    token_shard_npz,
+)
 
 REPORT = "adapt-report.json"
 
@@ -110,9 +125,6 @@ def _folder_sha256(d: Path) -> str:
 
 def _known_model(filename: str | None) -> str | None:
     """The known model name (`specplug models`) whose file is `filename`, if one is installed."""
-    from specplug.errors import ModelError
-    from specplug.runtime.resolve import KNOWN_MODELS, resolve_model
-
     for name in KNOWN_MODELS:
         try:
             if filename and resolve_model(name).name == filename:
@@ -127,15 +139,6 @@ def adapt(record: str | Path, head: str | Path, out: str | Path, work: str | Pat
           batch_tokens: int = 4096, swap_vocab: int = 0, lookup: bool = False,
           threads: int | None = None, quant: str = "auto", model: str | None = None, quiet: bool = False) -> dict:
     """Run the loop (see the module's doc); returns the report (also written to `work`/adapt-report.json)."""
-    from specplug.heads import HeadFile
-    from specplug.machine import describe
-    from specplug.runtime import load_target
-    from specplug.train.dataset import DataSource, read_manifest
-    from specplug.train.eval import evaluate_head
-    from specplug.train.finetune import BaseHead
-    from specplug.train.loop import LoopOptions, load_trainer, train
-    from specplug.train.tokens import rebuild_dataset
-
     record, head, out, work = Path(record), Path(head), Path(out), Path(work)
     if out.suffix != ".gguf":
         raise SpecplugError(f"-o {out}: the head file must end in .gguf")

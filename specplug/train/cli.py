@@ -6,14 +6,24 @@ import random
 import sys
 from pathlib import Path
 
+import torch
+
+from specplug.cli_args import add_ray_args, threads_arg
+from specplug.cluster import require_ray, worker_threads
 from specplug.errors import SpecplugError
-from specplug.outputs import claim, exit_1_on_write_error
+from specplug.outputs import claim, exit_1_on_write_error, write_atomic
+from specplug.runtime import load_target
+from specplug.train.datagen import file_sha256, generate_dataset, parse_taps
+from specplug.train.loop import add_trainer_parsers, run_trainer, trainer_entry_points
+from specplug.train.prompts import OverlapFilter, eval_texts, read_prompt_file, stdlib_code_prompts
+from specplug.train.tokens import export_tokens, generated_prompt_ids, read_tokens_manifest, rebuild_dataset
+
+# The parser is built at every start-up (specplug.cli), so specplug.api (the YAML config, the engine) and
+# train.selfprompts (which drafts with the engine) load only in the commands that use them.
 
 
 @exit_1_on_write_error
 def cmd_data(args) -> int:
-    from specplug.train.prompts import read_prompt_file
-
     for key in ("max_tokens", "parallel", "topk", "shard_prompts", "max_prompt_tokens", "context",
                 "prefill_chunk"):
         if getattr(args, key) < 1:
@@ -32,20 +42,14 @@ def cmd_data(args) -> int:
             raise SpecplugError("--turns 2 runs on one machine (a second turn needs the first answer); drop --ray")
         if args.from_tokens:
             raise SpecplugError("--ray makes new shards; rebuild --from-tokens on one machine (it is one prefill pass)")
-        from specplug.cluster import require_ray
-
         require_ray()  # before the model loads
     if args.from_tokens:
-        from specplug.train.tokens import read_tokens_manifest
-
         for d in args.from_tokens:
             read_tokens_manifest(d)  # every folder checked before the model loads
     files = [read_prompt_file(p) for p in args.prompts]  # every file checked before the model loads
     if args.exclude and args.from_tokens:
         raise SpecplugError("--exclude picks which prompts to answer; a rebuild --from-tokens answers none (drop one)")
     if args.exclude:
-        from specplug.train.tokens import generated_prompt_ids
-
         done = set().union(*(generated_prompt_ids(d) for d in args.exclude))
         files = [[p for p in f if p.id not in done] for f in files]
         print(f"specplug: --exclude: {len(done)} prompts already answered in {', '.join(args.exclude)}; "
@@ -59,19 +63,12 @@ def cmd_data(args) -> int:
 
 
 def _data(args, files) -> int:
-    import torch
-
     from specplug.api import prompt_ids
-    from specplug.runtime import load_target
-    from specplug.train.datagen import generate_dataset, parse_taps
-    from specplug.train.prompts import OverlapFilter, eval_texts, stdlib_code_prompts
 
     target = load_target(args.model, "cpu" if args.device == "auto" else args.device, "float32", args.quant,
                          args.threads)
     taps = parse_taps(args.taps, target.model.config.n_layer)
     if args.from_tokens:
-        from specplug.train.tokens import rebuild_dataset
-
         man = rebuild_dataset(target, args.from_tokens, Path(args.output), taps, args.topk, args.parallel,
                               command=" ".join(sys.argv), tap_dtype=args.tap_dtype)
         t, g = man["totals"], man["generation"]
@@ -105,8 +102,6 @@ def _data(args, files) -> int:
                 "prefill_chunk": args.prefill_chunk}
     pool = None
     if args.ray is not None:
-        from specplug.cluster import worker_threads
-
         pool = {"address": args.ray, "workers": args.ray_workers, "threads": worker_threads(args.threads)}
         settings["threads"] = pool["threads"]
         settings["ray"] = {"address": args.ray, "workers": args.ray_workers}
@@ -155,8 +150,6 @@ def _select(prompts, source: str, args, flt, ids_of, rng: random.Random, sources
 @exit_1_on_write_error
 def cmd_prompts(args) -> int:
     """`specplug train prompts --self N -o FILE`: requests the target writes itself (train/selfprompts.py)."""
-    from specplug.train.prompts import read_prompt_file
-
     for key in ("self", "parallel", "max_request_tokens", "answer_tokens", "context"):
         if getattr(args, key) < 1:
             raise SpecplugError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
@@ -185,10 +178,6 @@ def _prompts(args, against, out: Path, side: Path) -> int:
     import json
     import time
 
-    from specplug.outputs import write_atomic
-    from specplug.runtime import load_target
-    from specplug.train.datagen import file_sha256
-    from specplug.train.prompts import OverlapFilter, eval_texts
     from specplug.train.selfprompts import FilterSettings, RequestFilter, SelfPromptSettings, self_prompts
 
     target = load_target(args.model, "cpu" if args.device == "auto" else args.device, "float32", args.quant,
@@ -226,8 +215,6 @@ def _prompts(args, against, out: Path, side: Path) -> int:
 
 @exit_1_on_write_error
 def cmd_tokens(args) -> int:
-    from specplug.train.tokens import export_tokens
-
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise SpecplugError(f"-o {out} is a file; give a folder for the token shards")
@@ -240,14 +227,10 @@ def cmd_tokens(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from specplug.train.loop import run_trainer
-
     return run_trainer(args)
 
 
 def register(sub) -> None:
-    from specplug.cli_args import add_ray_args, threads_arg
-
     p = sub.add_parser("train", help="make training data from the target, or train a speculator head")
     tsub = p.add_subparsers(dest="train_command", required=True,
                             metavar="{data,prompts,tokens," + ",".join(_trainer_names()) + "}")
@@ -336,12 +319,8 @@ def register(sub) -> None:
     k.add_argument("-o", "--output", required=True, metavar="DIR", help="folder for the token shards")
     k.set_defaults(func=cmd_tokens)
 
-    from specplug.train.loop import add_trainer_parsers
-
     add_trainer_parsers(tsub)
 
 
 def _trainer_names() -> list[str]:
-    from specplug.train.loop import trainer_entry_points
-
     return sorted(trainer_entry_points())

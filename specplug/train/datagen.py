@@ -57,6 +57,7 @@ from specplug.train.generator import (
     write_shard,
 )
 from specplug.train.prompts import TrainPrompt
+from specplug.train.ray_data import generate_on_ray
 
 MANIFEST = "manifest.json"
 
@@ -178,8 +179,6 @@ def _generate_dataset(target, prompts, out_dir: Path, taps, max_tokens, parallel
         stale.unlink()
     write_json_atomic(mpath, manifest)  # settings and sources are on disk before the first shard
     if ray_pool is not None:
-        from specplug.train.ray_data import generate_on_ray
-
         jobs = [(k, names[k], [(i, prompt_ids(prompts[i].text)) for i in shard_range(k)]) for k in todo_shards]
         recipe = {"taps": taps, "max_tokens": max_tokens, "parallel": parallel, "topk": topk, "context": context,
                   "tap_dtype": tap_dtype, "prefill_chunk": prefill_chunk}

@@ -41,6 +41,9 @@ import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
+from specplug.train.datagen import file_sha256
+from specplug.train.target import TargetWeights, draft_vocab
+from specplug.train.tokens import answer_tokens_of
 
 
 def _flag(name: str) -> str:
@@ -52,8 +55,6 @@ class BaseHead:
 
     def __init__(self, head: HeadFile | str | Path, cls: type, swap_vocab: int = 0,
                  swap_from: Sequence[str | Path] = ()):
-        from specplug.train.datagen import file_sha256
-
         self.head = head if isinstance(head, HeadFile) else HeadFile(head)
         self.path = self.head.path
         method = getattr(cls, "method", None)
@@ -79,8 +80,6 @@ class BaseHead:
         self.swap_from = [Path(f) for f in swap_from]
         self._swap_tokens = None
         if self.swap_from:
-            from specplug.train.tokens import answer_tokens_of
-
             table = self.head.meta.token_table_sha256
             self._swap_tokens = torch.from_numpy(np.concatenate([answer_tokens_of(f, table) for f in self.swap_from]))
         self.swapped: dict | None = None  # what `for_trainer` swapped (recorded in the lineage)
@@ -99,8 +98,6 @@ class BaseHead:
         `swap_from` folders' answers where given)."""
         if not self.swap_vocab:
             return self.head
-        from specplug.train.target import TargetWeights
-
         d2t = self.head.tensor("d2t").long().flatten()
         train_tokens = data.answer_tokens("train")
         tokens = train_tokens if self._swap_tokens is None else self._swap_tokens
@@ -282,6 +279,4 @@ def draft_vocabulary(init: HeadFile | None, expected: dict, data, size: int, voc
     if init is not None:  # the base head's vocabulary, not one chosen anew from this data
         check_config(init, expected)
         return init.tensor("d2t").long()
-    from specplug.train.target import draft_vocab
-
     return draft_vocab(data.answer_tokens("train"), min(size, vocab), vocab)

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from specplug.errors import SpecplugError
 from specplug.outputs import replacing
 
 FORMAT_VERSION = 1
@@ -46,8 +47,6 @@ def choose_tap_dtype(target, taps: Sequence[str], wanted: str = "auto") -> str:
     has float32's range. The generator still checks every row it stores (DataGenerator)."""
     if wanted != "auto":
         if wanted not in TAP_DTYPES:
-            from specplug.errors import SpecplugError
-
             raise SpecplugError(f"--tap-dtype must be auto, float16 or bfloat16, got {wanted!r}")
         return wanted
     model = target.model
@@ -196,8 +195,6 @@ class DataGenerator:
         NaN) instead of writing them."""
         peak = float(h.abs().max()) if self.tap_dtype == torch.float16 and h.numel() else 0.0
         if peak > FLOAT16_MAX:
-            from specplug.errors import SpecplugError
-
             raise SpecplugError(f"tap {tap}: hidden states up to {peak:.4g} overflow float16; make "
                                 f"this data set with --tap-dtype bfloat16 (into a new -o folder)")
 

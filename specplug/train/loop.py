@@ -25,9 +25,12 @@ from typing import Any, ClassVar, Iterable, Protocol, Sequence
 
 import torch
 
+from specplug import machine
 from specplug.errors import SpecplugError
+from specplug.heads import HeadFile
 from specplug.outputs import claim, exit_1_on_write_error, replacing, write_atomic
 from specplug.train.dataset import DataSource, SeqBatch, TrainData, manifest_sha256, read_manifest
+from specplug.train.finetune import BaseHead, total_steps
 
 GROUP = "specplug.trainers"
 
@@ -199,9 +202,6 @@ def run_trainer(args) -> int:
     loop = _options(LoopOptions, args)
     init = None
     if args.init:
-        from specplug.heads import HeadFile
-        from specplug.train.finetune import BaseHead
-
         init = BaseHead(HeadFile(args.init, args.trainer), cls, swap_vocab=args.swap_vocab,
                         swap_from=args.swap_vocab_from)
         opts = init.options(_given(cls.Options, args))  # the head's shape; its flags given are an error
@@ -250,8 +250,6 @@ def train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path | Sequence, ou
         if getattr(loop, key) < 1:
             raise SpecplugError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(loop, key)}")
     if init is not None:
-        from specplug.train.finetune import BaseHead
-
         init = init if isinstance(init, BaseHead) else BaseHead(init, cls)
         opts = init.options(opts)
     with claim(out, "-o"):
@@ -442,13 +440,10 @@ def _train(cls: type, opts: Any, loop: LoopOptions, data_dir: Path | Sequence, o
               "loop": dataclasses.asdict(loop), "options": dataclasses.asdict(opts), "steps": step,
               "train_seconds": round(t_spent, 1), "final": final}
     if init is not None:
-        from specplug.train.finetune import total_steps
-
         recipe["init"] = {**init.lineage(), "start": start}
         recipe["total_steps"] = total_steps(recipe)
     trainer.export(out, recipe)
-    from specplug import machine  # where it trained (issue 41): CPU, kernel path, threads, GPU, versions, commit
-
+    # where it trained (issue 41): CPU, kernel path, threads, GPU, versions, commit
     metrics = {"recipe": recipe, "history": history, "machine": machine.describe(str(device))}
     write_atomic(wd / "metrics.json", json.dumps(metrics, indent=1))
     plot_history(history, wd / "training.png", title=f"{cls.__name__}: {out.name}")

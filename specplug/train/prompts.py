@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from specplug.bench.data import DATASETS, dataset_path, read_jsonl_prompts
 from specplug.errors import SpecplugError
 
 OVERLAP_N = 13  # a training prompt sharing a 13-token n-gram with an evaluation prompt is dropped
@@ -171,8 +172,6 @@ def _functions(node: ast.AST):
 
 def eval_texts() -> list[str]:
     """Every prompt text (all turns) of the bundled evaluation sets: Spec-Bench, MT-bench, HumanEval."""
-    from specplug.bench.data import DATASETS, dataset_path, read_jsonl_prompts
-
     texts = []
     for name in DATASETS:
         for rec in read_jsonl_prompts(dataset_path(name)):

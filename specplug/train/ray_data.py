@@ -18,16 +18,16 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+from specplug import cluster
 from specplug.errors import SpecplugError
+from specplug.runtime import load_target
+from specplug.train.generator import DataGenerator, _concat, shard_record, write_shard
 
 
 class DataWorker:
     """A Ray actor: one target, one generator, whole shards on request."""
 
     def __init__(self, model_path: str, quant: str, threads: int, recipe: dict, out_dir: str):
-        from specplug.runtime import load_target
-        from specplug.train.generator import DataGenerator
-
         self.target = load_target(model_path, "cpu", "float32", quant, threads)
         self.gen = DataGenerator(self.target, recipe["taps"], recipe["max_tokens"], recipe["parallel"],
                                  recipe["topk"], recipe["context"], tap_dtype=recipe.get("tap_dtype", "float16"),
@@ -39,8 +39,6 @@ class DataWorker:
 
     def shard(self, index: int, name: str, prompts: list[tuple[int, list[int]]]) -> tuple[dict, int]:
         """Make shard `index` (prompt index, prompt ids ...) as `name`; (its record, tokens generated)."""
-        from specplug.train.generator import _concat, shard_record, write_shard
-
         if (self.out_dir / name).is_file():
             return shard_record(self.out_dir, name, index), 0
         results: dict[int, dict] = {}
@@ -54,8 +52,6 @@ def generate_on_ray(pool: dict, target, recipe: dict, out_dir: Path,
                     jobs: list[tuple[int, str, list]]) -> Iterator[tuple[dict, int]]:
     """Yield (shard record, tokens generated) per shard of `jobs` as Ray workers finish them."""
     from tqdm import tqdm
-
-    from specplug import cluster
 
     ray = cluster.connect(pool.get("address"))
     threads = int(pool.get("threads") or 1)

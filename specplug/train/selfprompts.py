@@ -41,7 +41,10 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from specplug.api import prompt_ids
+from specplug.engine import Engine, Request
 from specplug.errors import SpecplugError
+from specplug.sampling import SamplingParams
 
 FILTERS = ("finished", "length", "template", "printable", "overlap", "logprob", "exact_dup", "near_dup")
 _USER_MARK = "SPECPLUGUSERTURN"
@@ -282,10 +285,6 @@ def self_prompts(target, settings: SelfPromptSettings, flt: RequestFilter) -> li
     """Sample, filter and (turns=2) extend `settings.n` candidate requests; returns the output records
     {"turns", "source", "seed", "index", "logprob"} in candidate order. `flt.counts` has what each
     filter did."""
-    from specplug.api import prompt_ids
-    from specplug.engine import Engine, Request
-    from specplug.sampling import SamplingParams
-
     s, tok, model = settings, target.tokenizer, target.model
     engine = Engine(target, [], n_parallel=s.parallel, max_ctx=s.context)
     sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p)

@@ -17,6 +17,8 @@ import torch
 from specplug.errors import SpecplugError
 from specplug.runtime.gguf_file import GGUFFile
 from specplug.runtime.layers import LayerShape
+from specplug.runtime.model import _neox_to_interleaved
+from specplug.train.datagen import file_sha256
 
 
 class TargetWeights:
@@ -28,8 +30,6 @@ class TargetWeights:
 
     def __init__(self, target: dict):
         """`target`: the data manifest's "target" entry (path, sha256, sizes, token table hash)."""
-        from specplug.train.datagen import file_sha256
-
         path = Path(target["path"])
         if not path.is_file():
             raise SpecplugError(f"the target model of this data set is not at {path} any more; pass its new path "
@@ -69,8 +69,6 @@ class TargetWeights:
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         """Layer i's weights in the runtime layout (TrainLayer.load_target_layer reads them)."""
-        from specplug.runtime.model import _neox_to_interleaved
-
         cfg, p = self.config, f"blk.{i}."
         if not 0 <= i < cfg.n_layer:
             raise SpecplugError(f"layer {i} is outside the target's {cfg.n_layer} layers")

@@ -35,8 +35,11 @@ from typing import Sequence
 import numpy as np
 
 from specplug.errors import SpecplugError
+from specplug.heads import token_table_sha256
 from specplug.outputs import claim, replacing
 from specplug.train.datagen import FORMAT_VERSION, MANIFEST, DataGenerator, _concat, file_sha256, write_json_atomic
+from specplug.train.dataset import read_manifest
+from specplug.train.generator import choose_tap_dtype, tap_dtype_entry
 
 TOKENS_KIND = "specplug-tokens"
 TOKENS_VERSION = 1
@@ -45,8 +48,6 @@ TOKENS_VERSION = 1
 def export_tokens(data_dir: str | Path, out_dir: str | Path) -> dict:
     """Write the tokens of a data set (folder of `specplug train data`) as a tokens-only folder."""
     from safetensors import safe_open
-
-    from specplug.train.dataset import read_manifest
 
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     man = read_manifest(data_dir)
@@ -149,9 +150,6 @@ def rebuild_dataset(target, token_dirs: Sequence[str | Path], out_dir: str | Pat
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from specplug.heads import token_table_sha256
-    from specplug.train.generator import choose_tap_dtype, tap_dtype_entry
-
     out_dir = Path(out_dir)
     model, tok = target.model, target.tokenizer
     cfg = model.config
@@ -246,8 +244,6 @@ def target_identity(target) -> dict:
     """The target as a tokens manifest names it: file name and sha256, sizes, the token table's hash,
     quantization; no path (the folder may move to another machine). `rebuild_dataset` refuses tokens
     whose target differs."""
-    from specplug.heads import token_table_sha256
-
     model = target.model
     cfg = model.config
     return {"file": Path(model.path).name, "sha256": file_sha256(model.path), "arch": cfg.arch, "name": cfg.name,
