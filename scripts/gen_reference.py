@@ -35,6 +35,8 @@ MODULES = [
     ("specplug.train.distill", "self-distillation targets and losses"),
     ("specplug.train.lookup", "what a head that reads the pair lookup adds, in training (`LookupTrain`)"),
     ("specplug.train.finetune", "starting a trainer from a head file (`--init`)"),
+    ("specplug.train.head_trainer", "the trainer half every head method shares (its `--init` registration, the "
+                                    "constructor's steps, a recursive head's loss)"),
 ]
 PLUMBING = re.compile(r"^(cmd_\w+|register|main|add_parser|add_trainer_parsers|run_trainer|trainer_entry_points)$")
 ADDRESS = re.compile(r" at 0x[0-9a-f]+")

@@ -483,7 +483,7 @@ def test_a_head_matching_longer_ngrams_records_it_and_drafts_with_those_lookups(
     d = TrainData(data, LAYERS.split(","), 0.1)
     tr = Eagle3Trainer(BaseHead(head, Eagle3Trainer).options(), d, torch.device("cpu"), init=head)
     b = d.collate(d.split["train"][:8])
-    look, _ = tr._lookups(b)
+    look, _ = tr.lookups(b)
     for r in range(8):
         n = int(b.valid[r].sum())
         assert look[r, :n].tolist() == sequence_lookups(b.tokens[r, :n].tolist(), 4)

@@ -9,26 +9,17 @@ acceptance rate given that positions 1..i-1 were accepted: how greedy verificati
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.heads.lookup import (
-    LOOKUP_CONFIG_KEYS,
-    LOOKUP_NAMES,
-    anchor_chains,
-    check_lookup_options,
-    lookup_defaults,
-    lookup_draft_rows,
-)
+from specplug.heads.lookup import anchor_chains, lookup_draft_rows
 from specplug.train.dataset import SeqBatch, TrainData
-from specplug.train.distill import draft_ce, invert, soft_targets
-from specplug.train.finetune import draft_vocabulary
-from specplug.train.modules import load_head_params
-from specplug.train.target import TargetWeights
+from specplug.train.distill import draft_ce, soft_targets
+from specplug.train.head_trainer import HeadTrainer, check_head_options
 from specplug_dflash.head import METHOD, DFlashConfig, DFlashTrain, write_dflash
 
 
@@ -42,8 +33,9 @@ def _taps(spec: str, n_layer: int) -> tuple[str, ...]:
     return taps
 
 
-class DFlashTrainer:
-    """The `dflash` trainer (entry point group `specplug.trainers`)."""
+class DFlashTrainer(HeadTrainer):
+    """The `dflash` trainer (entry point group `specplug.trainers`); `--init`, the draft vocabulary and
+    the export are `specplug.train.head_trainer.HeadTrainer`'s."""
 
     @dataclass(frozen=True)
     class Options:
@@ -59,62 +51,44 @@ class DFlashTrainer:
         lookup_n: int = 2  # each link of the chain matches the longest m-gram, 2 <= m <= lookup_n (2: the pair)
 
         def __post_init__(self):
-            check_lookup_options(METHOD, self.lookup, self.lookup_n)
+            check_head_options(METHOD, self)
             if self.n_layers < 1 or self.block < 2 or self.anchors < 1 or self.draft_vocab < 1 \
                     or not 0 < self.position_decay <= 1:
                 raise SpecplugError(f"dflash options: need n_layers >= 1, block >= 2, anchors >= 1, draft_vocab >= 1, "
                                     f"0 < position_decay <= 1; got {self}")
-            if self.init_layers not in ("first", "random") or self.weights not in ("q8_0", "f16", "f32"):
-                raise SpecplugError(f"dflash options: init_layers is first|random and weights q8_0|f16|f32; got {self}")
+            if self.init_layers not in ("first", "random"):
+                raise SpecplugError(f"dflash options: init_layers is first|random; got {self}")
 
     method = METHOD  # head files it writes, and can start from (--init)
     depth_option = None  # the block size (the head's shape) fixes the depths `evaluate` reports
+    fresh_only = ("init_layers",)  # init_layers only matters for a fresh start
 
     @classmethod
     def taps(cls, options, target: dict) -> tuple[str, ...]:
         return _taps(options.taps, int(target["n_layer"]))
 
     @classmethod
-    def options_of_head(cls, head: HeadFile) -> dict:
-        """The options a head fixes (--init): taps, layers, block, draft vocabulary; init_layers only
-        matters for a fresh start."""
+    def shape_of_head(cls, head: HeadFile) -> dict:
+        """Its taps, layer count and block (the draft vocabulary and the lookup: `HeadTrainer.options_of_head`)."""
         c = head.meta.config
         return {"taps": ",".join(str(t) for t in c.get("taps", [])), "n_layers": int(c.get("n_layers", 0)),
-                "block": int(c.get("block", 0)), "draft_vocab": int(head.shape("d2t")[0]),
-                "init_layers": cls.Options.init_layers, **({"lookup": True} if c.get("lookup") else {})}
-
-    @classmethod
-    def defaults_of_head(cls, head: HeadFile) -> dict:
-        """Options the head's config sets unless given: the longest n-gram its chained lookup matches."""
-        return lookup_defaults(head)
+                "block": int(c.get("block", 0))}
 
     def __init__(self, options: "DFlashTrainer.Options", data: TrainData, device: torch.device,
                  init: HeadFile | None = None):
-        self.opts, self.data = options, data
-        self.depths = options.block - 1
-        tw = self.target = TargetWeights(data.target)
+        tw = self.start(options, data, options.block - 1)
         cfg = tw.config
-        vocab = cfg.vocab_size
         self.tap_names = _taps(options.taps, cfg.n_layer)
         self.cfg = DFlashConfig(cfg.n_embd, options.n_layers, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff,
                                 cfg.rms_eps, cfg.rope_base, options.block, self.tap_names, options.lookup,
                                 options.lookup_n)
-        shape = {k: v for k, v in asdict(self.cfg).items() if k not in LOOKUP_CONFIG_KEYS}  # a head may gain the lookup
-        self.d2t = draft_vocabulary(init, shape, data, options.draft_vocab, vocab)
-        self.t2d = invert(self.d2t, vocab).to(device)
+        self.choose_vocab(init, self.cfg, device)
         self.module = DFlashTrain(self.cfg, tw.embeddings(), tw.output_norm(),
                                   tw.output_weight(self.d2t.tolist())).to(device)
-        params = self.module.head_params()
-        if init is not None:  # a head read without a lookup keeps the new lookup tensors at their start
-            fresh = () if init.meta.config.get("lookup") else LOOKUP_NAMES
-            load_head_params({k: v for k, v in params.items() if k not in fresh}, init)
-        elif options.init_layers == "first":
+        if not self.start_weights(init) and options.init_layers == "first":
             for i, layer in enumerate(self.module.layers):
                 layer.load_target_layer(tw.layer(min(i, cfg.n_layer - 1)))
-        self.coverage = float((self.t2d.cpu()[data.answer_tokens("val")] >= 0).float().mean())
         self.weights = torch.tensor([options.position_decay ** i for i in range(options.block - 1)], device=device)
-        if options.lookup:  # learned from zero beside a trained head: at 4x its rate (as Eagle3's)
-            self.lr_scale = {params[n]: 4.0 for n in LOOKUP_NAMES}
 
     def _anchors(self, batch: SeqBatch, random: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, K] anchor positions in [dist_start + 1, last - 1] and whether each block counts."""
@@ -170,6 +144,5 @@ class DFlashTrainer:
         before = torch.cat([valid[..., :1], prefix[..., :-1] & valid[..., 1:]], -1)  # 1..i-1 accepted, i counts
         return prefix.sum((0, 1)).float(), before.sum((0, 1)).float()
 
-    def export(self, path: Path, recipe: dict) -> None:
-        recipe = dict(recipe, draft_vocab_coverage=round(self.coverage, 4))
+    def write_head_file(self, path: Path, recipe: dict) -> None:
         write_dflash(path, self.target.info(), self.cfg, self.module.head_tensors(self.d2t), recipe, self.opts.weights)
