@@ -19,7 +19,7 @@ BUILTIN_CURVES: dict[str, Curve] = {
     # the gguf kernels' AVX2 path (AMD EPYC Zen 3, 2 threads, ctx 512, 2026-11-23)
     "gguf": ((1, 1.0), (2, 1.27), (3, 1.58), (4, 1.76), (6, 2.66), (8, 3.21), (12, 4.85), (16, 6.86), (32, 12.39)),
     # their AVX-512 VNNI path (AMD EPYC Zen 4, 2 threads, ctx 512, 2026-11-25; scripts/kernel_builds.py,
-    # medians of 3 alternated rounds, docs/results/kernels-isa-t2-2026-11-25.json)
+    # medians of 3 alternated rounds; docs/results/kernels-isa-t2-2026-11-25.json, in git at c8dab82)
     "gguf-avx512": ((1, 1.0), (2, 1.09), (4, 1.33), (8, 2.08), (16, 3.71)),
     "cpu": ((1, 1.0), (2, 1.11), (3, 1.17), (4, 1.29), (6, 1.39), (8, 1.54), (12, 1.79), (16, 2.07), (32, 3.06)),
     "cuda": ((1, 1.0), (32, 1.3)),
