@@ -12,6 +12,8 @@ import torch
 
 from specplug.errors import ModelError
 from specplug.outputs import claim, replacing
+from specplug.runtime.gguf_file import GGUFFile
+from specplug.runtime.layers import DecoderLayer
 
 HEAD_ARCH = "specplug-head"
 _P = "specplug.head."
@@ -116,8 +118,6 @@ class HeadFile:
     """A head file opened for reading. Every problem is a HeadError naming the file."""
 
     def __init__(self, path: str | Path, method: str | None = None, versions: Collection[int] | None = None):
-        from specplug.runtime.gguf_file import GGUFFile
-
         self.path = Path(path)
         if not self.path.is_file():
             raise HeadError(f"head file not found: {self.path}")
@@ -224,8 +224,6 @@ def layer_from_head(head: HeadFile, prefix: str, shape, eps: float, backend, d_m
     """A runtime `DecoderLayer` from a head file's tensors `<prefix>attn_qkv`, `attn_output`,
     `ffn_gate_up`, `ffn_down` (matrices) and `attn_norm` (absent when the caller normalizes the
     attention input itself), `ffn_norm` (vectors); as `specplug.train.modules.TrainLayer` writes them."""
-    from specplug.runtime.layers import DecoderLayer
-
     H, Hkv, D = shape.n_head, shape.n_head_kv, shape.head_dim
     d_in = d_attn_in or d_model
     attn_norm = head.tensor(prefix + "attn_norm", (d_in,)) if head.has(prefix + "attn_norm") else None

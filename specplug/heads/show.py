@@ -8,14 +8,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from specplug.heads.file import HeadFile, describe
+from specplug.runtime.gguf_file import GGUFFile
+from specplug.runtime.resolve import resolve_model
 
 
 def target_of(model: str | Path) -> SimpleNamespace:
     """The fields `HeadMeta.target_problem` compares, read from a target GGUF's header only.
     `model`: a .gguf path or a known model name (`specplug models`)."""
-    from specplug.runtime.gguf_file import GGUFFile
-    from specplug.runtime.resolve import resolve_model
-
     path = resolve_model(model)
     g = GGUFFile(path)
     cfg = g.config
