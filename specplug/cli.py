@@ -10,10 +10,15 @@ from collections import Counter
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from specplug.bench.data import read_jsonl_prompts
 from specplug.cli_args import add_ray_args, add_step_args, non_negative, positive, step_overrides, threads_arg
-from specplug.errors import SpecplugError
+from specplug.cluster import require_ray
+from specplug.errors import ModelError, SpecplugError
+from specplug.outputs import OutputWriteError
 from specplug.record import add_record_args, with_record_args
 
+# Each command imports what it runs inside its function, and the parser imports the subcommands' modules
+# as it is built: importing specplug.cli loads no torch, YAML config, engine, fastapi or ray.
 COMMANDS_GROUP = "specplug.commands"
 
 
@@ -44,10 +49,8 @@ def cmd_run(args) -> int:
     import shlex
 
     from specplug.api import build_engine
-    from specplug.bench.data import read_jsonl_prompts
     from specplug.config import load_config
     from specplug.generate import check_paths, claimed_outputs, run_records
-    from specplug.outputs import OutputWriteError
 
     if args.prompt is not None and args.prompts is not None:
         raise SpecplugError("give either --prompt or --prompts, not both")
@@ -97,8 +100,6 @@ def cmd_serve(args) -> int:
     if args.ray is None and args.replicas is not None:
         raise SpecplugError("--replicas needs --ray (replicas are Ray Serve's)")
     if args.ray is not None:
-        from specplug.cluster import require_ray
-
         require_ray()  # before the config's plugins load
     cfg = with_record_args(load_config(args.config, overrides), args)
     if args.ray is not None:
@@ -137,7 +138,6 @@ def known_models() -> list[dict]:
     import importlib
     import importlib.util
 
-    from specplug.errors import ModelError
     from specplug.runtime.resolve import ASSEMBLED, KNOWN_MODELS, resolve_model
 
     rows = []

@@ -23,8 +23,11 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from specplug.api import prompt_ids
+from specplug.engine import Request
 from specplug.errors import SpecplugError
 from specplug.outputs import LineFile, OutputWriteError, claim, describe_os_error, write_atomic, write_error
+from specplug.record import Recorder
 
 
 def check_paths(output: str | None, stats: str | None, inputs: Sequence[str | Path], force: bool,
@@ -110,8 +113,6 @@ def run_records(engine, cfg, records: list[dict], output: str | None, stats_path
                 resume: bool = False, resume_command: str | None = None) -> int:
     """Generate every turn of every record; see the module docstring. `resume_command` is what a
     failed write tells the user to run (default: the same command with --resume)."""
-    from specplug.record import Recorder
-
     with ExitStack() as held:  # a no-op where claimed_outputs holds them already
         for path, flag in ((output, "--output"), (stats_path, "--stats")):
             if path:
@@ -123,9 +124,6 @@ def run_records(engine, cfg, records: list[dict], output: str | None, stats_path
 
 
 def _run_records(engine, cfg, records, output, stats_path, resume, resume_command, recorder=None) -> int:
-    from specplug.api import prompt_ids
-    from specplug.engine import Request
-
     tok = engine.target.tokenizer
     out_path = Path(output) if output else None
     done = read_done(out_path) if resume and out_path else {}

@@ -204,6 +204,8 @@ class Recorder:
 
     # --- the folder -----------------------------------------------------------------------------
     def _open(self, target, context: int) -> None:
+        # train.tokens (numpy, torch, the heads) loads once a recorder opens: specplug.cli imports this
+        # module at its top for the --record flags
         from specplug.train.tokens import read_tokens_manifest, target_identity
 
         folder = self.folder

@@ -22,7 +22,10 @@ import threading
 import time
 import urllib.request
 
+from specplug import cluster
+from specplug.api import build_engine
 from specplug.errors import SpecplugError
+from specplug.server import _model_name, create_app
 
 log = logging.getLogger("specplug")
 _directory = None  # the ReplicaDirectory actor's handle, in the driver
@@ -100,9 +103,6 @@ def replica_app(cfg, model_name: str, max_queue: int, api_key: str | None):
     from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
     from ray import serve
 
-    from specplug.api import build_engine
-    from specplug.server import create_app
-
     replica = serve.get_replica_context().replica_id.unique_id
     engine = build_engine(cfg)
     directory = ray.get_actor(DIRECTORY, namespace=NAMESPACE)
@@ -141,10 +141,8 @@ def replica_app(cfg, model_name: str, max_queue: int, api_key: str | None):
 
 def deployment_options(cfg, replicas: int | None, max_queue: int) -> dict:
     """Ray Serve deployment options from the config's `ray:` section (`--replicas` wins)."""
-    from specplug.cluster import worker_threads
-
     rc = cfg.ray
-    threads = worker_threads(cfg.threads)
+    threads = cluster.worker_threads(cfg.threads)
     opts: dict = {"name": APP_NAME, "ray_actor_options": {"num_cpus": threads},
                   # requests a replica takes: its slots plus its queue (beyond that its own 429s apply)
                   "max_ongoing_requests": cfg.parallel + max_queue}
@@ -159,9 +157,6 @@ def deployment_options(cfg, replicas: int | None, max_queue: int) -> dict:
 def deploy(cfg, host: str = "127.0.0.1", port: int = 8000, *, address: str | None = "", replicas: int | None = None,
            max_queue: int = 64, api_key: str | None = None, model_name: str | None = None):
     """Start (or update) the deployment on the cluster; returns its base URL once every replica is up."""
-    from specplug import cluster
-    from specplug.server import _model_name
-
     ray = cluster.connect(address)
     from ray import serve
 

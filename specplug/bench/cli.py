@@ -4,9 +4,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from specplug import machine
+from specplug.bench.data import DATASETS, dataset_path, read_jsonl_prompts
+from specplug.cli_args import add_ray_args, add_step_args, step_overrides, threads_arg
+from specplug.cluster import require_ray
 from specplug.errors import SpecplugError
 from specplug.outputs import claim, exit_1_on_write_error
+from specplug.runtime import load_target
 
+# The parser is built at every start-up (specplug.cli): the YAML config and the runner, report and Ray
+# modules (the engine behind them) load only when `specplug bench` runs.
 
 def select_prompts(records: list[dict], categories: str | None, limit: int | None, source: str) -> list[dict]:
     """Filter by category (error naming unknown ones) and keep the first `limit` of each category."""
@@ -33,8 +40,6 @@ def select_prompts(records: list[dict], categories: str | None, limit: int | Non
 
 @exit_1_on_write_error
 def cmd_bench(args) -> int:
-    from specplug.bench.data import DATASETS, dataset_path, read_jsonl_prompts
-    from specplug.cli_args import step_overrides
     from specplug.config import load_config
 
     overrides = ({"max_tokens": args.max_tokens} if args.max_tokens else {}) | step_overrides(args)
@@ -50,8 +55,6 @@ def cmd_bench(args) -> int:
     if args.repeats < 1:
         raise SpecplugError(f"--repeats must be >= 1, got {args.repeats}")
     if args.ray is not None:
-        from specplug.cluster import require_ray
-
         require_ray()
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -96,10 +99,8 @@ def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
     import torch
     from tqdm import tqdm
 
-    from specplug import machine
     from specplug.bench.runner import Bench, peak_rss_mb
     from specplug.config import target_args
-    from specplug.runtime import load_target
 
     target = load_target(cfg.model, **target_args(cfg))
     bench = Bench(cfg, target, chain=args.chain)
@@ -124,8 +125,6 @@ def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
 
 
 def register(sub) -> None:
-    from specplug.cli_args import add_ray_args, add_step_args, threads_arg
-
     p = sub.add_parser("bench", help="speculative vs plain decoding on real prompt sets")
     p.add_argument("config")
     add_step_args(p, defaults=False)

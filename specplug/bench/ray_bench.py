@@ -18,24 +18,22 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from specplug import cluster, machine
+from specplug.bench.runner import Bench, peak_rss_mb
+from specplug.config import target_args
+from specplug.runtime import load_target
+
 
 class BenchWorker:
     """A Ray actor: one target, one Bench; prompts on request."""
 
     def __init__(self, cfg, chain: bool):
-        from specplug.bench.runner import Bench
-        from specplug.config import target_args
-        from specplug.runtime import load_target
-
         self.target = load_target(cfg.model, **target_args(cfg))
         self.bench = Bench(cfg, self.target, chain=chain)
         self.bench.warmup()
 
     def info(self) -> dict:
         import torch
-
-        from specplug import machine
-        from specplug.bench.runner import peak_rss_mb
 
         m = self.target.model
         return {"device": str(m.device), "quant": m.quant, "threads": torch.get_num_threads(),
@@ -52,8 +50,6 @@ class BenchWorker:
 def run_on_ray(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
     """Every pass over the prompts on a pool of Ray actors: (per-pass results, what ran them)."""
     from tqdm import tqdm
-
-    from specplug import cluster
 
     ray = cluster.connect(args.ray)
     threads = cluster.worker_threads(cfg.threads)

@@ -39,6 +39,7 @@ import json
 import statistics
 from pathlib import Path
 
+from specplug import machine
 from specplug.bench.runner import PromptResult
 from specplug.outputs import claim, replacing, write_atomic
 
@@ -145,8 +146,6 @@ def build_report(results: list[PromptResult], variant_names: list[str], settings
 
 def machine_line(report: dict) -> str:
     """'machine: ...' and a blank line, from the settings' machine record (empty for old reports)."""
-    from specplug import machine
-
     info = report.get("settings", {}).get("machine")
     return machine.line(info) + "\n\n" if info else ""
 

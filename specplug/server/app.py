@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from specplug.api import build_engine
 from specplug.config import SpeculatorConfig
 from specplug.engine import Engine
 from specplug.errors import SpecplugError
@@ -178,8 +179,6 @@ def serve(cfg, host: str = "127.0.0.1", port: int = 8080, *, max_queue: int = 64
     `admin_key`) and, when `config_loader` (() -> the config read again) is given, by SIGHUP: every
     speculator whose `head:` names another file, or whose file changed, gets it."""
     import uvicorn
-
-    from specplug.api import build_engine
 
     engine = build_engine(cfg)
     name = model_name or _model_name(cfg.model)

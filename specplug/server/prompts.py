@@ -8,6 +8,7 @@ import os
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
+from specplug.api import prompt_ids
 from specplug.engine import Engine, Request
 from specplug.errors import SpecplugError
 from specplug.record import lower_priority
@@ -109,8 +110,6 @@ class Prompts:
 
     # in the pool below
     def _chat(self, body: ChatRequest, msgs: list[dict], system: str | None) -> Request:
-        from specplug.api import prompt_ids
-
         try:
             ids = prompt_ids(self.tok, msgs, self.chat_template, system)
         except PromptTooLong as exc:

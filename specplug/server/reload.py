@@ -20,9 +20,11 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
+from specplug.api import start_speculator
 from specplug.drafting import Speculator
 from specplug.engine import Engine, Request, target_info
 from specplug.errors import SpecplugError
+from specplug.plugins import get_type, new_plugin_manager
 from specplug.server.worker import EngineDown, EngineWorker
 
 log = logging.getLogger("specplug.server")
@@ -156,9 +158,6 @@ class Reloader:
 
     def _build(self, sc, path: str):
         """The new speculator, started as at start-up (off the engine thread: it reads only TargetInfo)."""
-        from specplug.api import start_speculator
-        from specplug.plugins import get_type, new_plugin_manager
-
         try:
             params = dataclasses.replace(sc.params, head=path)
             inst = get_type(sc.type).cls(params, self.info)
