@@ -16,6 +16,7 @@ from specplug.cluster import require_ray
 from specplug.errors import ModelError, SpecplugError
 from specplug.outputs import OutputWriteError
 from specplug.record import add_record_args, with_record_args
+from specplug.scaffold import register as register_plugin
 
 # Each command imports what it runs inside its function, and the parser imports the subcommands' modules
 # as it is built: importing specplug.cli loads no torch, YAML config, engine, fastapi or ray.
@@ -307,7 +308,6 @@ def build_parser() -> argparse.ArgumentParser:
     register_adapt(sub)
     _register_convert(sub)
     from specplug.heads.show import register as register_heads
-    from specplug.scaffold import register as register_plugin
     from specplug.train.eval import add_parser as register_heads_eval
 
     register_heads_eval(register_heads(sub))
