@@ -29,6 +29,8 @@ stats: is a sample distributed as the target samples?
   target_pit(target, results, sampling)    each generated token's place in the target's distribution
   chi_square(counts, probs), chi2_sf(stat, df)    Pearson's test (no scipy needed)
 heads: head test setup
+  HeadKit(trainer, speculator, ...)        a head method's tiny target, data set, training and speculator, and
+                                           the module fixtures `work`, `tiny`, `data`, `trained` (`fixtures(name)`)
   repetitive_prompts(n), make_train_data(model, dir, prompts, taps=...)
                                            a training data set from a tiny target, for head tests
                                            (write the target with scale=1.5: its greedy answers
@@ -66,7 +68,7 @@ from specplug.testing.fixtures import (  # pytest finds the fixtures here, where
     tiny_target,
     tiny_target_info,
 )
-from specplug.testing.heads import fine_tune_with_lookup, make_train_data, repetitive_prompts
+from specplug.testing.heads import HeadKit, fine_tune_with_lookup, make_train_data, repetitive_prompts
 from specplug.testing.kernels import check_lookup_step, check_native_step, drafted_lookups, isa_env
 from specplug.testing.stats import chi2_sf, chi_square, sampled_like_target, target_pit
 from specplug.testing.tiny_model import (
@@ -79,7 +81,7 @@ from specplug.testing.tiny_model import (
 
 __all__ = [
     "CHATML", "CONTRACT_SAMPLING", "ContractReport", "DEFAULT_CONTRACT_PROMPTS", "DraftRecord", "Faulty",
-    "K_QUANT_BYTES", "Oracle", "RandomDrafts", "Scripted", "assert_greedy_equal", "check_lookup_step",
+    "HeadKit", "K_QUANT_BYTES", "Oracle", "RandomDrafts", "Scripted", "assert_greedy_equal", "check_lookup_step",
     "check_native_step", "check_speculator", "chi2_sf", "chi_square", "drafted_lookups", "fine_tune_with_lookup",
     "greedy_outputs", "isa_env", "make_engine", "make_train_data", "random_k_quant", "record_drafts",
     "repetitive_prompts", "sampled_like_target", "speculator", "speculator_contract", "target_pit", "tiny_gguf",

@@ -9,18 +9,16 @@ from specplug_dflash.head import DFlashRuntime
 from specplug_dflash.speculator import DFlash
 from specplug_dflash.train import DFlashTrainer
 
-from specplug.api import build_speculators, prompt_ids
+from specplug.api import build_speculators
 from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
-from specplug.runtime import load_target
 from specplug.testing import (
+    HeadKit,
     assert_greedy_equal,
     fine_tune_with_lookup,
     greedy_outputs,
     make_engine,
-    make_train_data,
-    repetitive_prompts,
     speculator,
     write_tiny_gguf,
 )
@@ -30,45 +28,10 @@ from specplug.types import Batch, DraftRequest
 TAPS = "1,2,final"
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("dflash")
-
-
-@pytest.fixture(scope="module")
-def tiny(work) -> Path:
-    return write_tiny_gguf(work / "tiny.gguf", n_layer=3, tensor_type="Q8_0", scale=1.5)
-
-
-@pytest.fixture(scope="module")
-def data(tiny, work) -> Path:
-    return make_train_data(tiny, work / "data", repetitive_prompts(300), taps="final,1,2", max_tokens=40,
-                           shard_prompts=100)
-
-
-def _train(data: Path, out: Path, steps: int, **opts) -> dict:
-    loop = LoopOptions(steps=steps, lr=1e-2, warmup=10, batch_tokens=2048, val_every=max(1, steps), save_every=10 ** 6,
-                       val_fraction=0.1)
-    o = dict(taps=TAPS, draft_vocab=200, block=6, n_layers=1, init_layers="random") | opts
-    return train(DFlashTrainer, DFlashTrainer.Options(**o), loop, data, out, quiet=True, restart=True)
-
-
-@pytest.fixture(scope="module")
-def trained(data, work) -> Path:
-    _train(data, work / "trained.gguf", 150)
-    return work / "trained.gguf"
-
-
-def _target(path: Path, quant: str):
-    return load_target(str(path), "cpu", "float32", quant)
-
-
-def _dflash(target, head: Path, n_seq: int = 4, max_ctx: int = 512, **params) -> DFlash:
-    return DFlash(DFlash.Params(head=str(head), **params), target_info(target, n_seq, max_ctx))
-
-
-def _ids(target, n=6, seed=11):
-    return [prompt_ids(target.tokenizer, t, True) for t in repetitive_prompts(n, seed=seed)]
+KIT = HeadKit(DFlashTrainer, DFlash, n_layer=3, taps="final,1,2", lr=1e-2,
+              options=dict(taps=TAPS, draft_vocab=200, block=6, n_layers=1, init_layers="random"))
+work, tiny, data, trained = KIT.fixtures("dflash")  # the tiny target, its data set, a head trained 150 steps
+_train, _target, _dflash, _ids = KIT.train, KIT.target, KIT.build, KIT.prompt_ids
 
 
 @pytest.mark.parametrize("quant", ["gguf", "none"])

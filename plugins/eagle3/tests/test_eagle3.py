@@ -12,12 +12,12 @@ from specplug_eagle3.head import Eagle3Runtime
 from specplug_eagle3.speculator import Eagle3
 from specplug_eagle3.train import Eagle3Trainer
 
-from specplug.api import build_speculators, prompt_ids
+from specplug.api import build_speculators
 from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
-from specplug.runtime import load_target
 from specplug.testing import (
+    HeadKit,
     assert_greedy_equal,
     check_lookup_step,
     check_native_step,
@@ -25,8 +25,6 @@ from specplug.testing import (
     fine_tune_with_lookup,
     greedy_outputs,
     make_engine,
-    make_train_data,
-    repetitive_prompts,
     speculator,
     write_tiny_gguf,
 )
@@ -36,45 +34,9 @@ from specplug.types import Batch, DraftRequest
 LAYERS = "1,2,3"
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("eagle3")
-
-
-@pytest.fixture(scope="module")
-def tiny(work) -> Path:
-    return write_tiny_gguf(work / "tiny.gguf", n_layer=4, tensor_type="Q8_0", scale=1.5)
-
-
-@pytest.fixture(scope="module")
-def data(tiny, work) -> Path:
-    return make_train_data(tiny, work / "data", repetitive_prompts(300), taps="final,1,2,3", max_tokens=40,
-                           shard_prompts=100)
-
-
-def _train(data: Path, out: Path, steps: int, **opts) -> dict:
-    loop = LoopOptions(steps=steps, lr=3e-3, warmup=10, batch_tokens=2048, val_every=max(1, steps), save_every=10 ** 6,
-                       val_fraction=0.1)
-    return train(Eagle3Trainer, Eagle3Trainer.Options(layers=LAYERS, draft_vocab=200, **opts), loop, data, out,
-                 quiet=True, restart=True)
-
-
-@pytest.fixture(scope="module")
-def trained(data, work) -> Path:
-    _train(data, work / "trained.gguf", 150)
-    return work / "trained.gguf"
-
-
-def _target(path: Path, quant: str):
-    return load_target(str(path), "cpu", "float32", quant)
-
-
-def _eagle(target, head: Path, n_seq: int = 4, max_ctx: int = 512, **params) -> Eagle3:
-    return Eagle3(Eagle3.Params(head=str(head), **params), target_info(target, n_seq, max_ctx))
-
-
-def _ids(target, n=6, seed=11):
-    return [prompt_ids(target.tokenizer, t, True) for t in repetitive_prompts(n, seed=seed)]
+KIT = HeadKit(Eagle3Trainer, Eagle3, options=dict(layers=LAYERS, draft_vocab=200), n_layer=4, taps="final,1,2,3")
+work, tiny, data, trained = KIT.fixtures("eagle3")  # the tiny target, its data set, a head trained 150 steps
+_train, _target, _eagle, _ids = KIT.train, KIT.target, KIT.build, KIT.prompt_ids
 
 
 @pytest.mark.parametrize("quant", ["gguf", "none"])

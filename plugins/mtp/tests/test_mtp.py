@@ -13,70 +13,28 @@ from specplug.api import build_speculators
 from specplug.config import parse_config
 from specplug.engine import Request, target_info
 from specplug.errors import ConfigError, PluginError
-from specplug.runtime import load_target
 from specplug.testing import (
+    HeadKit,
     assert_greedy_equal,
     check_lookup_step,
     check_native_step,
     drafted_lookups,
     fine_tune_with_lookup,
     greedy_outputs,
-    make_train_data,
-    repetitive_prompts,
     speculator,
     write_tiny_gguf,
 )
 from specplug.train.loop import LoopOptions, train
 
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("mtp")
-
-
-@pytest.fixture(scope="module")
-def tiny(work) -> Path:
-    return write_tiny_gguf(work / "tiny.gguf", tensor_type="Q8_0", scale=1.5)
-
-
-@pytest.fixture(scope="module")
-def data(tiny, work) -> Path:
-    return make_train_data(tiny, work / "data", repetitive_prompts(300), max_tokens=40, shard_prompts=100)
-
-
-def _train(data: Path, out: Path, steps: int, **opts) -> dict:
-    loop = LoopOptions(steps=steps, lr=3e-3, warmup=10, batch_tokens=2048, val_every=max(1, steps), save_every=10 ** 6,
-                       val_fraction=0.1)
-    return train(MTPTrainer, MTPTrainer.Options(draft_vocab=0, **opts), loop, data, out, quiet=True, restart=True)
-
-
-@pytest.fixture(scope="module")
-def trained(data, work) -> Path:
-    _train(data, work / "trained.gguf", 150)
-    return work / "trained.gguf"
+KIT = HeadKit(MTPTrainer, MTP, options=dict(draft_vocab=0))
+work, tiny, data, trained = KIT.fixtures("mtp")  # the tiny target, its data set, a head trained 150 steps
+_train, _target, _mtp, _ids = KIT.train, KIT.target, KIT.build, KIT.prompt_ids
 
 
 @pytest.fixture(scope="module")
 def untrained(data, work) -> Path:
     _train(data, work / "untrained.gguf", 1, init_layer=-2)
     return work / "untrained.gguf"
-
-
-def _target(path: Path, quant: str):
-    return load_target(str(path), "cpu", "float32", quant)
-
-
-def _mtp(target, head: Path, n_seq: int = 4, max_ctx: int = 512, **params) -> MTP:
-    return MTP(MTP.Params(head=str(head), **params), target_info(target, n_seq, max_ctx))
-
-
-PROMPTS = repetitive_prompts(6, seed=11)
-
-
-def _ids(target, texts=PROMPTS):
-    from specplug.api import prompt_ids
-
-    return [prompt_ids(target.tokenizer, t, True) for t in texts]
 
 
 @pytest.mark.parametrize("quant", ["gguf", "none"])
