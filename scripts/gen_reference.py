@@ -46,7 +46,8 @@ def public_names(module) -> list[str]:
     if hasattr(module, "__all__"):
         return list(module.__all__)
     return sorted(n for n, obj in vars(module).items()
-                  if not n.startswith("_") and not PLUMBING.match(n) and getattr(obj, "__module__", None) == module.__name__
+                  if not n.startswith("_") and not PLUMBING.match(n)
+                  and getattr(obj, "__module__", None) == module.__name__
                   and (inspect.isclass(obj) or inspect.isfunction(obj)))
 
 
@@ -105,8 +106,9 @@ def attribute_comments(cls) -> dict[str, str]:
 
 
 def render_class(name: str, cls) -> list[str]:
-    init = "" if getattr(cls, "_is_protocol", False) else signature(cls).removesuffix(" -> None")
-    kind = "protocol" if getattr(cls, "_is_protocol", False) else "dataclass" if dataclasses.is_dataclass(cls) else "class"
+    protocol = getattr(cls, "_is_protocol", False)
+    init = "" if protocol else signature(cls).removesuffix(" -> None")
+    kind = "protocol" if protocol else "dataclass" if dataclasses.is_dataclass(cls) else "class"
     lines = [f"### `{name}{init}`", "", f"*{kind}* — {doc(cls)}", ""]
     attrs = attribute_comments(cls)
     if attrs:
