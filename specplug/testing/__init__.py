@@ -10,7 +10,8 @@ fixtures (registered by installing specplug):
   speculator_contract   check_speculator bound to tiny_target
   tiny_q8_gguf, tiny_q8_target             a Q8_0 tiny model (scale 1.5), loaded with quant gguf
 tiny_model: a tiny GGUF model
-  write_tiny_gguf(path, ...)               write your own tiny model (arch, sizes, tensor types)
+  write_tiny_gguf(path, ...)               write your own tiny model (arch, sizes, tensor types; its
+                                           vocabulary is tiny_model._byte_vocab(): patch it there)
   random_k_quant(rows, cols, qtype, rng)   random valid K-quant blocks
 engine: engine helpers
   speculator(obj, name, target, **policy)  an engine Speculator, checked and started as the host does
@@ -71,13 +72,7 @@ from specplug.testing.fixtures import (  # pytest finds the fixtures here, where
 from specplug.testing.heads import HeadKit, fine_tune_with_lookup, make_train_data, repetitive_prompts
 from specplug.testing.kernels import check_lookup_step, check_native_step, drafted_lookups, isa_env
 from specplug.testing.stats import chi2_sf, chi_square, sampled_like_target, target_pit
-from specplug.testing.tiny_model import (
-    CHATML,
-    K_QUANT_BYTES,
-    _byte_vocab,  # noqa: F401  (a second tokenizer in plugins/draft's tests)
-    random_k_quant,
-    write_tiny_gguf,
-)
+from specplug.testing.tiny_model import CHATML, K_QUANT_BYTES, random_k_quant, write_tiny_gguf
 
 __all__ = [
     "CHATML", "CONTRACT_SAMPLING", "ContractReport", "DEFAULT_CONTRACT_PROMPTS", "DraftRecord", "Faulty",

@@ -9,7 +9,7 @@ import pytest
 import torch
 from specplug_draft import DraftModel
 
-import specplug.testing as sptest
+import specplug.testing.tiny_model as sptest  # its _byte_vocab, which write_tiny_gguf reads
 from specplug.api import build_speculators
 from specplug.config import parse_config
 from specplug.engine import Request, target_info
