@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 39's measurement: a head adapts to a stream of traffic it was not trained on.
+"""How much a head gains by adapting to a stream of traffic it was not trained on (`specplug adapt`).
 
 The stream (`--stream`): Spec-Bench's summarization and RAG first turns, interleaved in the file's
 order (160 requests), or the 164 HumanEval prompts in file order (a coding assistant). Its first

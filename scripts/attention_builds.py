@@ -9,7 +9,7 @@ The caches are one [layers, ...] tensor on 2 MB pages, as the runtime's KVCache 
 layers' K/V (11.8 MB at 512 positions) stay in a 32 MB L3 across the calls, where in a forward the
 weights stream ~2.2 MB between two layers' attention and evict them: `--cold` walks that much of a
 separate buffer (loads only, `stream_dots`, on the same threads) before each call and times the
-calls alone, so the K/V come from memory as in the forward (on the Zen 4 of session 33 that adds
+calls alone, so the K/V come from memory as in the forward (on the AMD EPYC Zen 4, 2026-11-29, that adds
 0.3-0.4 ms to 30 calls at every row count; a prefetch distance tuned without it was tuned on L3).
 
     python scripts/attention_builds.py --builds specplug_gguf_avx512_<old>,avx512 --threads 2
@@ -124,7 +124,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"machine": machine.describe("cpu"), "threads": a.threads, "cold": a.cold, "rows": rows,
-                       "command": "python scripts/attention_builds.py " + " ".join(f"--{k} {v}" for k, v in vars(a).items())}, f, indent=1)
+                       "command": "python scripts/attention_builds.py "
+                                  + " ".join(f"--{k} {v}" for k, v in vars(a).items())}, f, indent=1)
 
 
 if __name__ == "__main__":

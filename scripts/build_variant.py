@@ -38,7 +38,8 @@ def main() -> None:
     folder = native.extensions_root() / f"specplug_gguf_{a.tag}"
     folder.mkdir(parents=True, exist_ok=True)
     native.compile_kernels(folder, a.isa, a.defines)
-    print(f"built {folder.name} ({a.isa}{', ' if a.defines else ''}{' '.join('-D' + d for d in a.defines)}) in {folder}")
+    defines = " ".join("-D" + d for d in a.defines)
+    print(f"built {folder.name} ({a.isa}{', ' if a.defines else ''}{defines}) in {folder}")
 
 
 if __name__ == "__main__":

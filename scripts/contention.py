@@ -45,7 +45,8 @@ def neighbour(busy: bool, core: int, seconds: float):
         yield
         return
     p = subprocess.Popen([sys.executable, "-c", SPIN, str(seconds)],
-                         preexec_fn=(lambda: os.sched_setaffinity(0, {core})) if hasattr(os, "sched_setaffinity") else None)
+                         preexec_fn=((lambda: os.sched_setaffinity(0, {core}))
+                                                              if hasattr(os, "sched_setaffinity") else None))
     try:
         time.sleep(0.2)  # let it start spinning
         yield
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-prompts", type=int, default=16, help="`train data --limit`")
     p.add_argument("--train-tokens", type=int, default=128, help="`train data --max-tokens`")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--neighbour-core", type=int, default=None, help="the core the neighbour spins on (default: the last)")
+    p.add_argument("--neighbour-core", type=int, default=None,
+                   help="the core the neighbour spins on (default: the last)")
     p.add_argument("--neighbour-s", type=float, default=600.0, help="the neighbour ends by itself after this long")
     p.add_argument("--llama-bench", default=None, metavar="PATH", help="also measure llama.cpp's llama-bench binary")
     p.add_argument("--skip-train", action="store_true", help="decode only")
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"repeat {r + 1}/{args.repeats}: {name:<11} {load:<4} threads {t:<4} "
                           f"({res['threads_used']}): {res['tok_s']:7.1f} tok/s", file=sys.stderr, flush=True)
     table = {k: {"tok_s_median": round(statistics.median(x["tok_s"] for x in v), 1),
-                 "tok_s": [round(x["tok_s"], 1) for x in v], "threads_used": v[0]["threads_used"]} for k, v in runs.items()}
+                 "tok_s": [round(x["tok_s"], 1) for x in v], "threads_used": v[0]["threads_used"]}
+                 for k, v in runs.items()}
     lines = [f"tok/s, median of {args.repeats}; busy = one process spinning on core {core} "
              f"(of {len(cores())}); x = of threads 1 under the same load",
              "| | load | " + " | ".join(f"threads {t}" for t in settings) + " |",

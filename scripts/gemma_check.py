@@ -182,7 +182,8 @@ def ours_logits(model, tokens: list[int], rows: list[int]) -> np.ndarray:
 
 def ours_greedy(model, prompt: list[int], n: int) -> list[int]:
     cache = model.new_cache(1, len(prompt) + n + 8)
-    logits = model.forward(prompt, list(range(len(prompt))), [0] * len(prompt), cache, logits_rows=[len(prompt) - 1]).logits
+    logits = model.forward(prompt, list(range(len(prompt))), [0] * len(prompt), cache,
+                           logits_rows=[len(prompt) - 1]).logits
     out = [int(logits[0].argmax())]
     while len(out) < n:
         p = len(prompt) + len(out) - 1
@@ -200,7 +201,8 @@ def compare(ref: np.ndarray, got: np.ndarray) -> dict:
     agree = ref.argmax(-1) == got.argmax(-1)
     diff = np.abs(ref - got)
     return {"agree": int(agree.sum()), "positions": int(len(agree)),
-            "disagreements": [{"i": int(i), "llama_top2_gap": round(top2_gap(ref[i]), 4)} for i in np.flatnonzero(~agree)],
+            "disagreements": [{"i": int(i), "llama_top2_gap": round(top2_gap(ref[i]), 4)}
+                              for i in np.flatnonzero(~agree)],
             "max_abs_diff": round(float(diff.max()), 4), "mean_abs_diff": round(float(diff.mean()), 5),
             "logit_scale": round(float(np.abs(ref).mean()), 4)}
 
@@ -277,17 +279,20 @@ def main(argv=None) -> int:
             mine = control.greedy(ids, N)
             first = next((i for i, (a, b) in enumerate(zip(mine, cont)) if a != b), None)
             greedy["llama_f32_copy"] = {"equal": first is None, "first_divergence": first,
-                                        "llama_top2_gap_there": None if first is None else round(top2_gap(ref[first]), 4)}
+                                        "llama_top2_gap_there": (None if first is None
+                                                                 else round(top2_gap(ref[first]), 4))}
         p = {"question_id": q, "category": rows[q]["category"], "prompt_tokens": len(ids),
              "tokenizer_equal": ours_ids == ids, "teacher_forced": tf, "greedy": greedy,
              "llama_text": none.tokenizer.decode(cont)}
         prompts.append(p)
+        emu = tf.get("none_llama_activations", {})
+        emu_note = f"; with llama.cpp activations {emu.get('agree')} {emu.get('mean_abs_diff')}" if emulated else ""
         print(f"q{q} {p['category']:<15} {len(ids):>5} prompt tokens  tokenizer equal: {p['tokenizer_equal']}  "
               f"top-1 none {tf['none']['agree']}/{N} gguf {tf['gguf']['agree']}/{N} "
               f"(mean |dlogit| {tf['none']['mean_abs_diff']}"
               f"{'; F32 control ' + str(tf['f32_control']['mean_abs_diff']) if control else ''}"
               f"{'; llama.cpp vs its F32 copy ' + str(tf['llama_quant_vs_float']['agree']) if control else ''}"
-              f"{'; with llama.cpp activations ' + str(tf['none_llama_activations']['agree']) + ' ' + str(tf['none_llama_activations']['mean_abs_diff']) if emulated else ''})  "
+              f"{emu_note})  "
               f"greedy equal: gguf {greedy['gguf']['equal']} (first diff {greedy['gguf']['first_divergence']}) "
               f"none {greedy['none']['equal']}", flush=True)
     total = len(prompts) * N

@@ -68,17 +68,20 @@ def main(folder: str) -> int:
             cells.append("-" if v is None else f"{v} {'ok' if ok else 'MISS'}")
         ll = ""
         if llama:
-            ll = {"decode ms, ctx 512": llama.get("decode_ms"), "prefill 512 tok/s": llama.get("prefill_tok_s")}.get(label)
+            ll = {"decode ms, ctx 512": llama.get("decode_ms"),
+                  "prefill 512 tok/s": llama.get("prefill_tok_s")}.get(label)
             ll = f" {ll if ll is not None else '-'} |"
         lines.append(f"| {label} | {op} {target} | " + " | ".join(cells) + " |" + ll)
     for n in names:
         r = runs[n]
-        lines.append(f"| {n}: step | | {r.get('step')}; {r.get('graphs', 0)} shapes, compile {r.get('compile_s', 0)} s, "
+        lines.append(f"| {n}: step | | {r.get('step')}; {r.get('graphs', 0)} shapes, "
+                     f"compile {r.get('compile_s', 0)} s, "
                      f"capture {r.get('capture_s', 0)} s, peak GPU {r.get('peak_gpu_mb', '-')} MB | |")
     for variant, v in ngram_res.items():
         ok = v.get("decode_speedup", 0) >= 2.0
         lines.append(f"| {variant} decode-phase speedup, Spec-Bench summarization + RAG | >= 2.0 | "
-                     f"{v.get('decode_speedup')} (geomean {v.get('decode_speedup_geomean')}) {'ok' if ok else 'MISS'} | |")
+                     f"{v.get('decode_speedup')} (geomean {v.get('decode_speedup_geomean')}) "
+                     f"{'ok' if ok else 'MISS'} | |")
     for p in sorted(out.glob("equal-*.json")):
         eq = json.loads(p.read_text())
         n_ok = sum(c["equal"] for c in eq["configs"])

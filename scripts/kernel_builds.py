@@ -55,8 +55,7 @@ def swappable_model(model: str, threads: int):
     """(the model loaded on the gguf kernels, use(kernels): run its linears, layers and embedding
     gather on that build from now on), so that builds are timed on one model in one process. A
     forward then runs the build's own ids-to-logits call (`LayerStack.forward_tokens`), each build's
-    stack kept by the model (before session 36 every swap rebuilt it inside the next timed forward,
-    ~0.1 ms, and the embedding and head ran from Python)."""
+    stack kept by the model, so no swap rebuilds it inside a timed forward."""
     m = load_target(model, device="cpu", quant="gguf", threads=threads).model
     lins = [lin for layer in m.layers for lin in layer.linears()] + [m.head]
 

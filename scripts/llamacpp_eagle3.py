@@ -118,7 +118,9 @@ def main() -> int:
     recs = read_jsonl_prompts(dataset_path("mt_bench"))[: args.questions]
     prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": r["turns"][0]}], True) for r in recs]
 
-    head = {"type": "eagle3", "n_max": args.specplug_n_max, **({"head": args.specplug_head} if args.specplug_head else {})}
+    head = {"type": "eagle3", "n_max": args.specplug_n_max}
+    if args.specplug_head:
+        head["head"] = args.specplug_head
     cfg = parse_config({"model": model, "threads": args.threads, "context": 4096, "speculators": [head]})
     modes: dict[str, object] = {"specplug-plain": SpecplugMode(build_engine(cfg, target, speculators=False)),
                                 "specplug-eagle3": SpecplugMode(build_engine(cfg, target))}

@@ -5,7 +5,7 @@ For each file and thread count, in alternated rounds (so the machine's drift fal
   (one forward of k rows after 512 tokens: what verifying k drafted tokens costs);
 - specplug: `specplug bench-runtime` (prefill 512, T(k) after 512 tokens, and decode as llama-bench's
   tg128 times it: 128 tokens one by one from an empty context, `tg128_ms`; beside it one token after
-  128, `decode_ctx128_ms`, which is what runs before session 43 compared).
+  128, `decode_ctx128_ms`, which is what runs before 2026-12-06 compared).
 Medians over the rounds; JSON with every figure and the machine (specplug.machine).
 
 Beside each specplug run, the streaming read of this minute (`bench_runtime.stream_read_gb_s` on
@@ -98,12 +98,12 @@ def paired(raw: dict, name: str, t: int) -> dict:
     out = {"decode": [round(v, 3) for v in dec], "prefill": [round(v, 3) for v in pre],
            "decode_median": round(statistics.median(dec), 3), "prefill_median": round(statistics.median(pre), 3),
            "decode_ceiling": [round(v, 3) for v in ceil], "decode_ceiling_median": round(statistics.median(ceil), 3)}
-    # llama.cpp's tg128 over our one token after 128 (what runs before session 43 compared)
+    # llama.cpp's tg128 over our one token after 128 (what runs before 2026-12-06 compared)
     if all("decode_ctx128_ms" in x for x in a):
         out128 = [y["decode_ms"] / x["decode_ctx128_ms"] for x, y in zip(a, b)]
         out |= {"decode_ctx128": [round(v, 3) for v in out128],
                 "decode_ctx128_median": round(statistics.median(out128), 3)}
-    # our prefill at this ISA's compute peaks over llama.cpp's (runs from before session 40 lack it)
+    # our prefill at this ISA's compute peaks over llama.cpp's (runs from before 2026-12-06 lack it)
     if all("prefill_ceiling_tok_s" in x for x in a):
         pc = [x["prefill_ceiling_tok_s"] / y["prefill_tok_s"] for x, y in zip(a, b)]
         out |= {"prefill_ceiling": [round(v, 3) for v in pc], "prefill_ceiling_median": round(statistics.median(pc), 3)}

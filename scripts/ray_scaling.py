@@ -77,7 +77,8 @@ def main() -> int:
                 report["runs"].append({"job": "train data", "mode": mode, "repeat": rep, "seconds": round(dt, 2),
                                        "tokens": tok, "tok_s": round(tok / dt, 1), "identity": manifest_sha256(man)})
                 shutil.rmtree(out)
-                print(f"train data {mode:<11} run {rep}: {tok / dt:7.1f} tok/s ({dt:.1f} s)", file=sys.stderr, flush=True)
+                print(f"train data {mode:<11} run {rep}: {tok / dt:7.1f} tok/s ({dt:.1f} s)",
+                      file=sys.stderr, flush=True)
             for i, (mode, extra) in enumerate(modes.items() if rep % 2 == 0 else reversed(modes.items())):
                 out = tmp / f"bench-{rep}-{i}"
                 dt = run(bench + ["--out", str(out)] + extra, env)
@@ -93,7 +94,8 @@ def main() -> int:
     med = {}
     for job, key in (("train data", "tok_s"), ("bench", "seconds")):
         for mode in modes:
-            med[(job, mode)] = statistics.median(r[key] for r in report["runs"] if r["job"] == job and r["mode"] == mode)
+            med[(job, mode)] = statistics.median(r[key] for r in report["runs"]
+                                                 if r["job"] == job and r["mode"] == mode)
     report["medians"] = {f"{j} / {m}": v for (j, m), v in med.items()}
     report["ratios"] = {"train data tok/s, ray 2x1 / process x2": round(med[("train data", "ray 2x1")]
                                                                       / med[("train data", "process x2")], 3),

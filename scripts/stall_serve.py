@@ -1,9 +1,10 @@
-"""Issue 30's target, measured: while one client sends the longest prompt `specplug serve` accepts to
-tokenize, other requests' p99 latency stays <= 2x idle.
+"""Whether one long prompt stalls a server's other clients: while one client sends the longest
+prompt `specplug serve` accepts to tokenize, other requests' p99 latency stays <= 2x idle.
 
 Starts `specplug serve CONFIG` (with `--context N`, the config is copied with that context: a longer
 context means a longer accepted prompt). The longest accepted prompt is read from the server itself:
-a too-long prompt's 400 names the prompt limit, unless the body limit (--max-body-mb) is the tighter. Then, for each of `--rounds` rounds:
+a too-long prompt's 400 names the prompt limit, unless the body limit (--max-body-mb) is the tighter. Then, for each of
+`--rounds` rounds:
 
     idle   `--small` 4-token completions one after another
     busy   the same small completions, one after another, while another client sends the longest
@@ -128,7 +129,8 @@ def main() -> int:
     print(f"median p99 busy/idle over {len(rounds)} rounds: {med:.2f}x (target <= 2x)")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "context": cfg.get("context"),
-                                               "limit_chars": limit, "bound": bound, "rounds": rounds, "median_p99_ratio": med,
+                                               "limit_chars": limit, "bound": bound, "rounds": rounds,
+                                               "median_p99_ratio": med,
                                                "machine": describe()},
                                               indent=1) + "\n")
     return 0

@@ -25,7 +25,7 @@ def test_paired_ratios_and_the_decode_ceiling_are_per_round():
     assert r["decode_ceiling"] == [2.0, 1.4]
     assert r["decode_ceiling_median"] == pytest.approx(1.7)
     assert "prefill_ceiling" not in r  # runs from before the prefill ceiling was recorded
-    assert "decode_ctx128" not in r  # nor the one token after 128 beside tg128 (before session 43)
+    assert "decode_ctx128" not in r  # nor the one token after 128 beside tg128 (runs before 2026-12-06)
 
 
 def test_the_prefill_ceiling_is_ours_at_the_isa_peaks_over_llama_cpp_s_prefill_per_round():
@@ -38,7 +38,7 @@ def test_the_prefill_ceiling_is_ours_at_the_isa_peaks_over_llama_cpp_s_prefill_p
 
 def test_decode_is_set_beside_llama_cpp_s_tg128_as_the_same_test_with_one_token_after_128_beside_it():
     """Ours timed as llama-bench's tg128 (`decode_ms`, from bench-runtime's tg128_ms) is the decode
-    ratio; ours one token after 128 (what runs before session 43 compared) is reported beside it."""
+    ratio; ours one token after 128 (what runs before 2026-12-06 compared) is reported beside it."""
     peer = load_script("peer_runtime")
     runs, theirs = ours({"decode_ctx128_ms": 5.5}, {"decode_ctx128_ms": 4.0}), [dict(t) for t in THEIRS]
     r = peer.paired({"m|2|specplug": runs, "m|2|llama.cpp": theirs}, "m", 2)

@@ -718,7 +718,7 @@ inline void tile_rows(int64_t n, const uint8_t* qs, const typename KindOf<KIND>:
 // does what two did on 256 bits, and an activation value is broadcast to 16 lanes. Each lane does
 // exactly the integer and float operations of tile<> in the same order, so the two give the same
 // bits. Where the 512-bit units are separate (Intel's server cores: Cascade Lake measured 2.7x the
-// multiply-adds a second of vpdpbusd on 256 bits, scripts/isa_peak.py) this is the faster schedule;
+// multiply-adds a second of vpdpbusd on 256 bits, `specplug bench-runtime --profile`) this is the faster schedule;
 // where they are 256-bit pairs (Zen 4) it halves the instructions at the same multiply-add rate.
 // -DSPECPLUG_ZMM=0 turns it off.
 #if SPECPLUG_VNNI && defined(__AVX512BW__)
