@@ -59,8 +59,8 @@ def add_step_args(p: argparse.ArgumentParser, defaults: bool) -> None:
     if not defaults:  # the commands that draft (run, serve, bench; generate and bench-runtime do not)
         p.add_argument("--verify-curve", choices=("auto", "builtin", "measure"), default=None,
                        help="how drafts are priced: the runtime's built-in T(k)/T(1) table, or this machine's, "
-                            "measured "
-                            "at load (~2 s) and kept ($SPECPLUG_CACHE_DIR, else ~/.cache/specplug); auto (the config's "
+                            "measured when the engine is set up (~2 s) and kept ($SPECPLUG_CACHE_DIR, else "
+                            "~/.cache/specplug); auto (the config's "
                             "default): this machine's on the gguf CPU kernels, measured until three are kept, then "
                             "their median; overrides the config's `verify_curve`")
 
