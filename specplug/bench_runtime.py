@@ -33,6 +33,7 @@ import torch
 from specplug import machine
 from specplug.pricing import builtin, interpolate_cost
 from specplug.runtime import pages
+from specplug.runtime.native import QuantLinear
 from specplug.runtime.timing import in_turn as _in_turn
 from specplug.runtime.timing import median_ms as _median_ms  # (scripts import it from here)
 from specplug.runtime.timing import medians_in_turn_ms as _medians_in_turn_ms
@@ -315,8 +316,6 @@ def isa_peaks(ext) -> dict:
 def _machine_limits(threads: int, ext) -> dict:
     """Streaming-read GB/s (a 1 GB float32 sum), the ISA's peaks (isa_peaks) and the kernels' peak
     G MAC/s (Q4_1 and Q8_0 weights that stay in cache, 64 rows)."""
-    from specplug.runtime.native import QuantLinear
-
     out = {"threads": threads, "stream_read_gb_s": round(stream_read_gb_s(), 1), **isa_peaks(ext)}
     g = torch.Generator().manual_seed(0)
     w = torch.randn(512, 576, generator=g)
@@ -344,8 +343,6 @@ def prefill_ceiling(model, tokens: int = 512) -> dict:
     window), and nothing else: no memory, no quantization, no overhead. A prefill target above it is
     out of reach on this machine. Returns the peaks it used (isa_peaks, measured now) and the bound;
     None where a linear does not run on the gguf kernels."""
-    from specplug.runtime.native import QuantLinear
-
     lins = [lin for layer in model.layers for lin in layer.linears()]
     if not all(isinstance(lin, QuantLinear) for lin in lins + [model.head]):
         return None
@@ -411,8 +408,6 @@ def _floor_walks(ext, lins, k: int):
 
 def profile(model, repeats: int = 10) -> dict:
     """The roofline report of the gguf runtime (see the module docstring)."""
-    from specplug.runtime.native import QuantLinear
-
     if model.quant != "gguf":
         raise SystemExit("--profile reports on the gguf runtime (quant: gguf)")
     ext = model.layers[0]._k  # the kernel module the model was loaded on (SPECPLUG_ISA at load)

@@ -20,7 +20,7 @@ import yaml
 
 from specplug.engine import DraftPolicy
 from specplug.errors import ConfigError, SpecplugError
-from specplug.plugins import HOST_KEYS
+from specplug.plugins import HOST_KEYS, get_type
 from specplug.pricing.curves import check_curve
 from specplug.sampling import SamplingParams
 
@@ -175,8 +175,6 @@ def build_dataclass(cls: type, data: Any, where: str, skip: set[str] = frozenset
 
 def parse_speculator(entry: Any, i: int) -> SpeculatorConfig:
     """One `speculators:` entry -> SpeculatorConfig; the type must be installed."""
-    from specplug.plugins import get_type
-
     where = f"speculators[{i}]"
     if not isinstance(entry, dict) or "type" not in entry:
         raise ConfigError(f"{where}: each speculator needs a `type:` key (see `specplug plugins`)")

@@ -4,6 +4,9 @@ The machines the project's figures come from change, and a ratio between runs on
 means nothing, so each result says what ran it: the CPU model, the gguf kernels' instruction-set
 path and its compiler flags, the threads, the GPU where one was used, and the torch / specplug
 versions and git commit.
+
+Its imports of torch and the runtime are inside the functions: `specplug.bench.cli` imports this
+module as the CLI builds its parser, and describing the machine is the only part that needs them.
 """
 from __future__ import annotations
 

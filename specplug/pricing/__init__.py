@@ -28,6 +28,7 @@ from specplug.pricing.curves import (
     interpolate_cost,
     never_falling,
 )
+from specplug.runtime.timing import verify_ms
 
 __all__ = ["Pricing", "builtin", "resolve", "curve_setting", "for_run", "measure_curve", "BUILTIN_CURVES",
            "MEASURE_K", "Curve", "builtin_key", "check_curve", "interpolate_cost", "never_falling"]
@@ -59,8 +60,6 @@ def measure_curve(model) -> Curve:
     """T(k)/T(1) of `model` on this machine now at the row counts MEASURE_K, each over T(1), never
     falling (specplug.runtime.timing.verify_ms: every k in turn, medians). ~2 s for SmolLM2-135M on 2
     threads."""
-    from specplug.runtime.timing import verify_ms
-
     ms = verify_ms(model, MEASURE_K)
     return never_falling([(k, ms[k] / ms[1]) for k in sorted(ms)])
 

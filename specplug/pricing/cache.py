@@ -27,7 +27,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from specplug import machine
 from specplug.pricing.curves import MEASURE_K, Curve, check_curve, never_falling
+from specplug.runtime import native
 
 ENV = "SPECPLUG_CACHE_DIR"
 FILE = "verify-curves.json"
@@ -47,9 +49,6 @@ def cache_dir() -> Path:
 def curve_key(model) -> tuple[str, dict]:
     """(a short hash, what it hashes) for `model`'s curve on this machine as it is set up now."""
     import torch
-
-    from specplug import machine
-    from specplug.runtime import native
 
     info = machine.describe()
     st = Path(model.path).resolve().stat()

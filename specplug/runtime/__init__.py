@@ -5,9 +5,11 @@ from dataclasses import dataclass
 
 from specplug.errors import ModelError
 from specplug.runtime.gguf_file import GGUFFile, ModelConfig
+from specplug.runtime.governor import ThreadGovernor
 from specplug.runtime.kv_cache import KVCache
 from specplug.runtime.model import ForwardOutput, OutputHead, TokenEmbeddings, Transformer
 from specplug.runtime.resolve import resolve_model
+from specplug.runtime.static import StaticOptions, row_bucket
 from specplug.runtime.tokenizer import Tokenizer
 
 __all__ = ["GGUFFile", "ModelConfig", "KVCache", "ForwardOutput", "Transformer", "OutputHead", "TokenEmbeddings",
@@ -54,16 +56,12 @@ def load_target(model: str, device: str = "auto", dtype: str = "auto", quant: st
     path = resolve_model(model)
     m = Transformer.load(path, device=device, dtype=dtype, quant=quant)
     if threads == "auto" and n and n > 1 and m.device.type == "cpu":
-        from specplug.runtime.governor import ThreadGovernor
-
         m.governor = ThreadGovernor(n)  # auto: the count that is fastest under the load of the moment
     torch_weights = not m.backend.native and m.quant != "int8"
     if compile is True and not torch_weights:
         raise ModelError(f"compile: true runs the torch backend, but this target uses quant: {m.quant} "
                          "(set quant: none, or compile: auto)")
     if compile is True or (compile == "auto" and torch_weights and m.device.type == "cuda" and not m.static_problem()):
-        from specplug.runtime.static import StaticOptions, row_bucket
-
         m.use_static(StaticOptions(cuda_graphs=cuda_graphs,
                                    fixed_tokens=None if step_tokens is None else row_bucket(min(step_tokens, 64))))
     tok = Tokenizer.from_metadata(m.metadata, source=str(path))

@@ -21,6 +21,7 @@ from specplug.runtime.gguf_file import GGUFFile, ModelConfig
 from specplug.runtime.kv_cache import RING_SLACK, KVCache
 from specplug.runtime.layers import Backend, DecoderLayer, LayerKind, LayerShape, Linear, Rope, Step
 from specplug.runtime.linear import int8_available
+from specplug.runtime.static import StaticOptions, StaticRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTS = ("auto", "none", "int8", "gguf")
@@ -369,8 +370,6 @@ class Transformer:
     def use_static(self, options=None):
         """Run every forward from now on through static-shape steps (compiled, and captured as CUDA
         graphs on CUDA; see specplug.runtime.static). Make caches after this call. Returns the runner."""
-        from specplug.runtime.static import StaticOptions, StaticRunner
-
         problem = self.static_problem()
         if problem:
             raise ModelError(f"{self.path}: {problem} (set compile: false)")

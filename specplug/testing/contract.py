@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from specplug.engine import Request, target_info
+from specplug.sampling import SamplingParams
 from specplug.testing.engine import greedy_outputs, make_engine, speculator
 from specplug.testing.stats import sampled_like_target
 
@@ -80,9 +82,6 @@ def check_speculator(spec, params=None, *, target, prompts: Sequence[str | Seque
     n_min, p_min, ...; cost_trim defaults to False so that the speculator is asked every step (on a
     tiny target drafting costs about a target step, and the host's pricing would pause it).
     """
-    from specplug.engine import Request, target_info
-    from specplug.sampling import SamplingParams
-
     tok = target.tokenizer
     prompt_ids = [list(p) if not isinstance(p, str) else tok.encode(p) for p in (prompts or DEFAULT_CONTRACT_PROMPTS)]
     sp = sampling if sampling is not None else SamplingParams(**CONTRACT_SAMPLING)

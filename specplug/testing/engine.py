@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specplug.api import start_speculator, startup_hooks
+from specplug.config import build_dataclass
+from specplug.engine import DraftPolicy, Engine, Request, Speculator, target_info
+from specplug.plugins import HOST_KEYS, HookCaller, _check_class, new_plugin_manager
+from specplug.runtime import Target
 from specplug.types import Draft
 
 
@@ -22,12 +27,6 @@ def speculator(instance, name: str | None = None, target=None, **policy):
     """
     import dataclasses
 
-    from specplug.api import start_speculator
-    from specplug.config import build_dataclass
-    from specplug.engine import DraftPolicy, Speculator
-    from specplug.plugins import HOST_KEYS, HookCaller, _check_class, new_plugin_manager
-    from specplug.runtime import Target
-
     cls = type(instance)
     name = name or cls.__name__
     if getattr(cls, "Params", None) is not None:
@@ -41,8 +40,6 @@ def speculator(instance, name: str | None = None, target=None, **policy):
                                          if f.init}, name, skip=HOST_KEYS)
     info = target if target is not None else getattr(instance, "target", None)
     if isinstance(info, Target):
-        from specplug.engine import target_info
-
         info = target_info(info, 4, 512)
     pm = new_plugin_manager()
     if info is None:  # started by make_engine, with the engine's TargetInfo
@@ -62,9 +59,6 @@ def make_engine(target, specs=(), **kw):
     `speculator(...)`. Keyword arguments go to `specplug.engine.Engine`: n_parallel (1),
     max_ctx (here 512), sampling (SamplingParams(), greedy), prefill_chunk (256), ignore_eos,
     cache."""
-    from specplug.api import startup_hooks
-    from specplug.engine import Engine, Speculator, target_info
-
     kw.setdefault("max_ctx", 512)
     info = target_info(target, kw.get("n_parallel", 1), kw["max_ctx"])
     wrapped = [s if isinstance(s, Speculator) else speculator(s, target=info) for s in specs]
@@ -78,8 +72,6 @@ def make_engine(target, specs=(), **kw):
 
 def greedy_outputs(target, specs, prompts: list[list[int]], max_tokens: int = 32, **kw):
     """Token ids generated for each prompt (greedy), with the given speculators."""
-    from specplug.engine import Request
-
     eng = make_engine(target, specs, **kw)
     res = eng.run([Request(p, max_tokens, i) for i, p in enumerate(prompts)])
     return [r.token_ids for r in res], eng

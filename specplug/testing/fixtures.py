@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from specplug.engine import target_info
+from specplug.runtime import load_target
 from specplug.testing.contract import check_speculator
 from specplug.testing.engine import make_engine
 from specplug.testing.tiny_model import write_tiny_gguf
@@ -21,8 +23,6 @@ def tiny_gguf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_target(tiny_gguf):
     """`tiny_gguf` loaded with exact float weights (quant `none`): a `Target` (`.model`, `.tokenizer`)."""
-    from specplug.runtime import load_target
-
     return load_target(str(tiny_gguf), device="cpu", dtype="float32", quant="none")
 
 
@@ -30,8 +30,6 @@ def tiny_target(tiny_gguf):
 def tiny_target_info(tiny_target) -> TargetInfo:
     """What the host tells speculators about `tiny_target` (4 parallel sequences, 512 positions):
     build your speculator with `MySpec(MySpec.Params(...), tiny_target_info)`."""
-    from specplug.engine import target_info
-
     return target_info(tiny_target, 4, 512)
 
 
@@ -61,6 +59,4 @@ def tiny_q8_gguf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_q8_target(tiny_q8_gguf):
     """`tiny_q8_gguf` loaded on the GGUF-block kernels (quant `gguf`), as a default config runs a model."""
-    from specplug.runtime import load_target
-
     return load_target(str(tiny_q8_gguf), device="cpu", dtype="float32", quant="gguf")

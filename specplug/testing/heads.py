@@ -10,7 +10,14 @@ from typing import Any, Sequence
 
 import pytest
 
+from specplug.api import prompt_ids
+from specplug.cli import main
+from specplug.engine import target_info
+from specplug.heads import HeadFile
+from specplug.runtime import load_target
 from specplug.testing.tiny_model import write_tiny_gguf
+from specplug.train.finetune import BaseHead
+from specplug.train.loop import LoopOptions, train
 
 
 def repetitive_prompts(n: int, seed: int = 0) -> list[str]:
@@ -24,8 +31,6 @@ def make_train_data(model: str | Path, out_dir: str | Path, prompts: Sequence[st
                     max_tokens: int = 48, parallel: int = 4, shard_prompts: int = 16) -> Path:
     """Run `specplug train data` in-process on `prompts` (no overlap filter); returns the data set folder."""
     import json
-
-    from specplug.cli import main
 
     out_dir = Path(out_dir)
     src = out_dir.with_name(out_dir.name + "-prompts.jsonl")
@@ -44,10 +49,6 @@ def fine_tune_with_lookup(trainer_cls, head: str | Path, data: str | Path, out: 
     that it starts exactly as the head it came from: its validation figures before the first step equal
     those of a plain fine-tune's (same data split). `options`: more trainer options. Returns `out`."""
     import dataclasses as dc
-
-    from specplug.heads import HeadFile
-    from specplug.train.finetune import BaseHead
-    from specplug.train.loop import LoopOptions, train
 
     loop = LoopOptions(steps=steps, lr=3e-3, warmup=5, batch_tokens=2048, val_every=steps, save_every=10 ** 6,
                        val_fraction=0.1)
@@ -101,8 +102,6 @@ class HeadKit:
     def train(self, data: str | Path, out: str | Path, steps: int, **options) -> dict:
         """Train a head for `steps` steps on `data` into `out` (from scratch: a checkpoint there is
         dropped), with `options` over the kit's; returns the loop's report (its recipe, history)."""
-        from specplug.train.loop import LoopOptions, train
-
         loop = LoopOptions(steps=steps, lr=self.lr, warmup=self.warmup, batch_tokens=2048, val_every=max(1, steps),
                            save_every=10 ** 6, val_fraction=0.1)
         return train(self.trainer, self.trainer.Options(**{**self.options, **options}), loop, data, out, quiet=True,
@@ -112,23 +111,17 @@ class HeadKit:
     def target(path: str | Path, quant: str):
         """The tiny target at `path` loaded on the CPU in float32, with `quant` (gguf: the GGUF-block
         kernels; none: exact float weights)."""
-        from specplug.runtime import load_target
-
         return load_target(str(path), "cpu", "float32", quant)
 
     def build(self, target, head: str | Path, n_seq: int = 4, max_ctx: int = 512, **params):
         """The method's speculator on the head file `head` for `target` (n_seq sequences of max_ctx
         positions), with `params` over its Params' defaults: the object, not yet wrapped (see `speculator`)."""
-        from specplug.engine import target_info
-
         cls = self.speculator
         return cls(cls.Params(head=str(head), **params), target_info(target, n_seq, max_ctx))
 
     @staticmethod
     def prompt_ids(target, n: int = 6, seed: int = 11) -> list[list[int]]:
         """`n` repetitive prompts (`seed`) as the chat template gives them to `target`, as token ids."""
-        from specplug.api import prompt_ids
-
         return [prompt_ids(target.tokenizer, t, True) for t in repetitive_prompts(n, seed=seed)]
 
     def fixtures(self, name: str) -> tuple:

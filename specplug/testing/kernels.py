@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from specplug.heads.lookup import pair_lookup
 from specplug.testing.engine import greedy_outputs, speculator
 
 
@@ -115,8 +116,6 @@ def drafted_lookups(target, spec, prompts: list[list[int]], max_tokens: int = 20
     (the prompt's, committed and drafted ones) carries the lookup of its sequence up to that row:
     `pair_lookup(history, spec.rt.lookup_n)`. native: spy on the native step's path (`forward_pick`),
     else on the logits path. Returns the rows seen: (tokens, positions, sequences, lookups) per head call."""
-    from specplug.heads.lookup import pair_lookup
-
     rt, seen = spec.rt, []
     name = "forward_pick" if native else "forward"
     real = getattr(rt, name)

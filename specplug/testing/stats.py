@@ -2,6 +2,8 @@
 and a probability integral transform of generated answers under the target.)"""
 from __future__ import annotations
 
+from specplug.sampling import target_probs
+
 
 def chi2_sf(stat: float, df: int) -> float:
     """P(X >= stat) for X chi-square with `df` degrees of freedom (scipy's chi2.sf, without scipy)."""
@@ -43,8 +45,6 @@ def target_pit(target, results, sampling, seed: int = 0):
     every emitted token is in token_ids. Returns (u [n] float64, impossible), `impossible` listing
     (answer index, position, token id) of tokens the target's sampling gives probability 0."""
     import torch
-
-    from specplug.sampling import target_probs
 
     model = target.model
     gen = torch.Generator().manual_seed(seed)
