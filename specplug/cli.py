@@ -294,12 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add the roofline report: time per kernel, bytes, multiply-adds, against this machine's limits")
     p.set_defaults(func=cmd_bench_runtime)
 
-    try:
-        from specplug.bench.cli import register as register_bench
+    from specplug.bench.cli import register as register_bench
 
-        register_bench(sub)
-    except ImportError:
-        pass
+    register_bench(sub)
     from specplug.train.cli import register as register_train
 
     register_train(sub)
