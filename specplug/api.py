@@ -71,7 +71,7 @@ def build_engine(cfg: RunConfig, target: Target | None = None, speculators: bool
     specs = build_speculators(cfg, info) if speculators else []
     return Engine(target, specs, n_parallel=cfg.parallel, max_ctx=cfg.context, sampling=cfg.sampling,
                   prefill_chunk=cfg.prefill_chunk, ignore_eos=cfg.ignore_eos, cache=cache,
-                  hook_warn_ms=cfg.hook_warn_ms, pricing=pricing)
+                  hook_warn_ms=cfg.hook_warn_ms, pricing=pricing, chain=cfg.chain)
 
 
 def prompt_ids(tokenizer: Tokenizer, turns: str | Sequence[dict], chat: bool, system: str | None = None) -> list[int]:

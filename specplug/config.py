@@ -103,6 +103,10 @@ class RunConfig:
     step_timeout_s: float | None = 60.0  # serve: a longer engine step ends the server (exit 3); null: no limit
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculators: tuple[SpeculatorConfig, ...] = ()
+    # with several speculators: best = every one drafts and the draft worth most is verified;
+    # cascade = in list order, each asked only for the sequences where those before it have no draft
+    # worth its rows (a cheap model-free drafter first, a head where it has nothing)
+    chain: str = "best"
     ray: RayServeConfig = field(default_factory=RayServeConfig)  # serve --ray: replicas, autoscaling
     record: RecordConfig = field(default_factory=RecordConfig)  # serve, run: keep the traffic's token ids
 
@@ -115,6 +119,7 @@ def target_args(cfg: "RunConfig") -> dict[str, Any]:
                 cuda_graphs=cfg.cuda_graphs, step_tokens=tokens if cfg.batch_invariant else None)
 
 
+CHAIN_MODES = ("best", "cascade")
 _SPEC_HOST_KEYS = {"type", "name"} | {f.name for f in dataclasses.fields(DraftPolicy)}
 assert _SPEC_HOST_KEYS == HOST_KEYS, "plugins.HOST_KEYS must list DraftPolicy's fields"
 
@@ -226,6 +231,7 @@ def parse_config(data: Any, source: str = "config") -> RunConfig:
                            cfg.threads in (None, "auto") or isinstance(cfg.threads, int) and cfg.threads >= 1,
                            ">= 1 or auto (the cores this process may run on)"),
                           ("compile", cfg.compile in (True, False, "auto"), "true, false or auto"),
+                          ("chain", cfg.chain in CHAIN_MODES, " or ".join(CHAIN_MODES)),
                           ("step_tokens", cfg.step_tokens is None or 1 <= cfg.step_tokens <= 64,
                            "between 1 and 64 (or null)"),
                           ("max_body_mb", cfg.max_body_mb > 0, "> 0"),

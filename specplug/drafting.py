@@ -236,13 +236,16 @@ class Drafting:
 
     `call(spec, hook, **kw)` runs a hook guarded (None when it raised: the speculator is then
     disabled); `disable(spec, why)` turns a speculator off for the run; `before_draft(spec)` runs
-    before each `draft` call.
+    before each `draft` call. `cascade`: the speculators are asked in order, each only for the
+    sequences that no speculator before it has a draft worth verifying for (YAML `chain: cascade`);
+    else every one is asked and the draft worth most wins.
     """
 
     def __init__(self, specs: Sequence[Speculator], cost: Callable[[int], float],
                  call: Callable[..., Any], disable: Callable[[Speculator, str], None], vocab: int, max_ctx: int,
-                 before_draft: Callable[[Speculator], None] = lambda spec: None):
+                 before_draft: Callable[[Speculator], None] = lambda spec: None, cascade: bool = False):
         self.specs, self.cost, self.call, self.disable = list(specs), cost, call, disable
+        self.cascade = cascade
         self.before_draft = before_draft  # brings a speculator's context up to date (rows held back while paused)
         self.vocab, self.max_ctx = vocab, max_ctx
         self.t_row = 0.0  # measured seconds of a one-row target forward
@@ -261,7 +264,8 @@ class Drafting:
         return tuple((cost(n_seqs + i + 1) - cost(n_seqs + i) + c) / worth for i in range(n))
 
     def propose(self, seqs: Sequence[Any]) -> dict[int, Proposal]:
-        """Ask every speculator; keep per sequence (slot) the draft with most expected accepted tokens."""
+        """Ask every speculator (in a cascade: only for the sequences still without a draft); keep per
+        sequence (slot) the draft with most expected accepted tokens."""
         chosen: dict[int, Proposal] = {}
         score: dict[int, float] = {}  # slot -> the value of its chosen draft (_value)
         self._asked = []
@@ -269,7 +273,8 @@ class Drafting:
         for spec in self.specs:
             if not spec.enabled or not spec.caller.implements("draft"):
                 continue
-            reqs, resumed = self._requests(spec, seqs)
+            ask = [q for q in seqs if q.slot not in chosen] if self.cascade else seqs
+            reqs, resumed = self._requests(spec, ask, len(seqs))
             if not reqs:
                 continue
             self.before_draft(spec)
@@ -305,9 +310,9 @@ class Drafting:
         _trim(chosen, len(seqs), self.cost)
         return chosen
 
-    def _requests(self, spec: Speculator, seqs: Sequence[Any]) -> tuple[list[DraftRequest], int]:
-        """The requests to `spec` this step, and how many of them resume their sequence (not asked
-        the step before)."""
+    def _requests(self, spec: Speculator, seqs: Sequence[Any], n_batch: int) -> tuple[list[DraftRequest], int]:
+        """The requests to `spec` this step for `seqs` (of the `n_batch` sequences in the step), and how
+        many of them resume their sequence (not asked the step before)."""
         priced = spec.policy.cost_trim
         break_even: tuple[float, ...] | list[float] | None = None  # computed once a sequence is not paused
         n_pay = 0
@@ -327,7 +332,7 @@ class Drafting:
                 st.skip -= 1
                 continue
             if break_even is None:
-                break_even = self.break_even(spec, len(seqs), spec.policy.n_max) if priced else ()
+                break_even = self.break_even(spec, n_batch, spec.policy.n_max) if priced else ()
                 # positions where even a certain token cannot pay are not drafted
                 n_pay = next((i for i, b in enumerate(break_even) if b >= 1.0), len(break_even))
             advice = break_even[:n_max]

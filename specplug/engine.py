@@ -96,7 +96,7 @@ class Engine:
     def __init__(self, target: Target, speculators: Sequence[Speculator] = (), n_parallel: int = 1,
                  max_ctx: int = 2048, sampling: SamplingParams = SamplingParams(), prefill_chunk: int = 256,
                  ignore_eos: bool = False, strict: bool = False, cache: KVCache | None = None,
-                 hook_warn_ms: float = 500.0, pricing: Pricing | None = None):
+                 hook_warn_ms: float = 500.0, pricing: Pricing | None = None, chain: str = "best"):
         self.target = target
         self.model = target.model
         self.pricing = pricing if pricing is not None else builtin(target.model)
@@ -126,7 +126,7 @@ class Engine:
             self.stats.speculators[s.name] = s.stats
         self.delivery = Delivery(self._call, self._dormant, self.model.config.n_layer)
         self.drafting = Drafting(self.specs, self.pricing.cost, self._call, self._disable, self.vocab, max_ctx,
-                                 before_draft=self.delivery.deliver)
+                                 before_draft=self.delivery.deliver, cascade=chain == "cascade")
 
     def _taps_of(self, specs: Sequence[Speculator]) -> frozenset[int]:
         """The target layers whose hidden states `specs` need (n_layer: the pre-norm final state)."""

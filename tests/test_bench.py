@@ -139,6 +139,21 @@ def test_variants_share_one_kv_cache(tiny_target, tiny_gguf):
     assert all(r.token_ids == res[0].runs["plain"].token_ids for r in res[0].runs.values())
 
 
+def test_named_chains_are_variants_in_their_mode(tiny_gguf):
+    from specplug.bench.runner import variants
+    from specplug.errors import SpecplugError
+
+    cfg = parse_config({"model": str(tiny_gguf), "speculators": [{"type": "noop", "name": n} for n in "abc"]})
+    v = variants(cfg, False, ["c>a", "a+b"])
+    assert list(v) == ["a", "b", "c", "c>a", "a+b"]
+    assert [s.name for s in v["c>a"].speculators] == ["c", "a"] and v["c>a"].chain == "cascade"
+    assert v["a+b"].chain == "best"
+    for bad, what in [("a>z", "no speculator named 'z'"), ("a", "two or more"), ("a>b+c", "two or more"),
+                      ("a>a", "two or more")]:
+        with pytest.raises(SpecplugError, match=what):
+            variants(cfg, False, [bad])
+
+
 def test_paired_decode_ratios_resist_one_slow_run():
     """One plain run slowed 10x by a neighbour: the total-time ratio jumps, the paired per-prompt
     geometric mean and median move by one prompt's share only."""

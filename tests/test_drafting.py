@@ -373,3 +373,57 @@ def test_slow_hook_warns_once_and_is_timed(tiny_target, prompts, caplog):
     st = eng.stats.speculators["sleepy"]
     assert st.hook_calls["draft"] >= 3 and st.hook_s["draft"] >= 0.03 * st.hook_calls["draft"]
     assert st.to_dict()["hook_s"]["draft"] > 0
+
+
+def where(r) -> tuple:
+    """A request's sequence (its prompt's first tokens: slots are reused) and history length."""
+    return tuple(r.tokens[:3]), len(r.tokens)
+
+
+class Sometimes(Oracle):
+    """The oracle's draft only where the history's length is even: elsewhere it has nothing."""
+
+    def __init__(self, continuations):
+        super().__init__(continuations)
+        self.drafted_at: set[tuple] = set()  # (prompt, history length) where it had a draft
+
+    @hookimpl
+    def draft(self, requests):
+        out = super().draft(requests)
+        out = [d if len(r.tokens) % 2 == 0 else None for r, d in zip(requests, out)]
+        self.drafted_at.update(where(r) for r, d in zip(requests, out) if d is not None)
+        return out
+
+
+class Where(Slow):
+    """Random drafts, keeping where each request was (`where`) at the time of the call."""
+
+    @hookimpl
+    def draft(self, requests):
+        self.asked = getattr(self, "asked", set()) | {where(r) for r in requests}
+        return super().draft(requests)
+
+
+@pytest.mark.parametrize("chain", ["best", "cascade"])
+def test_a_cascade_asks_the_next_speculator_only_where_the_ones_before_have_nothing(tiny_target, prompts, plain,
+                                                                                     chain):
+    first = Sometimes({tuple(p): g for p, g in zip(prompts, plain)})
+    second = Where(tiny_target.model.config.vocab_size, 0.0)
+    specs = [speculator(first, "oracle", cost_trim=False, backoff=10**6),
+             speculator(second, "random", cost_trim=False, backoff=10**6)]
+    eng = assert_greedy_equal(tiny_target, specs, prompts, 48, n_parallel=2, chain=chain)
+    asked = second.asked
+    st = eng.stats.speculators
+    if chain == "cascade":
+        assert asked and not asked & first.drafted_at  # asked, and only where the oracle had nothing
+        assert st["random"].asked == len(second.requests) < st["oracle"].asked
+    else:
+        assert asked & first.drafted_at  # beside the oracle's drafts too
+
+
+def test_chain_mode_is_checked(tmp_path):
+    from specplug.config import ConfigError, parse_config
+
+    assert parse_config({"chain": "cascade"}).chain == "cascade"
+    with pytest.raises(ConfigError, match="chain must be best or cascade"):
+        parse_config({"chain": "first"})

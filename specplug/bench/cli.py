@@ -48,6 +48,9 @@ def cmd_bench(args) -> int:
     cfg = load_config(args.config, overrides)
     if not cfg.speculators:
         raise SpecplugError(f"{args.config}: `speculators:` is empty; the bench compares them with plain decoding")
+    from specplug.bench.runner import variants
+
+    variants(cfg, args.chain, args.chains)  # a bad --chains names what to fix before the model loads
     path = dataset_path(args.data) if args.data in DATASETS else Path(args.data)
     if args.data not in DATASETS and not path.suffix.startswith(".json"):
         raise SpecplugError(f"unknown data set {args.data!r}; bundled: {', '.join(DATASETS)} (or pass a .jsonl file)")
@@ -103,7 +106,7 @@ def _run_here(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
     from specplug.config import target_args
 
     target = load_target(cfg.model, **target_args(cfg))
-    bench = Bench(cfg, target, chain=args.chain)
+    bench = Bench(cfg, target, chain=args.chain, chains=args.chains)
     bench.warmup()
     bench.fresh_engines()  # the warm-up must not seed any speculator's state
     n_turns = sum(len(r["turns"]) for r in records)
@@ -134,7 +137,11 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="passes over the prompts, each with fresh speculators; per prompt the median-time run is kept")
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--chain", action="store_true", help="also bench all speculators chained together")
+    p.add_argument("--chain", action="store_true",
+                   help="also bench all speculators chained together (in the config's `chain:` mode)")
+    p.add_argument("--chains", nargs="+", default=[], metavar="A>B",
+                   help="also bench these chains: names joined by '>' (a cascade: each asked only where the ones "
+                        "before have no draft) or '+' (all draft, the best wins), e.g. ngram-simple>eagle3")
     p.add_argument("--out", default="bench-out", help="folder for results.json, results.md and plots")
     p.add_argument("--threads", type=threads_arg, default=None,
                    help="CPU threads (each worker's, with --ray); overrides the config's `threads`")

@@ -27,9 +27,9 @@ from specplug.runtime import load_target
 class BenchWorker:
     """A Ray actor: one target, one Bench; prompts on request."""
 
-    def __init__(self, cfg, chain: bool):
+    def __init__(self, cfg, chain: bool, chains=()):
         self.target = load_target(cfg.model, **target_args(cfg))
-        self.bench = Bench(cfg, self.target, chain=chain)
+        self.bench = Bench(cfg, self.target, chain=chain, chains=chains)
         self.bench.warmup()
 
     def info(self) -> dict:
@@ -56,7 +56,8 @@ def run_on_ray(args, cfg, records: list[dict], path: Path) -> tuple[list, dict]:
     wcfg = dataclasses.replace(cfg, threads=threads)
     n = min(cluster.pool_size(ray, threads, args.ray_workers), max(1, len(records)))
     actor_cls = ray.remote(BenchWorker)
-    actors = [actor_cls.options(**cluster.actor_options(threads)).remote(wcfg, args.chain) for _ in range(n)]
+    actors = [actor_cls.options(**cluster.actor_options(threads)).remote(wcfg, args.chain, args.chains)
+              for _ in range(n)]
     print(f"specplug: bench on {n} Ray workers x {threads} thread{'s' * (threads > 1)}", file=sys.stderr)
     bar = tqdm(total=len(records) * args.repeats, unit="prompt", file=sys.stderr,
                desc=f"bench (ray) {Path(args.config).name} on {path.name}")

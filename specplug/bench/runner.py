@@ -11,13 +11,14 @@ import dataclasses
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from specplug.api import build_engine, prompt_ids
 from specplug.config import RunConfig
 from specplug.engine import Engine, Request
+from specplug.errors import SpecplugError
 from specplug.pricing import for_run
 from specplug.runtime import Target
 
@@ -58,13 +59,28 @@ class PromptResult:
     mismatch: dict | None = None  # greedy only: where a variant diverged from plain
 
 
-def variants(cfg: RunConfig, chain: bool) -> dict[str, RunConfig]:
-    """variant name -> config: each speculator alone, plus all of them chained if asked."""
+def variants(cfg: RunConfig, chain: bool, chains: Sequence[str] = ()) -> dict[str, RunConfig]:
+    """variant name -> config: each speculator alone, plus all of them chained (in the config's `chain`
+    mode) if asked, plus each of `chains`: names joined by `>` (a cascade, in that order) or `+` (all
+    draft, the draft worth most is verified), e.g. "ngram-simple>eagle3"; the variant is named so."""
     out = {}
     for s in cfg.speculators:
         out[s.name] = dataclasses.replace(cfg, speculators=(s,))
     if chain and len(cfg.speculators) > 1:
         out["chain"] = cfg
+    by_name = {s.name: s for s in cfg.speculators}
+    for spec in chains:
+        sep = ">" if ">" in spec else "+"
+        names = [n.strip() for n in spec.split(sep)]
+        if (">" in spec and "+" in spec) or len(names) < 2 or len(set(names)) < len(names):
+            raise SpecplugError(f"chain {spec!r}: write two or more distinct speculator names joined by '>' "
+                                f"(a cascade) or '+' (the best draft wins), e.g. ngram-simple>eagle3")
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise SpecplugError(f"chain {spec!r}: no speculator named {missing[0]!r} in the config "
+                                f"(it has {', '.join(by_name) or 'none'})")
+        out[spec] = dataclasses.replace(cfg, speculators=tuple(by_name[n] for n in names),
+                                        chain="cascade" if sep == ">" else "best")
     if not out:
         raise ValueError("the config lists no speculators to compare with plain decoding")
     return out
@@ -80,10 +96,10 @@ def top2_gap(target: Target, prefix: list[int], ctx: int) -> float:
 
 
 class Bench:
-    def __init__(self, cfg: RunConfig, target: Target, chain: bool = False):
+    def __init__(self, cfg: RunConfig, target: Target, chain: bool = False, chains: Sequence[str] = ()):
         self.cfg = dataclasses.replace(cfg, parallel=1)
         self.target = target
-        self.variants = variants(self.cfg, chain)
+        self.variants = variants(self.cfg, chain, chains)
         self.cache = target.model.new_cache(1, self.cfg.context)  # the variants run one after another
         self.pricing = for_run(target.model, self.cfg)  # resolved once (it may time the target): every variant's
         self.fresh_engines()
