@@ -51,9 +51,10 @@ def startup_hooks(caller: HookCaller, type_name: str, info: TargetInfo | None) -
         where = info.model_path if info is not None else "the target"
         raise PluginError(f"speculator {name!r} (type {type_name}) is not compatible with {where}: {problem}")
     n_layer = info.n_layer if info is not None else 1 << 30
-    if not isinstance(req, EmbeddingRequest) or any(not 0 <= layer < n_layer for layer in req.layers):
+    if not isinstance(req, EmbeddingRequest) or any(not 0 <= layer < n_layer
+                                                     for layer in (*req.layers, *req.kv_layers)):
         raise PluginError(f"speculator {name!r} (type {type_name}) requested embeddings {req!r}; "
-                          f"layers must be in [0, {n_layer})")
+                          f"layers and kv_layers must be in [0, {n_layer})")
     return req
 
 

@@ -42,9 +42,10 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from specplug.contract import check_drafts
+from specplug.kv_view import KVViews
 from specplug.metrics import SpecStats
 from specplug.plugins import HookCaller
-from specplug.types import Draft, DraftRequest, EmbeddingRequest, Verified
+from specplug.types import NO_KV, Draft, DraftRequest, EmbeddingRequest, Verified
 
 PROBE_MIN, PROBE_MAX = 4, 64  # steps between probes of a speculator that does not pay for a sequence
 PROBE_SHARE = 0.01  # ... and at least a probe's own cost (T(1) units) / PROBE_SHARE steps
@@ -243,8 +244,10 @@ class Drafting:
 
     def __init__(self, specs: Sequence[Speculator], cost: Callable[[int], float],
                  call: Callable[..., Any], disable: Callable[[Speculator, str], None], vocab: int, max_ctx: int,
-                 before_draft: Callable[[Speculator], None] = lambda spec: None, cascade: bool = False):
+                 before_draft: Callable[[Speculator], None] = lambda spec: None, cascade: bool = False,
+                 kv_views: KVViews | None = None):
         self.specs, self.cost, self.call, self.disable = list(specs), cost, call, disable
+        self.kv_views = kv_views  # DraftRequest.kv for speculators that read the target's KV cache
         self.cascade = cascade
         self.before_draft = before_draft  # brings a speculator's context up to date (rows held back while paused)
         self.vocab, self.max_ctx = vocab, max_ctx
@@ -345,7 +348,10 @@ class Drafting:
                 n_max = min(n_max, n_pay)
                 advice = break_even[:n_max]
             if n_max >= max(1, spec.policy.n_min):
-                reqs.append(DraftRequest(q.slot, History(q.tokens), n_max, advice))
+                kv = NO_KV
+                if spec.embeddings.kv_layers and self.kv_views is not None:
+                    kv = self.kv_views.views(spec.embeddings.kv_layers, q.slot, len(q.tokens) - 1)
+                reqs.append(DraftRequest(q.slot, History(q.tokens), n_max, advice, kv))
                 resumed += st.asked_at != self._step - 1
                 st.asked_at = self._step
         return reqs, resumed

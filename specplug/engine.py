@@ -24,11 +24,12 @@ import torch
 from specplug.delivery import Delivery
 from specplug.drafting import Drafting, DraftPolicy, Proposal, Speculator  # noqa: F401 (DraftPolicy: re-exported)
 from specplug.errors import SpecplugError
+from specplug.kv_view import KVViews
 from specplug.metrics import RunStats, SeqStats, SpecStats
 from specplug.pricing import Pricing, builtin
 from specplug.runtime import KVCache, Target
 from specplug.sampling import SamplingParams, sample, target_probs
-from specplug.types import TargetInfo
+from specplug.types import TargetAttention, TargetInfo
 from specplug.verify import Verdict, verify
 
 log = logging.getLogger("specplug")
@@ -126,7 +127,8 @@ class Engine:
             self.stats.speculators[s.name] = s.stats
         self.delivery = Delivery(self._call, self._dormant, self.model.config.n_layer)
         self.drafting = Drafting(self.specs, self.pricing.cost, self._call, self._disable, self.vocab, max_ctx,
-                                 before_draft=self.delivery.deliver, cascade=chain == "cascade")
+                                 before_draft=self.delivery.deliver, cascade=chain == "cascade",
+                                 kv_views=KVViews(self.cache))
 
     def _taps_of(self, specs: Sequence[Speculator]) -> frozenset[int]:
         """The target layers whose hidden states `specs` need (n_layer: the pre-norm final state)."""
@@ -500,4 +502,7 @@ def target_info(target: Target, n_seq: int, max_ctx: int,
                       bos_id=tok.bos_id, eos_id=tok.eos_id, eot_ids=frozenset(tok.eot_ids), device=m.device,
                       dtype=m.dtype, n_seq=n_seq, max_ctx=max_ctx, token_embeddings=m.embed,
                       output_head=m.output_head, quant=m.quant, rms_eps=cfg.rms_eps,
-                      verify_cost=verify_cost or builtin(m).cost, static=None if m.static is None else m.static.options)
+                      verify_cost=verify_cost or builtin(m).cost, static=None if m.static is None else m.static.options,
+                      attention=TargetAttention(cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.scale, cfg.rope_base,
+                                                cfg.rope_scale, cfg.rope_base_window,
+                                                tuple(cfg.layer_window(i) for i in range(cfg.n_layer))))

@@ -7,9 +7,12 @@ verification outcome (`Verified`). It answers with `EmbeddingRequest` and `Draft
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
+
+NO_KV: Mapping = MappingProxyType({})  # DraftRequest.kv of a speculator that reads no target KV
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,33 @@ class TargetInfo:
     # graph-captured) steps, else None: a head on the torch backend builds its draft step the same way
     # with specplug.runtime.static.head_steps
     static: Any = field(default=None, repr=False)
+    # how the target attends: what a speculator reading its KV cache (EmbeddingRequest.kv_layers) needs
+    attention: TargetAttention | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class TargetAttention:
+    """The target's attention, as its KV cache stores it (`DraftRequest.kv`).
+
+    Keys are stored as the target's attention reads them: after its k-norm (qwen3, gemma3) and RoPE.
+    RoPE rotates interleaved pairs (dims 2i, 2i+1) by position * rope_scale * rope_base^(-2i/head_dim)
+    (`specplug.runtime.layers.Rope(head_dim, base, device, scale)` builds the same tables; files with
+    NeoX-layout rows are permuted to this layout at load). Query heads h read key/value head
+    h // (n_head // n_head_kv), scaled by `scale` before the softmax.
+    """
+
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    scale: float  # q.k scale
+    rope_base: float  # full-attention layers
+    rope_scale: float  # full-attention layers: position * rope_scale
+    rope_base_window: float  # sliding-window layers (scale 1)
+    windows: tuple[int, ...]  # per layer: 0 = attends to every position; w = to (q - w, q]
+
+    def rope_of(self, layer: int) -> tuple[float, float]:
+        """(base, scale) of layer `layer`'s RoPE."""
+        return (self.rope_base_window, 1.0) if self.windows[layer] else (self.rope_base, self.rope_scale)
 
 
 @dataclass(frozen=True)
@@ -54,10 +84,34 @@ class EmbeddingRequest:
 
     `layers`: the *input* hidden state of each listed layer (Eagle3: low/mid/high layers).
     `final`: the pre-norm final hidden state, i.e. the input of the output norm (MTP).
+    `kv_layers`: target layers whose keys and values this speculator reads at `draft`, from the
+    target's own KV cache (`DraftRequest.kv`; a Gemma 4-style drafter attends to them). Taps cost a
+    copy per committed row; a KV view costs nothing, the cache holds it anyway.
     """
 
     layers: tuple[int, ...] = ()
     final: bool = False
+    kv_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TargetKV:
+    """One target layer's keys and values of one sequence, committed positions only (`DraftRequest.kv`).
+
+    Views of the target's KV cache, not copies, valid during the `draft` call only, and read-only:
+    an in-place operation, `out=` or item assignment on them (or on a slice of them) raises
+    `specplug.kv_view.ReadOnlyError`, which disables the speculator. Rows rejected at verification are
+    never in them. Layout and RoPE: `TargetInfo.attention`.
+    """
+
+    k: torch.Tensor  # [n_head_kv, cells, head_dim] keys (after k-norm and RoPE), in the cache's dtype (float16
+    #                  on the GGUF kernels): cast what you compute with
+    v: torch.Tensor  # [n_head_kv, cells, head_dim] values
+    # None: cell i holds position i, cells = the committed positions (a full-attention layer). Else [cells]
+    # int64, the position each cell holds, -1 for a cell that holds none: a sliding-window layer's ring
+    # (cell p % cells holds position p, the newest it kept) or a sequence with a range removed
+    positions: torch.Tensor | None
+    window: int  # 0: the target attends to every position here; w: a query at q reads (q - w, q]
 
 
 @dataclass(frozen=True)
@@ -101,6 +155,9 @@ class DraftRequest:
     # so a drafter whose running product of confidences is already below break_even[i] can stop
     # before computing token i. Empty: no advice (draft up to n_max as the method sees fit).
     break_even: tuple[float, ...] = ()
+    # layer -> the target's keys and values of this sequence at its committed positions 0..len(tokens)-2,
+    # for each layer in the speculator's EmbeddingRequest.kv_layers (read-only views: TargetKV); else empty
+    kv: Mapping[int, TargetKV] = field(default_factory=lambda: NO_KV)
 
 
 @dataclass(frozen=True)

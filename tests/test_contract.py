@@ -159,6 +159,8 @@ class Bad:
 
     @hookimpl
     def request_embeddings(self, target):
+        if self.params.mode.startswith("writes DraftRequest.kv"):
+            return EmbeddingRequest(kv_layers=(0,))
         wants = self.params.mode in ("encode raises", "writes batch embeddings")
         return EmbeddingRequest(final=True) if wants else None
 
@@ -173,6 +175,10 @@ class Bad:
         if mode == "appends to DraftRequest.tokens":
             for r in requests:
                 r.tokens.append(0)
+        if mode == "writes DraftRequest.kv keys":
+            requests[0].kv[0].k.zero_()
+        if mode == "writes DraftRequest.kv values, a slice":
+            requests[0].kv[0].v[:, -1:] = 0.0
         if mode in self.modes:
             return self.modes[mode][0](requests)
         return [Draft((5, 6)[:r.n_max]) for r in requests]
@@ -205,7 +211,9 @@ class Bad:
 ZOO = {name: msg for name, (_, msg) in _draft_modes(267).items()}
 ZOO.update({f"{h} raises": f"{h} raised RuntimeError: {h} exploded" for h in Bad.HOOK_RAISES})
 ZOO.update({"writes DraftRequest.tokens": "draft raised TypeError",
-            "appends to DraftRequest.tokens": "draft raised AttributeError"})
+            "appends to DraftRequest.tokens": "draft raised AttributeError",
+            "writes DraftRequest.kv keys": "draft raised ReadOnlyError",
+            "writes DraftRequest.kv values, a slice": "draft raised ReadOnlyError"})
 # in-place writes to a batch: the engine keeps its own lists, so the text cannot change, and the
 # plugin is not always disabled (a write to token ids or positions goes unnoticed; one to hidden
 # states raises when they are the target's own inference tensors, not when they are a row copy).
@@ -444,6 +452,8 @@ class NeverDrafts:
     (lambda info: Bad(Bad.Params("verified raises", after=0), info),
      "(?s)greedy: the host disabled speculator 'k': verified raised RuntimeError.*host log:.*Traceback"),
     (lambda info: NeverDrafts(info), "greedy: speculator 'k' never had a draft verified"),
+    (lambda info: Bad(Bad.Params("writes DraftRequest.kv keys", after=0), info),
+     "greedy: the host disabled speculator 'k': draft raised ReadOnlyError.*wrote the target's KV cache"),
 ])
 def test_the_kit_names_the_rule_a_plugin_breaks(factory, msg, speculator_contract, tiny_target):
     if factory == "argmax with softmax":

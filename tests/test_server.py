@@ -269,9 +269,10 @@ def test_disconnect_frees_the_slot_and_a_full_queue_gets_429(tiny_target):
         assert r.usage.completion_tokens == 5  # serving as before
 
 
-def test_a_failing_speculator_is_disabled_and_the_text_unchanged(tiny_target):
+@pytest.mark.parametrize("mode", ["raise", "writes_kv"])
+def test_a_failing_speculator_is_disabled_and_the_text_unchanged(tiny_target, mode):
     vocab = tiny_target.model.config.vocab_size
-    eng = make_engine(tiny_target, [speculator(Faulty("raise", vocab), name="faulty")], n_parallel=2)
+    eng = make_engine(tiny_target, [speculator(Faulty(mode, vocab), name="faulty")], n_parallel=2)
     app = create_app(eng, MODEL)
     refs = reference(tiny_target, [chat_ids(tiny_target, t) for t in TEXTS[:2]], 30)
     with running(app) as url:
@@ -284,7 +285,7 @@ def test_a_failing_speculator_is_disabled_and_the_text_unchanged(tiny_target):
         assert 'specplug_spec_enabled{speculator="faulty"} 0.0' in metrics
         assert 'specplug_spec_hook_calls_total{hook="draft",speculator="faulty"}' in metrics  # hook time per speculator
         assert 'specplug_spec_hook_seconds_total{hook="draft",speculator="faulty"}' in metrics
-    assert "faulty" in eng.stats.disabled
+    assert ("ReadOnlyError" if mode == "writes_kv" else "exploded") in eng.stats.disabled["faulty"]
 
 
 def test_sampling_with_a_seed_is_reproducible(server):

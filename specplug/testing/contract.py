@@ -75,8 +75,9 @@ def check_speculator(spec, params=None, *, target, prompts: Sequence[str | Seque
         times with its own seed; every emitted token is one the target's sampling can produce, and
         the tokens are distributed as the target samples them (`sampled_like_target`, p >= alpha);
       - in both runs the speculator was asked, had drafts verified, and was never disabled: every
-        result of `draft` passed specplug.contract.check_drafts and no hook raised (the host's
-        warning and any traceback are in the failure message).
+        result of `draft` passed specplug.contract.check_drafts and no hook raised, nor wrote the
+        target's KV cache through `DraftRequest.kv` (the host's warning and any traceback are in
+        the failure message).
     `prompts`: texts (encoded with the target's tokenizer) or token id lists; the default mixes
     repetitive texts (for lookup methods) with plain ones. `policy`: DraftPolicy fields, n_max,
     n_min, p_min, ...; cost_trim defaults to False so that the speculator is asked every step (on a
@@ -99,8 +100,10 @@ def check_speculator(spec, params=None, *, target, prompts: Sequence[str | Seque
     def check_ran(eng, log: _HostLog, run: str):
         (s,) = eng.specs
         if not s.enabled:
-            raise AssertionError(f"{run}: the host disabled speculator {name!r}: {eng.stats.disabled.get(name)}\n"
-                                 f"host log:\n{log.text()}")
+            why = eng.stats.disabled.get(name) or ""
+            hint = (" (it wrote the target's KV cache through DraftRequest.kv, which is read-only: compute into "
+                    "tensors of your own)" if "ReadOnlyError" in why else "")
+            raise AssertionError(f"{run}: the host disabled speculator {name!r}: {why}{hint}\nhost log:\n{log.text()}")
         if s.stats.asked == 0:
             raise AssertionError(f"{run}: speculator {name!r} was never asked to draft (does it implement `draft`?)")
         if s.stats.drafts == 0:

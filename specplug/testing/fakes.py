@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specplug.hooks import hookimpl
-from specplug.types import Draft, DraftRequest, TargetInfo
+from specplug.types import Draft, DraftRequest, EmbeddingRequest, TargetInfo
 
 
 class _Base:
@@ -77,7 +77,8 @@ class Scripted(_Base):
 
 class Faulty(_Base):
     """Misbehaves after `after` calls: mode 'raise', 'oov' (token id out of vocabulary),
-    'too_long' (more than n_max tokens), 'bad_len' (wrong number of results), 'bad_probs'."""
+    'too_long' (more than n_max tokens), 'bad_len' (wrong number of results), 'bad_probs',
+    'writes_kv' (writes the target's layer-0 keys it reads through DraftRequest.kv)."""
 
     def __init__(self, mode: str, vocab_size: int, after: int = 2):
         super().__init__()
@@ -100,7 +101,13 @@ class Faulty(_Base):
             import torch
 
             return [Draft((5,), torch.ones(1, 3)) for _ in requests]
+        if self.mode == "writes_kv":
+            requests[0].kv[0].k.zero_()
         raise ValueError(self.mode)
+
+    @hookimpl
+    def request_embeddings(self, target):
+        return EmbeddingRequest(kv_layers=(0,)) if self.mode == "writes_kv" else None
 
     @hookimpl
     def process_batch(self, batch, encoded):
