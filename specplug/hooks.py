@@ -24,6 +24,10 @@ What the host guarantees and enforces:
 - `DraftRequest.tokens` is a read-only view of the history (writing to it raises, and the
   speculator is disabled); a draft that makes verification itself fail disables its
   speculator, and that sequence takes the target's own token in the same step.
+- `DraftRequest.kv` (for the layers a speculator named in `EmbeddingRequest.kv_layers`) holds
+  read-only, zero-copy views of the target's keys and values at the committed positions
+  (`specplug.types.TargetKV`); a write through one raises `specplug.kv_view.ReadOnlyError` and
+  disables the speculator.
 - Every hook call is timed per speculator (run statistics `hook_s`, `hook_calls`); one call
   over `hook_warn_ms` (YAML, default 500) logs one warning naming the speculator and hook.
 - Drafting is priced (specplug.drafting): the host measures each speculator's seconds in
@@ -68,7 +72,8 @@ def request_embeddings(target: TargetInfo) -> EmbeddingRequest | None:
 
     Return None (or an empty EmbeddingRequest) for token-only methods (n-gram, draft model).
     The host taps exactly the union of all requests during target forwards, and nothing
-    at all when no speculator asks.
+    at all when no speculator asks. `kv_layers` costs nothing per forward: the target's KV cache
+    holds them anyway, and each `DraftRequest.kv` is a view of it.
     """
 
 
