@@ -1,4 +1,4 @@
-"""Prompt sets: the bundled Spec-Bench, MT-bench and HumanEval files, or any JSONL in their format."""
+"""Prompt sets: the bundled Spec-Bench, MT-bench, HumanEval and agent-traffic files, or any JSONL in their format."""
 from __future__ import annotations
 
 import gzip
@@ -12,6 +12,7 @@ DATASETS = {
     "spec_bench": "spec_bench/question.jsonl",
     "mt_bench": "mt_bench/question.jsonl",
     "humaneval": "humaneval/HumanEval.jsonl.gz",
+    "agent_traffic": "agent_traffic/requests.jsonl",
 }
 
 
@@ -23,11 +24,13 @@ def dataset_path(name: str) -> Path:
 
 
 def read_jsonl_prompts(path: Path) -> list[dict]:
-    """Records {id, category, turns} from JSONL (plain or .gz).
+    """Records {id, category, turns[, system]} from JSONL (plain or .gz).
 
     Accepted per line: {"turns": [..]} (Spec-Bench/MT-bench), {"prompt": ".."} (HumanEval) or
     {"text": ".."}; ids from question_id / task_id / id (else the line number); category
-    defaults to the file's stem. A malformed line is an error naming file and line.
+    defaults to the file's stem. An optional "system" string is that prompt's system prompt,
+    in place of the run's `system:` (null: the run's). A malformed line is an error naming
+    file and line.
     """
     path = Path(path)
     if not path.is_file():
@@ -64,4 +67,10 @@ def _prompt_record(path: Path, lineno: int, line: str) -> dict:
     if not turns or not all(isinstance(t, str) and t for t in turns):
         raise SpecplugError(f"{path}:{lineno}: needs a non-empty 'turns' list of strings, or a 'prompt' string")
     rid = rec.get("question_id", rec.get("task_id", rec.get("id", lineno)))
-    return {"id": rid, "category": str(rec.get("category", path.name.split(".")[0])), "turns": list(turns)}
+    out = {"id": rid, "category": str(rec.get("category", path.name.split(".")[0])), "turns": list(turns)}
+    system = rec.get("system")
+    if system is not None:
+        if not isinstance(system, str) or not system.strip():
+            raise SpecplugError(f"{path}:{lineno}: 'system' must be a non-empty string (or null for the run's)")
+        out["system"] = system
+    return out

@@ -147,11 +147,12 @@ class Bench:
         """Every variant on one prompt (each turn of it), in an order rotated by `index`."""
         tok = self.target.tokenizer
         names = list(self.engines)
+        system = rec.get("system") or self.cfg.system  # a record's own system prompt wins over the run's
         messages: list[dict] = []
         results = []
         for turn, text in enumerate(rec["turns"]):
             messages.append({"role": "user", "content": text})
-            ids = prompt_ids(tok, messages, self.cfg.chat, self.cfg.system) if self.cfg.chat else tok.encode(text)
+            ids = prompt_ids(tok, messages, self.cfg.chat, system) if self.cfg.chat else tok.encode(text)
             room = self.cfg.context - len(ids) - 1
             if room < 1:
                 break
