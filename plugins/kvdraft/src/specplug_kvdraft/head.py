@@ -42,6 +42,7 @@ from specplug.train.modules import RMSNorm, TrainLayer, apply_rope, rope_tables
 from specplug.types import TargetKV
 
 METHOD, VERSION = "kvdraft", 1
+MAX_DRAFT_ROWS = 65  # rows one draft call may add to a sequence's scratch (the host verifies at most 64 a step)
 
 
 @dataclass(frozen=True)
@@ -210,25 +211,28 @@ class KVDraftRuntime(LookupForward):
         self.rope = Rope(cfg.head_dim, base, dev, scale=rope_scale)  # the target's layer L rotation
         self.scale, self.window = att.scale, att.windows[cfg.kv_layer]
         self.target_eps = target.rms_eps
-        self._ctx: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
-        self._scratch: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._ctx: dict[int, list] = {}  # seq -> [keys, values, context rows, rows filled, positions] (begin)
         if cfg.lookup:
             self.read_lookup(LookupReader(head, self.embed, self.d2t, target.vocab_size, cfg.eps))
 
     def begin(self, seq: int, kv: TargetKV) -> None:
-        """Sequence `seq` drafts from the committed keys/values `kv` (this `draft` call only)."""
-        dt = self.backend.dtype
-        if kv.positions is None:
-            self._ctx[seq] = (kv.k.to(dt), kv.v.to(dt), None)  # cast: computed into tensors of our own
-        else:  # a ring or holes: the cells that hold a position, with their positions (window masking)
-            held = (kv.positions >= 0).nonzero().flatten()
-            self._ctx[seq] = (kv.k[:, held].to(dt), kv.v[:, held].to(dt), kv.positions[held])
-        self._scratch[seq] = ([], [])
+        """Sequence `seq` drafts from the committed keys/values `kv` (this `draft` call only): they are
+        read once into a buffer of the head's own, in its dtype, with room after them for the rows this
+        call drafts (its scratch), so each row attends with one product over both."""
+        k, v, positions = kv.k, kv.v, kv.positions
+        if positions is not None:  # a ring or holes: the cells that hold a position, and those positions
+            held = (positions >= 0).nonzero().flatten()
+            k, v, positions = k[:, held], v[:, held], positions[held]
+        hkv, n, d = k.shape
+        keys = torch.empty(hkv, n + MAX_DRAFT_ROWS, d, device=k.device, dtype=self.backend.dtype)
+        values = torch.empty_like(keys)
+        keys[:, :n].copy_(k)
+        values[:, :n].copy_(v)
+        self._ctx[seq] = [keys, values, n, n, positions]  # buffers, context length, rows filled, positions
 
     def end(self) -> None:
         """The `draft` call is over: nothing of the target's view or the scratch is kept."""
         self._ctx.clear()
-        self._scratch.clear()
 
     def _states(self, h: torch.Tensor, raw: bool) -> torch.Tensor:
         return h.to(self.backend.device, self.backend.dtype)
@@ -254,18 +258,17 @@ class KVDraftRuntime(LookupForward):
         v = qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D))
         att = torch.empty(len(seq_ids), H * D, device=dev, dtype=dt)
         for i, (s, p) in enumerate(zip(seq_ids, positions)):
-            kc, vc, pos = self._ctx[s]
-            ks, vs = self._scratch[s]
-            ks.append(qk[i, H:])
-            vs.append(v[i])
-            qg = qk[i, :H].reshape(Hkv, G, D) * self.scale
-            s_ctx = qg @ kc.transpose(-1, -2)  # [Hkv, G, n]
-            if self.window and pos is not None:  # a sliding layer: only (p - window, p]
-                s_ctx = s_ctx.masked_fill((pos <= p - self.window).view(1, 1, -1), float("-inf"))
-            k_own, v_own = torch.stack(ks, 1), torch.stack(vs, 1)  # [Hkv, m, D]
-            w = torch.softmax(torch.cat([s_ctx, qg @ k_own.transpose(-1, -2)], -1), -1)
-            n = kc.shape[1]
-            att[i] = (w[..., :n] @ vc + w[..., n:] @ v_own).reshape(H * D)
+            ctx = self._ctx[s]
+            keys, values, n, m, pos = ctx
+            if m == keys.shape[1]:
+                raise RuntimeError(f"kvdraft: more than {MAX_DRAFT_ROWS} rows drafted in one call")
+            keys[:, m] = qk[i, H:]  # this row's own key and value join the call's scratch
+            values[:, m] = v[i]
+            ctx[3] = m = m + 1
+            scores = (qk[i, :H].reshape(Hkv, G, D) * self.scale) @ keys[:, :m].transpose(-1, -2)  # [Hkv, G, m]
+            if self.window and pos is not None:  # a sliding layer: context positions in (p - window, p]
+                scores[..., :n] = scores[..., :n].masked_fill((pos <= p - self.window).view(1, 1, -1), float("-inf"))
+            att[i] = (torch.softmax(scores, -1) @ values[:, :m]).reshape(H * D)
         out = self.layer.ffn(self.layer.o(att, residual=z))
         if not logits_rows:
             return out, None
