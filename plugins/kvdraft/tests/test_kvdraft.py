@@ -92,13 +92,39 @@ def test_runtime_matches_the_training_module_at_every_unroll_step(tiny, f32_head
     spec = _build(target, out)
     rt = KVDraftRuntime(spec.head, target_info(target, 1, 512), spec.rt.backend)
     assert torch.equal(rt.d2t, tr.d2t)
-    rt.begin(0, TargetKV(read_only(k[0, :, :a].contiguous()), read_only(v[0, :, :a].contiguous()), None, 0))
+    rt.begin({0: TargetKV(read_only(k[0, :, :a].contiguous()), read_only(v[0, :, :a].contiguous()), None, 0)})
     states, logits = rt.forward(h[a - 1:a], [toks[a]], [a], [0], [0])
     torch.testing.assert_close(logits[0], steps[0][a], rtol=1e-3, atol=1e-3)
     for r in (1, 2):
         states, logits = rt.forward(states, [toks[a + r]], [a + r], [0], [0])
         torch.testing.assert_close(logits[0], steps[r][a + r], rtol=1e-3, atol=1e-3)
     rt.end()
+
+
+def test_the_native_attention_gives_the_torch_paths_drafts(tiny, trained):
+    """On the GGUF kernels every row of a forward attends in one native call over a float16 buffer of
+    all sequences; the torch path (CUDA, rings) attends row by row: the same logits, to float error."""
+    target = _target(tiny, "gguf")
+    m = target.model
+    cache = m.new_cache(2, 512)
+    prompts = _ids(target)[:2]
+    for s, p in enumerate(prompts):
+        m.forward(p[:-1], list(range(len(p) - 1)), [s] * (len(p) - 1), cache, logits_rows=[])
+    views = {s: KVViews(cache).views((1,), s, len(p) - 1)[1] for s, p in enumerate(prompts)}
+    spec = _build(target, trained)
+    h = torch.randn(2, 64)
+    got = {}
+    for path in ("native", "torch"):
+        rt = KVDraftRuntime(spec.head, target_info(target, 2, 512), spec.rt.backend)
+        if path == "torch":
+            rt._k = None
+        rt.begin(views)
+        assert (rt._native is not None) == (path == "native")
+        states, l0 = rt.forward(h, [p[-1] for p in prompts], [len(p) - 1 for p in prompts], [0, 1], [0, 1])
+        _, l1 = rt.forward(states, [5, 6], [len(p) for p in prompts], [0, 1], [0, 1])
+        rt.end()
+        got[path] = torch.cat([l0, l1])
+    torch.testing.assert_close(got["native"], got["torch"], rtol=2e-3, atol=2e-3)
 
 
 def test_the_trainer_recomputes_the_keys_the_targets_cache_holds(tiny, f32_head):

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from specplug.heads import HeadFile, HeadMeta, layer_from_head, write_head
 from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, LookupForward, LookupReader
+from specplug.runtime import native
 from specplug.runtime.layers import Backend, LayerShape, Rope, rms_norm
 from specplug.runtime.linear import take_rows
 from specplug.runtime.static import token_input
@@ -211,28 +212,53 @@ class KVDraftRuntime(LookupForward):
         self.rope = Rope(cfg.head_dim, base, dev, scale=rope_scale)  # the target's layer L rotation
         self.scale, self.window = att.scale, att.windows[cfg.kv_layer]
         self.target_eps = target.rms_eps
-        self._ctx: dict[int, list] = {}  # seq -> [keys, values, context rows, rows filled, positions] (begin)
+        # begin: seq -> [slot, context cells, cells filled] with _native = (keys, values, valid) on the GGUF
+        # kernels, else seq -> [keys, values, context rows, rows filled, positions]
+        self._ctx: dict[int, list] = {}
+        self._native: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._k = native.kernels() if backend.native else None
         if cfg.lookup:
             self.read_lookup(LookupReader(head, self.embed, self.d2t, target.vocab_size, cfg.eps))
 
-    def begin(self, seq: int, kv: TargetKV) -> None:
-        """Sequence `seq` drafts from the committed keys/values `kv` (this `draft` call only): they are
-        read once into a buffer of the head's own, in its dtype, with room after them for the rows this
-        call drafts (its scratch), so each row attends with one product over both."""
-        k, v, positions = kv.k, kv.v, kv.positions
-        if positions is not None:  # a ring or holes: the cells that hold a position, and those positions
-            held = (positions >= 0).nonzero().flatten()
-            k, v, positions = k[:, held], v[:, held], positions[held]
-        hkv, n, d = k.shape
-        keys = torch.empty(hkv, n + MAX_DRAFT_ROWS, d, device=k.device, dtype=self.backend.dtype)
-        values = torch.empty_like(keys)
-        keys[:, :n].copy_(k)
-        values[:, :n].copy_(v)
-        self._ctx[seq] = [keys, values, n, n, positions]  # buffers, context length, rows filled, positions
+    def begin(self, views: dict[int, TargetKV]) -> None:
+        """The sequences `views` names draft from their committed keys/values (this `draft` call only):
+        read once into a buffer of the head's own, with room after each sequence's context for the rows
+        this call drafts (its scratch). On the GGUF kernels one buffer holds every sequence in the
+        cache's layout (float16 as the target keeps it), and a forward's rows attend in one native call;
+        elsewhere (and for a ring's cells) each sequence has its own and attends with torch."""
+        self._ctx.clear()
+        if self._k is not None and all(kv.positions is None for kv in views.values()):
+            n_max = max(kv.k.shape[1] for kv in views.values())
+            first = next(iter(views.values()))
+            hkv, _, d = first.k.shape
+            keys = torch.empty(len(views), hkv, n_max + MAX_DRAFT_ROWS, d, dtype=first.k.dtype)
+            values = torch.empty_like(keys)
+            valid = torch.zeros(len(views), n_max + MAX_DRAFT_ROWS, dtype=torch.bool)
+            for slot, (seq, kv) in enumerate(views.items()):
+                n = kv.k.shape[1]
+                keys[slot, :, :n].copy_(kv.k)
+                values[slot, :, :n].copy_(kv.v)
+                valid[slot, :n] = True
+                self._ctx[seq] = [slot, n, n]  # its slot, context cells, cells filled
+            self._native = (keys, values, valid)
+            return
+        self._native = None
+        for seq, kv in views.items():
+            k, v, positions = kv.k, kv.v, kv.positions
+            if positions is not None:  # a ring or holes: the cells that hold a position, and those positions
+                held = (positions >= 0).nonzero().flatten()
+                k, v, positions = k[:, held], v[:, held], positions[held]
+            hkv, n, d = k.shape
+            keys = torch.empty(hkv, n + MAX_DRAFT_ROWS, d, device=k.device, dtype=self.backend.dtype)
+            values = torch.empty_like(keys)
+            keys[:, :n].copy_(k)
+            values[:, :n].copy_(v)
+            self._ctx[seq] = [keys, values, n, n, positions]  # buffers, context length, rows filled, positions
 
     def end(self) -> None:
         """The `draft` call is over: nothing of the target's view or the scratch is kept."""
         self._ctx.clear()
+        self._native = None
 
     def _states(self, h: torch.Tensor, raw: bool) -> torch.Tensor:
         return h.to(self.backend.device, self.backend.dtype)
@@ -242,21 +268,32 @@ class KVDraftRuntime(LookupForward):
         return torch.view_as_real(torch.view_as_complex(x.float().unflatten(2, (x.shape[2] // 2, 2)))
                                   * rot.unsqueeze(1)).flatten(2)
 
-    def _forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
-                 seq_ids: Sequence[int], logits_rows: Sequence[int],
-                 raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows (h(t-1) [n, d], x_t, t, seq; one row per sequence, each sequence begun) -> (output states
-        [n, d], draft-vocabulary logits for `logits_rows`); every row's own K/V join its scratch."""
-        cfg, dev, dt = self.cfg, self.backend.device, self.backend.dtype
+    def _attend_native(self, qk: torch.Tensor, v: torch.Tensor, seq_ids: Sequence[int]) -> torch.Tensor:
+        """Each row's own key and value into its sequence's next scratch cell, then every row attends to
+        its sequence's cells up to its own, in one native call: [rows, H * D]."""
+        keys, values, valid = self._native
+        H = self.cfg.n_head
+        slots, cells = [], []
+        for s in seq_ids:
+            ctx = self._ctx[s]
+            if ctx[2] == keys.shape[2]:
+                raise RuntimeError(f"kvdraft: more than {MAX_DRAFT_ROWS} rows drafted in one call")
+            slots.append(ctx[0])
+            cells.append(ctx[2])
+            ctx[2] += 1
+        sl, ce = torch.tensor(slots), torch.tensor(cells)
+        keys.transpose(1, 2).index_put_((sl, ce), qk[:, H:].to(keys.dtype))
+        values.transpose(1, 2).index_put_((sl, ce), v.to(values.dtype))
+        valid.index_put_((sl, ce), torch.tensor(True))
+        q = qk[:, :H].reshape(len(seq_ids), -1).float().contiguous()
+        return self._k.attention(q, keys, values, sl.int(), ce.int(), valid, H, self.scale, None, 0)
+
+    def _attend(self, qk: torch.Tensor, v: torch.Tensor, seq_ids: Sequence[int], positions: Sequence[int]):
+        """The torch path of `_attend_native` (CUDA, a ring's cells): [rows, H * D]."""
+        cfg = self.cfg
         H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         G = H // Hkv
-        h = h_prev.to(dev, dt)
-        emb = token_input(self.embed, token_ids, dev, dt)
-        z = self.proj(torch.cat([rms_norm(h, self.hnorm, cfg.eps), rms_norm(emb, self.enorm, cfg.eps)], -1))
-        qkv = self.layer.qkv.norm_linear(z, cfg.eps)
-        qk = self._rotate(qkv[:, : (H + Hkv) * D].unflatten(1, (H + Hkv, D)), positions).to(dt)
-        v = qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D))
-        att = torch.empty(len(seq_ids), H * D, device=dev, dtype=dt)
+        att = torch.empty(len(seq_ids), H * D, device=qk.device, dtype=qk.dtype)
         for i, (s, p) in enumerate(zip(seq_ids, positions)):
             ctx = self._ctx[s]
             keys, values, n, m, pos = ctx
@@ -269,6 +306,23 @@ class KVDraftRuntime(LookupForward):
             if self.window and pos is not None:  # a sliding layer: context positions in (p - window, p]
                 scores[..., :n] = scores[..., :n].masked_fill((pos <= p - self.window).view(1, 1, -1), float("-inf"))
             att[i] = (torch.softmax(scores, -1) @ values[:, :m]).reshape(H * D)
+        return att
+
+    def _forward(self, h_prev: torch.Tensor, token_ids: Sequence[int], positions: Sequence[int],
+                 seq_ids: Sequence[int], logits_rows: Sequence[int],
+                 raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows (h(t-1) [n, d], x_t, t, seq; one row per sequence, each sequence begun) -> (output states
+        [n, d], draft-vocabulary logits for `logits_rows`); every row's own K/V join its scratch."""
+        cfg, dev, dt = self.cfg, self.backend.device, self.backend.dtype
+        H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        h = h_prev.to(dev, dt)
+        emb = token_input(self.embed, token_ids, dev, dt)
+        z = self.proj(torch.cat([rms_norm(h, self.hnorm, cfg.eps), rms_norm(emb, self.enorm, cfg.eps)], -1))
+        qkv = self.layer.qkv.norm_linear(z, cfg.eps)
+        qk = self._rotate(qkv[:, : (H + Hkv) * D].unflatten(1, (H + Hkv, D)), positions).to(dt)
+        v = qkv[:, (H + Hkv) * D:].unflatten(1, (Hkv, D))
+        att = self._attend_native(qk, v, seq_ids) if self._native is not None else self._attend(qk, v, seq_ids,
+                                                                                                  positions)
         out = self.layer.ffn(self.layer.o(att, residual=z))
         if not logits_rows:
             return out, None

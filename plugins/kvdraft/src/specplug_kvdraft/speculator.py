@@ -95,8 +95,7 @@ class KVDraft(HeadSpeculator):
         look = rt.reads_lookup
         history = {i: np.asarray(requests[i].tokens, dtype=np.int64) for i in live} if look else {}
         try:
-            for i in live:
-                rt.begin(requests[i].seq_id, requests[i].kv[layer])
+            rt.begin({requests[i].seq_id: requests[i].kv[layer] for i in live})
             h = keeper.states([requests[i].seq_id for i in live], self.zeros)
             states, picks = self._step(h, [requests[i].tokens[-1] for i in live], [len(requests[i].tokens) - 1
                                                                                    for i in live],
