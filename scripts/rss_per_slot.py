@@ -50,6 +50,7 @@ def main() -> None:
         child(a.config, None if spec == "-" else spec, int(par), int(mt))
         return
     from specplug.config import load_config
+    from specplug.machine import describe
 
     names = a.only or [s.name for s in load_config(a.config).speculators if s.type != "noop"]
     out = {}
@@ -70,8 +71,8 @@ def main() -> None:
         print(f"| {name} | {r['rss_1_mb']} | {r['rss_n_mb']} | {r['per_slot_mb']} | {r['beyond_plain_mb']:+} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"config": a.config, "parallel": a.parallel, "max_tokens": a.max_tokens, "results": out}, f,
-                      indent=1)
+            json.dump({"config": a.config, "parallel": a.parallel, "max_tokens": a.max_tokens,
+                       "machine": describe("cpu"), "results": out}, f, indent=1)
 
 
 if __name__ == "__main__":

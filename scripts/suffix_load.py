@@ -82,7 +82,10 @@ def main() -> None:
             rows.append({"requests": k + 1, "rss_mb": round(rss_mb(), 1), "outputs": len(g.outputs),
                          "tokens": g.n_tokens, "nodes": g.tree.n_nodes, "s": round(time.perf_counter() - t0, 1)})
             print(json.dumps(rows[-1]), flush=True)
-    out = {"answers": a.answers, "requests": a.requests, "mutate": a.mutate, "params": vars(params),
+    from specplug.machine import describe
+
+    out = {"machine": describe("cpu"), "answers": a.answers, "requests": a.requests, "mutate": a.mutate,
+           "params": vars(params),
            "rss_start_mb": round(base_rss, 1), "drafts": drafts, "rows": rows,
            "rss_peak_mb": max(r["rss_mb"] for r in rows),
            "rss_last_quarter_growth_mb": round(rows[-1]["rss_mb"] - rows[3 * len(rows) // 4]["rss_mb"], 1)}
