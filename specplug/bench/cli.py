@@ -131,7 +131,8 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="speculative vs plain decoding on real prompt sets")
     p.add_argument("config")
     add_step_args(p, defaults=False)
-    p.add_argument("--data", default="spec_bench", help="spec_bench | mt_bench | humaneval | agent_traffic | FILE.jsonl")
+    p.add_argument("--data", default="spec_bench",
+                   help="spec_bench | mt_bench | humaneval | agent_traffic | FILE.jsonl")
     p.add_argument("--categories", help="comma-separated categories to keep")
     p.add_argument("--limit", type=int, default=None, help="prompts per category")
     p.add_argument("--repeats", type=int, default=1,
