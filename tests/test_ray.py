@@ -107,7 +107,7 @@ def test_bench_on_ray_gives_each_prompt_the_single_process_result(cluster, tiny,
 
     cfg = load_config(_bench_config(tmp_path, tiny))
     records = [{"id": i, "category": "c", "turns": [p]} for i, p in enumerate(repetitive_prompts(6, seed=2))]
-    args = argparse.Namespace(config="bench.yaml", chain=True, repeats=2, ray="", ray_workers=2)
+    args = argparse.Namespace(config="bench.yaml", chain=True, chains=[], repeats=2, ray="", ray_workers=2)
     here, _ = _run_here(args, cfg, records, Path("p.jsonl"))
     there, info = run_on_ray(args, cfg, records, Path("p.jsonl"))
     assert info["ray"] == {"workers": 2, "threads_per_worker": 1}

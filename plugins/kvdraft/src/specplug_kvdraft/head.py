@@ -224,14 +224,15 @@ class KVDraftRuntime(LookupForward):
         """The sequences `views` names draft from their committed keys/values (this `draft` call only):
         read once into a buffer of the head's own, with room after each sequence's context for the rows
         this call drafts (its scratch). On the GGUF kernels one buffer holds every sequence in the
-        cache's layout (float16 as the target keeps it), and a forward's rows attend in one native call;
+        cache's layout, and a forward's rows attend in one native call;
         elsewhere (and for a ring's cells) each sequence has its own and attends with torch."""
         self._ctx.clear()
         if self._k is not None and all(kv.positions is None for kv in views.values()):
             n_max = max(kv.k.shape[1] for kv in views.values())
             first = next(iter(views.values()))
             hkv, _, d = first.k.shape
-            keys = torch.empty(len(views), hkv, n_max + MAX_DRAFT_ROWS, d, dtype=first.k.dtype)
+            # float32 (the kernels read either): the call's own rows keep their precision, as on the torch path
+            keys = torch.empty(len(views), hkv, n_max + MAX_DRAFT_ROWS, d, dtype=torch.float32)
             values = torch.empty_like(keys)
             valid = torch.zeros(len(views), n_max + MAX_DRAFT_ROWS, dtype=torch.bool)
             for slot, (seq, kv) in enumerate(views.items()):
