@@ -29,7 +29,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -180,17 +180,61 @@ def save_tables(path: str | os.PathLike, tables: dict[int, Table], vocab_size: i
                    t.ngrams.astype("<i4").tobytes(), t.n_followers.astype("<i4").tobytes(),
                    t.followers.astype("<i4").tobytes(), t.counts.astype("<i4").tobytes()]
     payload = b"".join(chunks)
-    head = _HEAD.pack(MAGIC, VERSION, vocab_size, fingerprint, n_min, n_max, len(payload))
+    write_checked(path, "ngram-cache", _HEAD.pack(MAGIC, VERSION, vocab_size, fingerprint, n_min, n_max, len(payload)),
+                  payload)
+
+
+def write_checked(path: Path, who: str, head: bytes, payload: bytes) -> None:
+    """Write `head`, the sha256 of head + payload, then `payload` to `path` atomically (temp file +
+    rename: readers see the old file or the new); CacheWriteError naming `who` and the file on failure.
+    The layout `read_checked` reads back (ngram-cache's and suffix's files)."""
     digest = hashlib.sha256(head + payload).digest()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path, "ngram-cache") as tmp, open(tmp, "wb") as f:  # readers see the old file or the new
+        with replacing(path, who) as tmp, open(tmp, "wb") as f:
             f.write(head + digest)
             f.write(payload)
     except OutputWriteError as e:
-        raise CacheWriteError(f"ngram-cache: cannot save {path} ({e})") from None
+        raise CacheWriteError(f"{who}: cannot save {path} ({e})") from None
     except OSError as e:  # the folder could not be made
-        raise CacheWriteError(f"ngram-cache: cannot save {path}: {describe_os_error(e)}") from None
+        raise CacheWriteError(f"{who}: cannot save {path}: {describe_os_error(e)}") from None
+
+
+def read_checked(path: Path, head: struct.Struct, magic: bytes, version: int, kind: str,
+                 payload_size: Callable[[tuple], int], vocab_size: int, fingerprint: bytes, made: str,
+                 fail: Callable[[Path, str], PluginError]) -> tuple[tuple, bytes]:
+    """Read a file `write_checked` wrote: (the header's fields, the whole file's bytes), after checking
+    in turn that it is readable, is `kind` (the magic), has `version`, holds `payload_size(fields)`
+    payload bytes, matches its checksum and was `made` for this vocabulary (fields 2 and 3: its size and
+    fingerprint). A file failing a check raises `fail(path, problem)`."""
+    size = head.size + 32
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise fail(path, f"cannot read: {e.strerror or e}") from None
+    if len(data) < size:
+        if len(data) == 0 or not magic.startswith(data[:8]):
+            raise fail(path, f"not {kind} (empty or bad magic)")
+        raise fail(path, f"truncated: {len(data)} bytes, shorter than the {size}-byte header")
+    fields = head.unpack_from(data)
+    if fields[0] != magic:
+        raise fail(path, f"not {kind} (bad magic)")
+    if fields[1] != version:
+        raise fail(path, f"unsupported format version {fields[1]} (this plugin reads version {version})")
+    found, want = len(data) - size, payload_size(fields)
+    if found < want:
+        raise fail(path, f"truncated: payload has {found} of {want} bytes")
+    if found > want:
+        raise fail(path, f"corrupt: {found - want} unexpected bytes after the payload")
+    h = hashlib.sha256(memoryview(data)[:head.size])
+    h.update(memoryview(data)[size:])
+    if h.digest() != data[head.size:size]:
+        raise fail(path, "corrupt: checksum mismatch")
+    if fields[2] != vocab_size:
+        raise fail(path, f"{made} for a vocabulary of {fields[2]} tokens, the target has {vocab_size}")
+    if fields[3] != fingerprint:
+        raise fail(path, f"{made} for a different vocabulary (token texts differ, same size {vocab_size})")
+    return fields, data
 
 
 def _fail(path: Path, problem: str) -> PluginError:
@@ -207,33 +251,9 @@ def load_tables(path: str | os.PathLike, vocab_size: int, fingerprint: bytes,
     has another version, is truncated or corrupt, or was built for another vocabulary.
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise _fail(path, f"cannot read: {e.strerror or e}") from None
-    if len(data) < _HEADER_SIZE:
-        if not MAGIC.startswith(data[:8]) or len(data) == 0:
-            raise _fail(path, "not an ngram-cache file (empty or bad magic)")
-        raise _fail(path, f"truncated: {len(data)} bytes, shorter than the {_HEADER_SIZE}-byte header")
-    magic, version, file_vocab, file_fp, n_min, n_max, size = _HEAD.unpack_from(data)
-    if magic != MAGIC:
-        raise _fail(path, "not an ngram-cache file (bad magic)")
-    if version != VERSION:
-        raise _fail(path, f"unsupported format version {version} (this plugin reads version {VERSION})")
-    found = len(data) - _HEADER_SIZE
-    if found < size:
-        raise _fail(path, f"truncated: payload has {found} of {size} bytes")
-    if found > size:
-        raise _fail(path, f"corrupt: {found - size} unexpected bytes after the payload")
+    (_, _, _, _, n_min, n_max, _), data = read_checked(
+        path, _HEAD, MAGIC, VERSION, "an ngram-cache file", lambda f: f[6], vocab_size, fingerprint, "built", _fail)
     payload = memoryview(data)[_HEADER_SIZE:]
-    h = hashlib.sha256(memoryview(data)[:_HEAD.size])
-    h.update(payload)
-    if h.digest() != data[_HEAD.size:_HEADER_SIZE]:
-        raise _fail(path, "corrupt: checksum mismatch")
-    if file_vocab != vocab_size:
-        raise _fail(path, f"built for a vocabulary of {file_vocab} tokens, the target has {vocab_size}")
-    if file_fp != fingerprint:
-        raise _fail(path, f"built for a different vocabulary (token texts differ, same size {vocab_size})")
     if not 1 <= n_min <= n_max <= MAX_N:
         raise _fail(path, f"corrupt: n-gram sizes {n_min}..{n_max}")
     try:

@@ -21,7 +21,6 @@ with one PluginError naming the file; saving writes a temporary file and renames
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 from pathlib import Path
@@ -30,8 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from specplug.errors import PluginError
-from specplug.outputs import OutputWriteError, describe_os_error, replacing
-from specplug_ngram.cache_file import CacheWriteError
+from specplug_ngram.cache_file import read_checked, write_checked
 
 MAGIC = b"SPSUFFIX"
 VERSION = 1
@@ -51,16 +49,7 @@ def save_outputs(path: str | os.PathLike, outputs: Sequence[Sequence[int]], voca
     tokens = np.asarray([t for o in outputs for t in o], dtype="<i4")
     payload = lengths.tobytes() + tokens.tobytes()
     head = _HEAD.pack(MAGIC, VERSION, vocab_size, fingerprint, len(lengths), len(tokens))
-    digest = hashlib.sha256(head + payload).digest()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path, "suffix") as tmp, open(tmp, "wb") as f:  # readers see the old file or the new
-            f.write(head + digest)
-            f.write(payload)
-    except OutputWriteError as e:
-        raise CacheWriteError(f"suffix: cannot save {path} ({e})") from None
-    except OSError as e:  # the folder could not be made
-        raise CacheWriteError(f"suffix: cannot save {path}: {describe_os_error(e)}") from None
+    write_checked(path, "suffix", head, payload)
 
 
 def load_outputs(path: str | os.PathLike, vocab_size: int, fingerprint: bytes) -> list[list[int]]:
@@ -70,33 +59,9 @@ def load_outputs(path: str | os.PathLike, vocab_size: int, fingerprint: bytes) -
     has another version, is truncated or corrupt, or was made for another vocabulary.
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise _fail(path, f"cannot read: {e.strerror or e}") from None
-    if len(data) < _HEADER_SIZE:
-        if len(data) == 0 or not MAGIC.startswith(data[:8]):
-            raise _fail(path, "not a suffix tree file (empty or bad magic)")
-        raise _fail(path, f"truncated: {len(data)} bytes, shorter than the {_HEADER_SIZE}-byte header")
-    magic, version, file_vocab, file_fp, n_outputs, n_tokens = _HEAD.unpack_from(data)
-    if magic != MAGIC:
-        raise _fail(path, "not a suffix tree file (bad magic)")
-    if version != VERSION:
-        raise _fail(path, f"unsupported format version {version} (this plugin reads version {VERSION})")
-    found = len(data) - _HEADER_SIZE
-    size = 4 * (n_outputs + n_tokens)
-    if found < size:
-        raise _fail(path, f"truncated: payload has {found} of {size} bytes")
-    if found > size:
-        raise _fail(path, f"corrupt: {found - size} unexpected bytes after the payload")
-    h = hashlib.sha256(memoryview(data)[:_HEAD.size])
-    h.update(memoryview(data)[_HEADER_SIZE:])
-    if h.digest() != data[_HEAD.size:_HEADER_SIZE]:
-        raise _fail(path, "corrupt: checksum mismatch")
-    if file_vocab != vocab_size:
-        raise _fail(path, f"made for a vocabulary of {file_vocab} tokens, the target has {vocab_size}")
-    if file_fp != fingerprint:
-        raise _fail(path, f"made for a different vocabulary (token texts differ, same size {vocab_size})")
+    (_, _, _, _, n_outputs, n_tokens), data = read_checked(
+        path, _HEAD, MAGIC, VERSION, "a suffix tree file", lambda f: 4 * (f[4] + f[5]), vocab_size, fingerprint,
+        "made", _fail)
     lengths = np.frombuffer(data, dtype="<u4", count=n_outputs, offset=_HEADER_SIZE).astype(np.int64)
     tokens = np.frombuffer(data, dtype="<i4", count=n_tokens, offset=_HEADER_SIZE + 4 * n_outputs)
     if int(lengths.sum()) != n_tokens:
