@@ -24,22 +24,20 @@ layer under `blk.`, `d2t`, and `lookup.*` with the lookup); config: MTP's keys p
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from specplug.heads import HeadFile, HeadMeta, layer_from_head, write_head
+from specplug.heads import HeadFile, layer_from_head
 from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, LookupForward, LookupReader
 from specplug.runtime import native
 from specplug.runtime.layers import Backend, LayerShape, Rope, rms_norm
 from specplug.runtime.linear import take_rows
 from specplug.runtime.static import token_input
-from specplug.train.lookup import LookupTrain
-from specplug.train.modules import RMSNorm, TrainLayer, apply_rope, rope_tables
+from specplug.train.modules import apply_rope, rope_tables
+from specplug.train.pair_head import PairHeadTrain
 from specplug.types import TargetKV
 
 METHOD, VERSION = "kvdraft", 1
@@ -103,28 +101,19 @@ def _pair_shift(x: torch.Tensor) -> torch.Tensor:
     return _shift(x, 1)
 
 
-class KVDraftTrain(nn.Module):
-    """Training form. Frozen: the target's embeddings, output norm, the draft vocabulary's rows of its
-    output projection, and its layer L's attention norm and K/V projection (`target_kv`)."""
+class KVDraftTrain(PairHeadTrain):
+    """Training form (the parts every pair head shares: `specplug.train.pair_head.PairHeadTrain`). Frozen
+    besides: the target's layer L's attention norm and K/V projection (`target_kv`)."""
+
+    method, version = METHOD, VERSION
 
     def __init__(self, cfg: KVDraftConfig, embed: torch.Tensor, out_norm: torch.Tensor, head_rows: torch.Tensor,
                  target_layer: dict[str, torch.Tensor]):
-        super().__init__()
-        d = cfg.n_embd
-        self.cfg = cfg
-        self.hnorm = RMSNorm(d, cfg.eps)
-        self.enorm = RMSNorm(d, cfg.eps)
-        self.proj = nn.Parameter(torch.randn(d, 2 * d) / math.sqrt(2 * d))
-        self.layer = TrainLayer(d, cfg.shape, cfg.eps, cfg.rope_base)
-        self.register_buffer("embed", embed.float(), persistent=False)
-        self.register_buffer("out_norm", out_norm.float(), persistent=False)
-        self.register_buffer("head_rows", head_rows.float(), persistent=False)
+        super().__init__(cfg, embed, out_norm, head_rows)
         S = cfg.shape
         kv_rows = slice(S.n_head * S.head_dim, (S.n_head + 2 * S.n_head_kv) * S.head_dim)
         self.register_buffer("t_norm", target_layer["attn_norm"].float(), persistent=False)
         self.register_buffer("t_wkv", target_layer["attn_qkv"][kv_rows].float(), persistent=False)
-        if cfg.lookup:
-            self.lookup = LookupTrain(d, cfg.eps)
 
     def start_from_target(self, target_layer: dict[str, torch.Tensor]) -> None:
         """The layer starts as the target's layer L: its queries then match the keys it reads."""
@@ -140,13 +129,6 @@ class KVDraftTrain(nn.Module):
         v = kv[..., S.n_head_kv * S.head_dim:].view(B, T, S.n_head_kv, S.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def logits(self, out: torch.Tensor, lookup_rows: torch.Tensor | None = None) -> torch.Tensor:
-        x = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.cfg.eps) * self.out_norm
-        logits = F.linear(x, self.head_rows)
-        if lookup_rows is None or not self.cfg.lookup:
-            return logits
-        return self.lookup.boost(logits, out, lookup_rows)
-
     def unroll(self, tokens: torch.Tensor, positions: torch.Tensor, states, steps: int,
                lookup: torch.Tensor | None = None):
         """Yield (r, out [B, T, d]) for r = 0..steps-1 (see `KVDraftTrain`'s module docstring);
@@ -161,29 +143,13 @@ class KVDraftTrain(nn.Module):
         h_in = _pair_shift(h_final.float())
         scale = self.cfg.head_dim ** -0.5
         for r in range(steps):
-            z = F.linear(torch.cat([self.hnorm(h_in + add), self.enorm(emb)], -1), self.proj)
+            z = self.pair(h_in + add, emb)
             q, k, v = self.layer.qkv(z, cos, sin)
             ks.append(k)
             vs.append(v)
             out = self.layer.finish(kv_ttt_attention(q, k_ctx, v_ctx, ks, vs, scale), z)
             yield r, out
             h_in = _pair_shift(out)
-
-    def head_params(self) -> dict[str, nn.Parameter]:
-        p = {"hnorm": self.hnorm.weight, "enorm": self.enorm.weight, "proj": self.proj,
-             **self.layer.head_params("blk.")}
-        if self.cfg.lookup:
-            p.update(self.lookup.head_params())
-        return p
-
-    def export(self, path, target_info, d2t: torch.Tensor, recipe: dict, weights: str = "q8_0") -> None:
-        """Write the head file; `weights`: q8_0 | f16 | f32 for the matrices (vectors stay f32)."""
-        meta = HeadMeta.for_target(target_info, METHOD, VERSION, ["final"], asdict(self.cfg), recipe)
-        tensors = {**{k: v.detach() for k, v in self.head_params().items()}, "d2t": d2t.to(torch.int32)}
-        mats = {"proj"} | TrainLayer.quantized_names("blk.")
-        tensors = {k: v.detach().float().cpu() if v.is_floating_point() else v for k, v in tensors.items()}
-        write_head(path, meta, tensors,
-                   quantize=mats if weights == "q8_0" else (), f16=mats if weights == "f16" else ())
 
 
 class KVDraftRuntime(LookupForward):

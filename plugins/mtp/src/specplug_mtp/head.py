@@ -19,21 +19,19 @@ Eagle3 uses too; tensors `lookup.*`).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from specplug.heads import HeadFile, HeadMeta, layer_from_head, write_head
+from specplug.heads import HeadFile, layer_from_head
 from specplug.heads.lookup import LOOKUP_CONFIG_KEYS, LookupForward, LookupReader
 from specplug.heads.pairstep import PairStep
 from specplug.runtime.layers import Backend, LayerShape, Rope, Step, rms_norm
 from specplug.runtime.static import chain_head_step, embedded, head_steps, token_input
-from specplug.train.lookup import LookupTrain
-from specplug.train.modules import RMSNorm, TrainLayer, rope_tables, ttt_attention
+from specplug.train.modules import rope_tables, ttt_attention
+from specplug.train.pair_head import PairHeadTrain
 
 METHOD, VERSION = "mtp", 1
 
@@ -65,40 +63,18 @@ def _shift(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 1, 0))[:, :-1]
 
 
-class MTPTrain(nn.Module):
-    """Training form. Frozen buffers: the target's embeddings, output norm and the draft
-    vocabulary's rows of its output projection."""
+class MTPTrain(PairHeadTrain):
+    """Training form (the parts every pair head shares: `specplug.train.pair_head.PairHeadTrain`)."""
 
-    def __init__(self, cfg: MTPConfig, embed: torch.Tensor, out_norm: torch.Tensor, head_rows: torch.Tensor):
-        super().__init__()
-        d = cfg.n_embd
-        self.cfg = cfg
-        self.hnorm = RMSNorm(d, cfg.eps)
-        self.enorm = RMSNorm(d, cfg.eps)
-        self.proj = nn.Parameter(torch.randn(d, 2 * d) / math.sqrt(2 * d))
-        self.layer = TrainLayer(d, cfg.shape, cfg.eps, cfg.rope_base)
-        self.register_buffer("embed", embed.float(), persistent=False)
-        self.register_buffer("out_norm", out_norm.float(), persistent=False)
-        self.register_buffer("head_rows", head_rows.float(), persistent=False)
-        if cfg.lookup:  # zero: the head starts as the one without it
-            self.lookup = LookupTrain(d, cfg.eps)
+    method, version = METHOD, VERSION
 
     def step(self, h_prev: torch.Tensor, emb: torch.Tensor, cos, sin, ks: list, vs: list) -> torch.Tensor:
         """One unroll step over all positions: returns the pre-norm output state [B, T, d]."""
-        z = F.linear(torch.cat([self.hnorm(h_prev), self.enorm(emb)], -1), self.proj)
+        z = self.pair(h_prev, emb)
         q, k, v = self.layer.qkv(z, cos, sin)
         ks.append(k)
         vs.append(v)
         return self.layer.finish(ttt_attention(q, ks, vs), z)
-
-    def logits(self, out: torch.Tensor, lookup_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T, d] pre-norm states -> [B, T, draft vocab] logits through the target's norm and head;
-        with `lookup_rows` (each row's lookup draft row, -1: none) the lookup's gate added there."""
-        x = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.cfg.eps) * self.out_norm
-        logits = F.linear(x, self.head_rows)
-        if lookup_rows is None or not self.cfg.lookup:
-            return logits
-        return self.lookup.boost(logits, out, lookup_rows)
 
     def unroll(self, tokens: torch.Tensor, positions: torch.Tensor, h_final: torch.Tensor, steps: int,
                lookup: torch.Tensor | None = None):
@@ -118,23 +94,6 @@ class MTPTrain(nn.Module):
             out = self.step(h_in + add, emb, cos, sin, ks, vs)
             yield r, out
             h_in = _shift(out)
-
-    def head_params(self) -> dict[str, nn.Parameter]:
-        """The trained parameters under their head file names (`load_head_params` fills them from a file)."""
-        p = {"hnorm": self.hnorm.weight, "enorm": self.enorm.weight, "proj": self.proj,
-             **self.layer.head_params("blk.")}
-        if self.cfg.lookup:
-            p.update(self.lookup.head_params())
-        return p
-
-    def export(self, path, target_info, d2t: torch.Tensor, recipe: dict, weights: str = "q8_0") -> None:
-        """Write the head file; `weights`: q8_0 | f16 | f32 for the matrices (vectors stay f32)."""
-        meta = HeadMeta.for_target(target_info, METHOD, VERSION, ["final"], asdict(self.cfg), recipe)
-        tensors = {**{k: v.detach() for k, v in self.head_params().items()}, "d2t": d2t.to(torch.int32)}
-        mats = {"proj"} | TrainLayer.quantized_names("blk.")
-        tensors = {k: v.detach().float().cpu() if v.is_floating_point() else v for k, v in tensors.items()}
-        write_head(path, meta, tensors,
-                   quantize=mats if weights == "q8_0" else (), f16=mats if weights == "f16" else ())
 
 
 class MTPRuntime(LookupForward):
