@@ -30,11 +30,22 @@ to draft at all: docs/results/heads.md.) From these:
   64 steps for 64-token answers or a costly probe's 130 for 128-token ones, the speculator would never
   be asked again, even where it would pay: docs/results/heads.md.)
 Speculators with `cost_trim: false` are asked on every step and their drafts verified whole.
+
+The times that price a speculator are robust to one slow call: a speculator's first `draft` call in
+an engine is its set-up (lazy allocation, a first kernel build) and is not counted, and a later call
+counts at most TIME_CLIP times the median of its kind's recent calls (steady or resuming, per
+request). Counted whole, one such call (a collection pause, a neighbour's burst) made a speculator
+so dear that its probes came hundreds of steps apart, and it was not asked again for the rest of
+a run (Eagle3 after a 13-22 ms first call, a cascade's ngram-simple after one slow step:
+docs/results/ngram.md). A speculator that is slow on every call is still priced out after its
+second call: the median follows it.
 """
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -53,6 +64,9 @@ VALUE_MARGIN = 0.02  # a speculator is paused for a sequence when its calls lose
 SEQ_WINDOW = 20  # calls a sequence's average looks back over (weight max(1/n, 1/SEQ_WINDOW) for its n-th call)
 SPEC_ALPHA = 0.05  # weight of a new call in the speculator's average and spread over all sequences
 PAUSE_Z = 1.5  # ... and a sequence pauses only when its average is below -VALUE_MARGIN by PAUSE_Z standard errors
+TIME_CLIP = 4.0  # a draft call counts at most this times the median of the recent calls of its kind ...
+TIME_WINDOW = 15  # ... (the last TIME_WINDOW, once TIME_MIN_CALLS are known)
+TIME_MIN_CALLS = 3
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,9 @@ class Speculator:
     _all_tokens: float = 0.0
     _resume_s: float = 0.0  # decayed sums: seconds and requests of calls that resumed a sequence
     _resume_reqs: float = 0.0
+    _timed: bool = False  # a `draft` call was seen (the first is set-up and not counted)
+    _recent: tuple[deque, deque] = field(  # seconds per request of recent steady calls, resuming calls
+        default_factory=lambda: (deque(maxlen=TIME_WINDOW), deque(maxlen=TIME_WINDOW)))
     _seq: dict[int, SeqDraftState] = field(default_factory=dict)
 
     @property
@@ -148,6 +165,19 @@ class Speculator:
         if t_row <= 0 or self._resume_reqs <= 0:
             return self.draft_cost(t_row)
         return self._resume_s / self._resume_reqs / t_row
+
+    def counted_seconds(self, seconds: float, n_requests: int, resumed: int = 0) -> float | None:
+        """What a `draft` call that took `seconds` for `n_requests` sequences counts in the pricing:
+        None for the speculator's first call (set-up), else at most TIME_CLIP times the median per
+        request of the recent calls of its kind (steady; resuming when `resumed`) times `n_requests`."""
+        if not self._timed:
+            self._timed = True
+            return None
+        recent = self._recent[1 if resumed else 0]
+        per = seconds / max(1, n_requests)
+        counted = min(per, TIME_CLIP * statistics.median(recent)) if len(recent) >= TIME_MIN_CALLS else per
+        recent.append(per)
+        return counted * max(1, n_requests)
 
     def note_draft_time(self, seconds: float, n_tokens: int, resumed: int = 0, n_requests: int = 1) -> None:
         """A `draft` call took `seconds` and returned `n_tokens`; `resumed` of its `n_requests`
@@ -287,10 +317,12 @@ class Drafting:
             spec.stats.draft_calls += 1
             spec.stats.draft_s += seconds
             spec.stats.asked += len(reqs)
-            share = seconds / self.t_row / len(reqs) if self.t_row > 0 else 0.0
+            counted = spec.counted_seconds(seconds, len(reqs), resumed)  # None: the set-up call
+            share = (counted or 0.0) / self.t_row / len(reqs) if self.t_row > 0 else 0.0
             if res is None:
                 if spec.enabled:  # no drafts at all this step: the call cost its time all the same
-                    spec.note_draft_time(seconds, 0, resumed, len(reqs))
+                    if counted is not None:
+                        spec.note_draft_time(counted, 0, resumed, len(reqs))
                     for r in reqs:
                         spec.note_value(spec.state(r.seq_id), -share, share)
                 continue
@@ -301,7 +333,8 @@ class Drafting:
             if problem:
                 self.disable(spec, problem)
                 continue
-            spec.note_draft_time(seconds, sum(len(d) for d in res if d is not None), resumed, len(reqs))
+            if counted is not None:
+                spec.note_draft_time(counted, sum(len(d) for d in res if d is not None), resumed, len(reqs))
             self._asked.append(_Asked(spec, {r.seq_id: d for r, d in zip(reqs, res)}, share))
             for r, d in zip(reqs, res):
                 scored = self._value(spec, d)

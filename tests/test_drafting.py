@@ -8,7 +8,16 @@ import time
 import pytest
 
 from specplug import engine as engine_mod
-from specplug.drafting import PROBE_MAX, PROBE_MIN, PROBE_SHARE, VALUE_MARGIN, Drafting, DraftPolicy, Speculator
+from specplug.drafting import (
+    PROBE_MAX,
+    PROBE_MIN,
+    PROBE_SHARE,
+    TIME_CLIP,
+    VALUE_MARGIN,
+    Drafting,
+    DraftPolicy,
+    Speculator,
+)
 from specplug.engine import Request
 from specplug.hooks import hookimpl
 from specplug.testing import (
@@ -216,6 +225,34 @@ def test_paying_speculator_keeps_drafting(tiny_target, prompts, plain):
     assert d["first_token_match"] == 1.0 and d["draft_ms_per_accepted"] is not None
 
 
+def test_one_slow_call_does_not_price_a_paying_speculator_out(tiny_target, prompts, plain):
+    """A speculator's first call (its set-up) is not counted, and a later slow call (a collection
+    pause) counts at most TIME_CLIP times its recent median: a head that pays is asked on again.
+    (Counted whole, the 150 ms calls below made each probe cost hundreds of steps: asked on 6 of 144.)"""
+
+    class Hiccups(Oracle):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.n = 0
+
+        @hookimpl
+        def draft(self, requests):
+            self.n += 1
+            if self.n in (1, 6):  # set-up, then one pause mid-run
+                time.sleep(0.15)
+            return super().draft(requests)
+
+    oracle = Hiccups({tuple(p): g for p, g in zip(prompts, plain)})
+    eng = assert_greedy_equal(tiny_target, [speculator(oracle, "oracle", n_max=2)], prompts, 48, n_parallel=1)
+    st = eng.stats.speculators["oracle"]
+    assert st.asked > 0.8 * st.seq_steps, st.to_dict()
+    spec = Speculator("s", caller=None, policy=DraftPolicy())
+    assert spec.counted_seconds(1.0, 1) is None  # set-up
+    assert [spec.counted_seconds(0.001, 1) for _ in range(3)] == [0.001] * 3
+    assert spec.counted_seconds(1.0, 2) == pytest.approx(2 * TIME_CLIP * 0.001)  # per request, clipped
+    assert spec.counted_seconds(0.5, 1, resumed=1) == 0.5  # resuming calls have their own median
+
+
 def test_break_even_reaches_the_drafter(tiny_target, prompts):
     vocab = tiny_target.model.config.vocab_size
     fast = Slow(vocab, 0.0)
@@ -293,9 +330,11 @@ def test_catching_up_after_a_pause_is_not_priced_as_drafting(tiny_target, prompt
 
     cu = CatchUp(tiny_target.model.config.vocab_size)
     eng = make_engine(tiny_target, [speculator(cu, "cu", cost_trim=False, backoff=10**6)])  # asked every step
-    eng.run([Request(prompts[0], 12)])
+    eng.run([Request(prompts[0], 12)])  # its first call is the speculator's set-up (not counted) ...
+    cu.seen.clear()  # (the slot is used again: its first call reads the new prompt)
+    eng.run([Request(prompts[1], 12)])  # ... this one's first call resumes a sequence and is counted so
     spec = eng.specs[0]
-    assert cu.calls > 3  # the first call resumed the sequence, the others were steady and priced so
+    assert cu.calls > 6  # the first calls resumed their sequences, the others were steady and priced so
     assert spec.draft_cost(1.0) < 0.003 < 0.008 < spec.probe_cost(1.0)
 
 
