@@ -100,3 +100,16 @@ def test_cli_prints_the_table_and_writes_the_json(report, trained, data, work, c
     assert written["by"] == "category" and written["overall"] == report["overall"]
     assert written["machine"]["cpu"] and written["machine"]["threads"] >= 1  # where it ran, as every results JSON
     assert main(["heads", "eval", str(trained), "--data", str(data), "--depth", "0"]) == 2
+
+
+def test_held_out_scores_only_the_prompts_a_training_held_out(trained, data, report):
+    """--held-out F: the validation split of a training with --val-fraction F (stable by prompt)."""
+    from specplug.train.dataset import TrainData
+
+    part = evaluate_head(trained, data, held_out=0.1)
+    held = TrainData(data, ["final"], 0.1)
+    assert part["data"]["held_out"] == 0.1 and part["data"]["sequences"] == len(held.split["val"])
+    assert 0 < part["overall"]["counted"][0] < report["overall"]["counted"][0]
+    assert part["data"]["tokens"] == held.count("val")
+    with pytest.raises(Exception, match="--held-out"):
+        evaluate_head(trained, data, held_out=1.5)

@@ -1,5 +1,7 @@
 """`specplug heads eval HEAD --data DATA`: teacher-forced top-1 per draft depth of a head file on any
-data set of `specplug train data`, per prompt source (or category) and overall.
+data set of `specplug train data`, per prompt source (or category) and overall; and for a head with a
+confidence head (DSpark: its trainer has `confidences`), its calibration, predicted against observed
+acceptance per bin and per depth.
 
 It is the trainer's own validation (`specplug.train.loop.score` over the method's `evaluate`),
 run on every sequence of the data set: the head's trainer is built from the file
@@ -39,7 +41,8 @@ def group_of(prompt: dict, by: str) -> str:
 
 
 def evaluate_head(head_path: str | Path, data_dir: str | Path, by: str = "source", depth: int | None = None,
-                  batch_tokens: int = 8192, device: str = "cpu", model: str | None = None) -> dict:
+                  batch_tokens: int = 8192, device: str = "cpu", model: str | None = None,
+                  held_out: float | None = None) -> dict:
     """The report of `specplug heads eval`: {"head", "data", "by", "depths", "overall", "groups": {name: row},
     "note"}; a row is {"prompts", "sequences", "hit" [depths], "counted" [depths], "top1" [depths],
     "expected_accepted"}, and "overall" is the sum of the groups' rows."""
@@ -47,12 +50,15 @@ def evaluate_head(head_path: str | Path, data_dir: str | Path, by: str = "source
         raise SpecplugError(f"--by must be one of {', '.join(BY)}, got {by!r}")
     if depth is not None and depth < 1:
         raise SpecplugError(f"--depth must be >= 1, got {depth}")
+    if held_out is not None and not 0 < held_out < 1:
+        raise SpecplugError(f"--held-out must be a fraction in (0, 1), got {held_out}")
     head = HeadFile(head_path)
     cls = load_trainer(head.meta.method)
     base = BaseHead(head, cls)
     opts = base.options(_depth_option(cls, depth))
     dev = torch.device(device)
-    data, trainer = build(cls, opts, Path(data_dir), dev, val_fraction=1.0, model=model, init=base)
+    # held_out: only the prompts a training with --val-fraction held_out kept out (the split is stable by prompt)
+    data, trainer = build(cls, opts, Path(data_dir), dev, val_fraction=held_out or 1.0, model=model, init=base)
     if depth is not None and depth > trainer.depths:
         raise SpecplugError(f"--depth {depth}: this {head.meta.method} head drafts at most {trainer.depths} tokens "
                             f"(its shape fixes it)")
@@ -60,13 +66,58 @@ def evaluate_head(head_path: str | Path, data_dir: str | Path, by: str = "source
     prompts = data.prompts
     rows = _score_groups(trainer, data, _groups(data, prompts, by), batch_tokens, dev, depths)
     overall = _sum_rows(rows.values())
-    return {"head": {"path": str(base.path), "sha256": base.sha256, "method": head.meta.method,
-                     "options": dataclasses.asdict(opts)},
-            "data": {"path": str(data_dir), "manifest_sha256": data.manifest_sha256,
-                     "sequences": len(data.seqs), "tokens": data.count("val")},
-            "by": by, "depths": depths, "overall": overall, "groups": rows,
-            "note": "teacher-forced: the target's tokens as inputs; depth k counts the rows where the tokens "
-                    "before were the target's, so top1[k] is the acceptance at depth k given those were accepted"}
+    report = {"head": {"path": str(base.path), "sha256": base.sha256, "method": head.meta.method,
+                       "options": dataclasses.asdict(opts)},
+              "data": {"path": str(data_dir), "manifest_sha256": data.manifest_sha256,
+                       "sequences": len(data.split["val"]), "tokens": data.count("val"),
+                       "held_out": held_out},
+              "by": by, "depths": depths, "overall": overall, "groups": rows,
+              "note": "teacher-forced: the target's tokens as inputs; depth k counts the rows where the tokens "
+                      "before were the target's, so top1[k] is the acceptance at depth k given those were accepted"}
+    if hasattr(trainer, "confidences"):
+        report["calibration"] = _calibration(trainer, data, batch_tokens, dev)
+    return report
+
+
+CALIBRATION_BINS = 10
+CALIBRATION_MIN = 50  # rows a bin needs to count in `max_gap`
+
+
+def _calibration(trainer, data, batch_tokens: int, device) -> dict | None:
+    """A head's predicted acceptance against what happened, on every row of the data set that greedy
+    verification reaches (`trainer.confidences(batch)` -> (predicted [n], accepted [n], position - 1
+    [n]) or None): per bin of the prediction and per draft depth, the rows, the mean prediction and
+    the observed rate; `max_gap` over the bins with at least CALIBRATION_MIN rows, `ece` (the rows'
+    mean |predicted - observed| over bins)."""
+    preds, hits, depth = [], [], []
+    trainer.module.eval()
+    with torch.no_grad(), torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        for g in data.batches("val", batch_tokens, shuffle=False):
+            got = trainer.confidences(data.collate(g, device))
+            if got is None:
+                trainer.module.train()
+                return None
+            preds.append(got[0].float().cpu())
+            hits.append(got[1].float().cpu())
+            depth.append(got[2].cpu())
+    trainer.module.train()
+    p, y, d = torch.cat(preds), torch.cat(hits), torch.cat(depth)
+
+    def cell(m: torch.Tensor) -> dict:
+        n = int(m.sum())
+        return {"rows": n, "predicted": round(float(p[m].mean()), 4) if n else None,
+                "observed": round(float(y[m].mean()), 4) if n else None}
+
+    which = (p * CALIBRATION_BINS).long().clamp(0, CALIBRATION_BINS - 1)
+    bins = [{"from": i / CALIBRATION_BINS, "to": (i + 1) / CALIBRATION_BINS, **cell(which == i)}
+            for i in range(CALIBRATION_BINS)]
+    gaps = [abs(b["predicted"] - b["observed"]) for b in bins if b["rows"] >= CALIBRATION_MIN]
+    ece = sum(b["rows"] * abs(b["predicted"] - b["observed"]) for b in bins if b["rows"]) / max(1, len(p))
+    return {"rows": len(p), "bins": bins, "max_gap": round(max(gaps), 4) if gaps else None, "ece": round(ece, 4),
+            "by_depth": [{"depth": int(k) + 1, **cell(d == k)} for k in torch.unique(d).tolist()],
+            "note": "rows greedy verification reaches (the tokens before accepted); predicted: the head's "
+                    f"confidence; max_gap over bins with >= {CALIBRATION_MIN} rows"}
 
 
 def _depth_option(cls, depth: int | None) -> dict:
@@ -131,6 +182,15 @@ def text_report(r: dict) -> str:
            head]
     out += [line(k, v) for k, v in sorted(r["groups"].items())]
     out.append(line("overall", r["overall"]))
+    cal = r.get("calibration")
+    if cal:
+        out.append(f"confidence head on {cal['rows']} reached rows: max gap {cal['max_gap']} (bins of >= "
+                   f"{CALIBRATION_MIN} rows), ECE {cal['ece']}")
+        out.append(f"{'bin':>9}  {'rows':>7}  {'predicted':>9}  {'observed':>8}")
+        out += [f"{b['from']:.1f}-{b['to']:.1f}  {b['rows']:>7}  {b['predicted']:9.3f}  {b['observed']:8.3f}"
+                for b in cal["bins"] if b["rows"]]
+        out.append("by depth: " + "  ".join(f"d{c['depth']} {c['predicted']:.3f}/{c['observed']:.3f}"
+                                            for c in cal["by_depth"] if c["rows"]) + "  (predicted/observed)")
     return "\n".join(out)
 
 
@@ -138,7 +198,7 @@ def cmd_eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     r = evaluate_head(args.head, args.data, by=args.by, depth=args.depth, batch_tokens=args.batch_tokens,
-                      device=args.device, model=args.model)
+                      device=args.device, model=args.model, held_out=args.held_out)
     print(text_report(r))
     if args.json:
         write_atomic(Path(args.json), json.dumps({**r, "machine": describe(args.device)}, indent=1))
@@ -157,6 +217,8 @@ def add_parser(hsub) -> None:
                    "category (where the data set records one)")
     e.add_argument("--depth", type=int, default=None, help="draft depths to report (default: those the head was "
                    "trained with)")
+    e.add_argument("--held-out", type=float, default=None, metavar="F", help="score only the prompts a training "
+                   "with --val-fraction F held out (its validation split; default: every sequence)")
     e.add_argument("--json", metavar="OUT.json", default=None, help="also write the report as JSON")
     e.add_argument("--batch-tokens", type=int, default=8192, help="tokens per batch (sequences x padded length)")
     e.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ...")

@@ -4,6 +4,8 @@ it, and `specplug heads eval` scores it with the trainer's own validation.
 A trainer that can start from a head has, beside the `specplug.train.loop.Trainer` contract:
 
   method                      class attribute: the head files' method name ("mtp", ...)
+  init_methods                class attribute, optional: other methods whose heads it can start from
+                              (DSpark from a DFlash head: the tensors they share, the rest fresh)
   options_of_head(cls, head)  classmethod: {Options field: value} for every field the head fixes
                               (its shape: draft vocabulary size, tapped layers, block, ...) or that
                               only a fresh start uses (how to initialize); these cannot be given
@@ -61,7 +63,7 @@ class BaseHead:
         if method is None or not hasattr(cls, "options_of_head"):
             raise SpecplugError(f"trainer {cls.__qualname__} cannot start from a head file (it has no `method` and "
                                 f"`options_of_head`; see specplug.train.finetune)")
-        if self.head.meta.method != method:
+        if self.head.meta.method not in (method, *getattr(cls, "init_methods", ())):
             raise SpecplugError(f"{self.path} is a {self.head.meta.method!r} head; the {method} trainer cannot "
                                 f"start from it")
         if swap_vocab < 0:

@@ -129,14 +129,15 @@ class HeadTrainer:
         self.t2d = invert(self.d2t, vocab).to(device)
         self.coverage = float((self.t2d.cpu()[self.data.answer_tokens("val")] >= 0).float().mean())
 
-    def start_weights(self, init: HeadFile | None) -> bool:
+    def start_weights(self, init: HeadFile | None, fresh: tuple[str, ...] = ()) -> bool:
         """Under --init, load the base head's tensors into `self.module.head_params()` (a base without
-        the lookup leaves the lookup's tensors at their zero start: the head starts as the base). With
+        the lookup leaves the lookup's tensors at their zero start: the head starts as the base; `fresh`
+        names more that keep their start, the parts a head of another method lacks). With
         `opts.lookup`, the lookup's parameters learn at 4x the schedule's rate (`lr_scale`: from zero
         beside a trained head). Returns whether a base was loaded; False: the caller starts fresh."""
         params = self.module.head_params()
         if init is not None:
-            fresh = () if init.meta.config.get("lookup") else LOOKUP_NAMES
+            fresh = (*fresh, *(() if init.meta.config.get("lookup") else LOOKUP_NAMES))
             load_head_params({k: v for k, v in params.items() if k not in fresh}, init)
         if self.opts.lookup:
             self.lr_scale = {params[n]: 4.0 for n in LOOKUP_NAMES}

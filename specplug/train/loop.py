@@ -121,17 +121,20 @@ def field_help(cls: type) -> dict[str, str]:
     import tokenize
 
     out = {f.name: str(f.metadata["help"]) for f in dataclasses.fields(cls) if "help" in f.metadata}
-    try:
-        src = inspect.getsource(cls)
-        toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
-    except (OSError, TypeError, tokenize.TokenError, IndentationError):
-        return out
-    lines = src.splitlines()
-    for t in toks:
-        if t.type == tokenize.COMMENT:
-            m = re.match(r"\s*(\w+)\s*:", lines[t.start[0] - 1])
-            if m and m.group(1) not in out:
-                out[m.group(1)] = t.string.lstrip("#").strip()
+    for c in cls.__mro__:  # a subclass's comment first, then its bases' (fields it inherits)
+        if not dataclasses.is_dataclass(c):
+            continue
+        try:
+            src = inspect.getsource(c)
+            toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
+        except (OSError, TypeError, tokenize.TokenError, IndentationError):
+            continue
+        lines = src.splitlines()
+        for t in toks:
+            if t.type == tokenize.COMMENT:
+                m = re.match(r"\s*(\w+)\s*:", lines[t.start[0] - 1])
+                if m and m.group(1) not in out:
+                    out[m.group(1)] = t.string.lstrip("#").strip()
     return out
 
 
@@ -202,7 +205,8 @@ def run_trainer(args) -> int:
     loop = _options(LoopOptions, args)
     init = None
     if args.init:
-        init = BaseHead(HeadFile(args.init, args.trainer), cls, swap_vocab=args.swap_vocab,
+        # BaseHead checks the method: the trainer's own, or one it can start from (`init_methods`)
+        init = BaseHead(HeadFile(args.init), cls, swap_vocab=args.swap_vocab,
                         swap_from=args.swap_vocab_from)
         opts = init.options(_given(cls.Options, args))  # the head's shape; its flags given are an error
     else:

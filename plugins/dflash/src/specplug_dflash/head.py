@@ -138,10 +138,14 @@ class DFlashTrain(nn.Module):
 
 
 def write_dflash(path, target_info, cfg: DFlashConfig, tensors: dict[str, torch.Tensor], recipe: dict,
-                 weights: str = "q8_0") -> None:
-    meta = HeadMeta.for_target(target_info, METHOD, VERSION, list(cfg.taps), {**asdict(cfg), "taps": list(cfg.taps)},
+                 weights: str = "q8_0", method: str = METHOD, version: int = VERSION,
+                 mats: tuple[str, ...] = ()) -> None:
+    """A DFlash head file; a head built on the DFlash backbone (DSpark) names its own `method`,
+    `version` and config (`cfg`, a DFlashConfig subclass), and `mats`, its further matrices stored as
+    `weights` says."""
+    meta = HeadMeta.for_target(target_info, method, version, list(cfg.taps), {**asdict(cfg), "taps": list(cfg.taps)},
                                recipe)
-    mats = {"fc"} | {n for i in range(cfg.n_layers) for n in TrainLayer.quantized_names(f"blk.{i}.")}
+    mats = {"fc", *mats} | {n for i in range(cfg.n_layers) for n in TrainLayer.quantized_names(f"blk.{i}.")}
     write_head(path, meta, tensors, quantize=mats if weights == "q8_0" else (), f16=mats if weights == "f16" else ())
 
 
@@ -209,7 +213,6 @@ class DFlashRuntime:
         for li, layer in enumerate(self.layers):
             layer.store_kv(x, step, li)
 
-    @torch.inference_mode()
     def draft(self, last_tokens: Sequence[int], starts: Sequence[int], seq_ids: Sequence[int],
               sizes: Sequence[int], chains: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """One forward over a block per sequence ([x_c, m, ...] at positions c .. c+size-1); returns the
@@ -217,6 +220,17 @@ class DFlashRuntime:
         are dropped again: only committed tokens are context. chains: per block, the chained lookups
         of its rows 1..size-1 (`chain_lookup`), read by a head made with them (`reads_lookup`; such a
         head's draft runs eagerly, not on static steps: the gate needs the rows' states)."""
+        return self._block(last_tokens, starts, seq_ids, sizes, chains, False)[0]
+
+    def draft_states(self, last_tokens: Sequence[int], starts: Sequence[int], seq_ids: Sequence[int],
+                     sizes: Sequence[int], chains: Sequence[Sequence[int]] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft`'s logits and the same rows' last-layer states [R, d] (before the output norm), for
+        heads that read them (DSpark's Markov and confidence heads); always eager."""
+        return self._block(last_tokens, starts, seq_ids, sizes, chains, True)
+
+    @torch.inference_mode()
+    def _block(self, last_tokens, starts, seq_ids, sizes, chains, with_states: bool):
         dev, dt = self.backend.device, self.backend.dtype
         pos, seqs, lims, first, scored = [], [], [], [], []
         for c, s, b in zip(starts, seq_ids, sizes):
@@ -234,12 +248,12 @@ class DFlashRuntime:
             add, boost = self.look.parts(row_looks, scored)
             if add is not None:
                 x = x + add.to(dev, dt)
-        if self.static is not None and boost is None:
+        if self.static is not None and boost is None and not with_states:
             (logits,) = self.static(self.cache, pos, seqs, [x], key=("draft",), limits=lims)
             logits = logits[scored]
             for c, s in zip(starts, seq_ids):
                 self.cache.seq_rm(s, c)
-            return logits
+            return logits, None
         step = Step(pos, seqs, self.cache, self.rope, self.backend, limits=lims)
         x = step.rows(x)
         for li, layer in enumerate(self.layers):
@@ -250,7 +264,7 @@ class DFlashRuntime:
             LookupReader.boost_logits(logits, asked, boost)
         for c, s in zip(starts, seq_ids):
             self.cache.seq_rm(s, c)
-        return logits
+        return logits, (asked if with_states else None)
 
     def _rows(self, step, inputs, key):
         """The static steps (specplug.runtime.static): key ("context",): store the context features'

@@ -52,15 +52,18 @@ class DFlash(HeadSpeculator):
             if self.block_size is not None and not 2 <= self.block_size <= 64:
                 raise ConfigError(f"dflash: block_size must be in [2, 64], got {self.block_size!r}")
 
+    config_class = DFlashConfig  # the head's config (a subclass reads more of it)
+    runtime_class = DFlashRuntime  # the inference form built from the head
+
     def __init__(self, params: "DFlash.Params", target: TargetInfo):
         self.params = params
-        cfg = self.open_head(params.head, target, DFlashConfig.from_dict)
+        cfg = self.open_head(params.head, target, self.config_class.from_dict)
         self.taps = cfg.taps
         self.block = params.block_size or cfg.block
         if self.problem:
             return  # are_compatible reports it; nothing is built for a wrong target
         with self.head_errors():
-            self.rt = DFlashRuntime(self.head, target, Backend.for_target(target), target.n_seq, target.max_ctx)
+            self.rt = self.runtime_class(self.head, target, Backend.for_target(target), target.n_seq, target.max_ctx)
         self.catch_up = params.catch_up
         # per sequence: committed rows not read yet, as (positions, taps side by side [n, k d]) chunks in order
         self.pending: list[list[tuple[list[int], torch.Tensor]]] = [[] for _ in range(target.n_seq)]
@@ -151,6 +154,12 @@ class DFlash(HeadSpeculator):
         chains = None
         if self.rt.reads_lookup:  # each block's rows read the context's chained proposal
             chains = [chain_lookup(requests[i].tokens, size - 1, self.rt.lookup_n) for i, size in zip(live, sizes)]
+        return self.draft_blocks(requests, live, last, starts, seqs, sizes, chains)
+
+    def draft_blocks(self, requests: Sequence[DraftRequest], live: list[int], last: list[int], starts: list[int],
+                     seqs: list[int], sizes: list[int], chains: list | None) -> list[Draft | None]:
+        """The drafts of one block per live request (requests[live[j]]: its last token, position,
+        sequence, block size and chained lookups at j), the drafter's cache up to date."""
         logits = self.rt.draft(last, starts, seqs, sizes, chains)  # [sum(size - 1), draft vocab]
         return self.loop.run_block(requests, live, logits, [size - 1 for size in sizes])
 

@@ -33,6 +33,14 @@ def _taps(spec: str, n_layer: int) -> tuple[str, ...]:
     return taps
 
 
+def accepted_prefixes(right: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """right, valid [..., P] per block position (top-1 right, counts) -> (positions 1..i all right,
+    positions 1..i-1 right and i counts): what greedy verification accepts, and where it gets to try."""
+    prefix = torch.cumprod(right.long(), -1).bool()
+    before = torch.cat([valid[..., :1], prefix[..., :-1] & valid[..., 1:]], -1)
+    return prefix, before
+
+
 class DFlashTrainer(HeadTrainer):
     """The `dflash` trainer (entry point group `specplug.trainers`); `--init`, the draft vocabulary and
     the export are `specplug.train.head_trainer.HeadTrainer`'s."""
@@ -83,12 +91,19 @@ class DFlashTrainer(HeadTrainer):
                                 cfg.rms_eps, cfg.rope_base, options.block, self.tap_names, options.lookup,
                                 options.lookup_n)
         self.choose_vocab(init, self.cfg, device)
-        self.module = DFlashTrain(self.cfg, tw.embeddings(), tw.output_norm(),
-                                  tw.output_weight(self.d2t.tolist())).to(device)
+        self.module = self.build_module(tw).to(device)
         if not self.start_weights(init) and options.init_layers == "first":
-            for i, layer in enumerate(self.module.layers):
+            for i, layer in enumerate(self.backbone.layers):
                 layer.load_target_layer(tw.layer(min(i, cfg.n_layer - 1)))
         self.weights = torch.tensor([options.position_decay ** i for i in range(options.block - 1)], device=device)
+
+    def build_module(self, tw) -> torch.nn.Module:
+        """The training module (a head built on the backbone returns its own, holding it as `backbone`)."""
+        return DFlashTrain(self.cfg, tw.embeddings(), tw.output_norm(), tw.output_weight(self.d2t.tolist()))
+
+    @property
+    def backbone(self) -> DFlashTrain:
+        return self.module
 
     def _anchors(self, batch: SeqBatch, random: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, K] anchor positions in [dist_start + 1, last - 1] and whether each block counts."""
@@ -120,28 +135,38 @@ class DFlashTrainer(HeadTrainer):
 
     def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
         out, rows, valid, look_rows = self._run(batch, random=True)
+        logits = self.module.logits(out[valid], None if look_rows is None else look_rows[valid])
+        loss, hit = self.distill(batch, rows, valid, logits)
+        return loss, {"top1": round(float(hit.float().mean()), 4)}
+
+    def distill(self, batch: SeqBatch, rows: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block loss of the counted rows' logits [N, draft vocab] (`valid`'s rows of `_run`, in
+        order): the cross-entropy against the target's recorded distributions, weighted by block
+        position; and whether each row's top-1 is the target's greedy token [N] (no gradient)."""
         idx, p = soft_targets(batch, self.t2d)
         B, K, P = rows.shape
         flat = rows.reshape(B, K * P)
         idx = idx.gather(1, flat.unsqueeze(-1).expand(-1, -1, idx.shape[-1])).view(B, K, P, -1)
         p = p.gather(1, flat.unsqueeze(-1).expand(-1, -1, p.shape[-1])).view(B, K, P, -1)
-        logits = self.module.logits(out[valid], None if look_rows is None else look_rows[valid])
         ce = draft_ce(logits, idx[valid], p[valid])
         w = self.weights.expand(B, K, P)[valid]
         with torch.no_grad():
-            greedy = batch.topk_ids[..., 0].gather(1, flat).view(B, K, P)[valid]
-            hit = self.d2t.to(logits.device)[logits.argmax(-1)] == greedy
-        return (ce * w).sum() / w.sum().clamp_min(1e-9), {"top1": round(float(hit.float().mean()), 4)}
+            hit = self.d2t.to(logits.device)[logits.argmax(-1)] == self.greedy(batch, rows)[valid]
+        return (ce * w).sum() / w.sum().clamp_min(1e-9), hit
+
+    @staticmethod
+    def greedy(batch: SeqBatch, rows: torch.Tensor) -> torch.Tensor:
+        """The target's greedy token after each distribution row [B, K, P] (what verification accepts)."""
+        B, K, P = rows.shape
+        return batch.topk_ids[..., 0].gather(1, rows.reshape(B, K * P)).view(B, K, P)
 
     @torch.no_grad()
     def evaluate(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor]:
         out, rows, valid, look_rows = self._run(batch, random=False)
         B, K, P = rows.shape
         pred = self.d2t.to(out.device)[self.module.logits(out, look_rows).argmax(-1)]  # [B, K, P]
-        greedy = batch.topk_ids[..., 0].gather(1, rows.reshape(B, K * P)).view(B, K, P)
-        right = (pred == greedy) & valid
-        prefix = torch.cumprod(right.long(), -1).bool()  # positions 1..i all accepted
-        before = torch.cat([valid[..., :1], prefix[..., :-1] & valid[..., 1:]], -1)  # 1..i-1 accepted, i counts
+        prefix, before = accepted_prefixes((pred == self.greedy(batch, rows)) & valid, valid)
         return prefix.sum((0, 1)).float(), before.sum((0, 1)).float()
 
     def write_head_file(self, path: Path, recipe: dict) -> None:

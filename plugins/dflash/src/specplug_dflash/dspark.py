@@ -1,0 +1,252 @@
+"""DSpark: DFlash's block drafter with a Markov head and a confidence head (the speculators library's
+DSpark; llama.cpp `draft-dspark`, vLLM `method: dspark`, SGLang DSPARK), in its training and
+inference forms sharing one module, and the `dspark` speculator.
+
+The backbone is DFlash's, unchanged (`specplug_dflash.head`): one forward drafts a block's rows
+1..B-1 in parallel, so row i cannot see what row i-1 drafted. The two heads read the backbone's
+last-layer state h_i (after the output norm) and walk the block token by token:
+
+    e_i      = W1[x_{i-1}]                                 the previous token (target vocabulary), rank r
+    gated:  e_i = e_i * sigmoid(G h_i + g)                 (the `gated` variant; `vanilla` uses e_i as is)
+    logits_i = backbone_logits_i + W2 e_i                  the low-rank Markov bias over the draft vocabulary
+    x_i      = argmax logits_i (or a sample)               x_0: the block's anchor, the last committed token
+    conf_i   = sigmoid(c . [h_i; e_i; log max softmax(logits_i); onehot(i)] + b)
+
+conf_i predicts P(x_i accepted | x_1..x_{i-1} accepted) under greedy verification; it is trained on
+the target's actual greedy choices (`specplug train dspark`) and goes into `Draft.confidence`, which
+the host's pricing uses to cut a block where verifying more rows does not pay. The last two
+features (the drafted token's own log-probability and the block position) are ours: a linear head on
+them is Platt scaling of the draft's probability, per position, before the state refines it.
+W2 and the confidence weights start at zero, so a head made from a DFlash head (`--init`) drafts
+exactly as that head did until it is trained.
+
+The head file is a DFlash head file (method `dspark`) with, beside DFlash's tensors, `markov.w1`
+[vocab, r] (with `markov_input: embed`, an extension of ours, [r, d]: W1[x] = P embed(x), a projection
+of the target's frozen token embedding, which generalizes across tokens from few examples),
+`markov.w2` [draft vocab, r], for `gated` `markov.gate` [r, d] and `markov.gate_b` [r],
+and with a confidence head `conf.w` [1, d + r + 1 + block - 1] and `conf.b` [1]; config: DFlash's and
+`markov` (vanilla | gated), `markov_rank`, `markov_input` (table | embed), `confidence`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specplug.errors import ConfigError
+from specplug.heads import Calibrator, DraftLoop, HeadFile
+from specplug.heads.loop import Picks
+from specplug.runtime.layers import Backend
+from specplug.types import Draft, DraftRequest, TargetInfo
+from specplug_dflash.head import DFlashConfig, DFlashRuntime, DFlashTrain, write_dflash
+from specplug_dflash.speculator import DFlash
+
+METHOD, VERSION = "dspark", 1
+MARKOV_KINDS = ("vanilla", "gated")
+MARKOV_INPUTS = ("table", "embed")
+
+
+@dataclass(frozen=True)
+class DSparkConfig(DFlashConfig):
+    markov: str = "vanilla"  # vanilla: the bias from the previous token alone; gated: scaled by the state
+    markov_rank: int = 32  # r: the rank of the Markov bias W2 W1[x]
+    markov_input: str = "table"  # W1[x]: a table over the vocabulary | embed: P embed(x), the target's embedding
+    confidence: bool = True  # a confidence head (else the draft's probabilities, calibrated online)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DSparkConfig":
+        cfg = super().from_dict({"markov_input": "table", **d})  # absent: the table, the library's form
+        if cfg.markov not in MARKOV_KINDS or cfg.markov_rank < 1 or cfg.markov_input not in MARKOV_INPUTS:
+            raise ValueError(f"markov must be one of {', '.join(MARKOV_KINDS)} with markov_rank >= 1 and "
+                             f"markov_input one of {', '.join(MARKOV_INPUTS)}, got {cfg.markov!r}, "
+                             f"{cfg.markov_rank}, {cfg.markov_input!r}")
+        return cfg
+
+    @property
+    def backbone(self) -> DFlashConfig:
+        """The DFlash backbone's config (what a DFlash head to start from must match)."""
+        return DFlashConfig(**{f.name: getattr(self, f.name) for f in fields(DFlashConfig)})
+
+
+class DSparkHeads(nn.Module):
+    """The Markov head and the confidence head, one module for training and inference (module docstring).
+
+    `forward(logits, normed, prev, pos)`: logits [n, draft vocab] (the backbone's, the lookup's gate
+    included), normed [n, d] (the rows' states after the output norm), prev [n] (the target id before
+    each row), pos [n] (block position - 1) -> (logits with the Markov bias, confidence logits [n] or
+    None). The confidence reads its inputs detached: its loss never moves the drafter."""
+
+    def __init__(self, cfg: DSparkConfig, embed: torch.Tensor, draft_vocab: int):
+        super().__init__()
+        d, r = cfg.n_embd, cfg.markov_rank
+        self.cfg, self.positions = cfg, cfg.block - 1
+        self.embed = embed  # the target's token embeddings [vocab, d] (frozen; read by markov_input: embed)
+        if cfg.markov_input == "embed":
+            self.w1 = nn.Parameter(torch.randn(r, d) / math.sqrt(d))
+        else:
+            self.w1 = nn.Parameter(torch.randn(embed.shape[0], r) / math.sqrt(r))
+        self.w2 = nn.Parameter(torch.zeros(draft_vocab, r))
+        if cfg.markov == "gated":
+            self.gate = nn.Parameter(torch.zeros(r, d))
+            self.gate_b = nn.Parameter(torch.zeros(r))
+        if cfg.confidence:
+            self.conf_w = nn.Parameter(torch.zeros(1, d + r + 1 + self.positions))
+            self.conf_b = nn.Parameter(torch.zeros(1))
+
+    def forward(self, logits: torch.Tensor, normed: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.cfg.markov_input == "embed":
+            e = F.linear(self.embed[prev.to(self.embed.device)].to(normed.device, normed.dtype), self.w1)
+        else:
+            e = self.w1[prev]
+        m = e * torch.sigmoid(F.linear(normed, self.gate, self.gate_b)) if self.cfg.markov == "gated" else e
+        logits = logits + F.linear(m, self.w2)
+        if not self.cfg.confidence:
+            return logits, None
+        with torch.no_grad():
+            top = torch.log_softmax(logits.float(), -1).max(-1).values.unsqueeze(-1)
+            where = F.one_hot(pos.clamp(0, self.positions - 1), self.positions).to(normed.dtype)
+            x = torch.cat([normed.detach(), e.detach(), top.to(normed.dtype), where], -1)
+        return logits, F.linear(x, self.conf_w, self.conf_b).squeeze(-1)
+
+    def head_params(self) -> dict[str, nn.Parameter]:
+        t = {"markov.w1": self.w1, "markov.w2": self.w2}
+        if self.cfg.markov == "gated":
+            t.update({"markov.gate": self.gate, "markov.gate_b": self.gate_b})
+        if self.cfg.confidence:
+            t.update({"conf.w": self.conf_w, "conf.b": self.conf_b})
+        return t
+
+    def load(self, head: HeadFile) -> None:
+        """The heads' tensors from a head file (shapes checked: a HeadError names the one that differs)."""
+        with torch.no_grad():
+            for name, p in self.head_params().items():
+                p.copy_(head.tensor(name, tuple(p.shape)).float())
+
+
+class DSparkTrain(nn.Module):
+    """Training form: the DFlash backbone (`backbone`, its forward unchanged) and the heads."""
+
+    def __init__(self, cfg: DSparkConfig, embed: torch.Tensor, out_norm: torch.Tensor, head_rows: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = DFlashTrain(cfg.backbone, embed, out_norm, head_rows)
+        self.heads = DSparkHeads(cfg, self.backbone.embed, head_rows.shape[0])
+
+    @property
+    def layers(self):
+        return self.backbone.layers
+
+    def forward(self, *args, **kw) -> torch.Tensor:
+        return self.backbone(*args, **kw)
+
+    def logits(self, out: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor,
+               lookup_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows' states [..., d] (the backbone's output), the token before each [...] and its block
+        position - 1 [...] -> (draft-vocabulary logits [..., V], confidence logits [...] or None)."""
+        base = self.backbone.logits(out, lookup_rows)
+        return self.heads(base, self.backbone.norm(out), prev, pos)
+
+    def head_params(self) -> dict[str, nn.Parameter]:
+        return {**self.backbone.head_params(), **self.heads.head_params()}
+
+    def head_tensors(self, d2t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {**{k: v.detach().float().cpu() for k, v in self.head_params().items()}, "d2t": d2t.to(torch.int32)}
+
+
+def write_dspark(path, target_info, cfg: DSparkConfig, tensors: dict[str, torch.Tensor], recipe: dict,
+                 weights: str = "q8_0") -> None:
+    write_dflash(path, target_info, cfg, tensors, recipe, weights, METHOD, VERSION,
+                 mats=("markov.w1", "markov.w2") + (("markov.gate",) if cfg.markov == "gated" else ()))
+
+
+class DSparkRuntime(DFlashRuntime):
+    """Inference form: DFlash's runtime (its cache, context and block forward) and the heads, which
+    walk each block's rows in order (`walk`)."""
+
+    def __init__(self, head: HeadFile, target, backend: Backend, n_seq: int, max_ctx: int):
+        super().__init__(head, target, backend, n_seq, max_ctx)
+        self.dcfg = DSparkConfig.from_dict(head.meta.config)
+        self.heads = DSparkHeads(self.dcfg, target.token_embeddings, len(self.d2t)).to(backend.device)
+        self.heads.load(head)
+        self.heads.eval()
+        self.norm_w = head.tensor("norm", (self.dcfg.n_embd,)).float().to(backend.device)
+
+    @torch.inference_mode()
+    def normed(self, states: torch.Tensor) -> torch.Tensor:
+        x = states.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.dcfg.eps) * self.norm_w
+
+    @torch.inference_mode()
+    def step(self, logits: torch.Tensor, normed: torch.Tensor, prev: Sequence[int], pos: Sequence[int]
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One position of the walk for some rows: their backbone logits and normed states, the
+        tokens before them and their block positions - 1 -> (logits, confidences [n] or None)."""
+        dev = logits.device
+        out, conf = self.heads(logits.float(), normed, torch.as_tensor(list(prev), dtype=torch.long, device=dev),
+                               torch.as_tensor(list(pos), dtype=torch.long, device=dev))
+        return out, (torch.sigmoid(conf) if conf is not None else None)
+
+
+class DSpark(DFlash):
+    """Speculator for a trained DSpark head: DFlash's block, walked through the Markov head, with the
+    confidence head's predictions as each token's confidence."""
+
+    method, versions, package, title = METHOD, (VERSION,), "specplug_dflash", "DSpark"
+    get_one = "train one (`specplug train dspark --init <a DFlash head>`) and set `head:`"
+    config_class = DSparkConfig
+    runtime_class = DSparkRuntime
+
+    @dataclass(frozen=True)
+    class Params(DFlash.Params):
+        # false: the confidence head's predictions as they are; true: recalibrated online by outcomes
+        # (per block position and confidence bin); a head without a confidence head always calibrates
+        calibrate: bool = False
+
+        def __post_init__(self):
+            super().__post_init__()
+            if not isinstance(self.calibrate, bool):
+                raise ConfigError(f"dspark: calibrate must be true or false, got {self.calibrate!r}")
+
+    def __init__(self, params: "DSpark.Params", target: TargetInfo):
+        super().__init__(params, target)
+        if self.problem:
+            return
+        if not self.rt.dcfg.confidence:  # the draft's own probabilities, calibrated by outcomes
+            self.calib = Calibrator(True, depths=8)
+            self.loop = DraftLoop(target, self.rt.d2t, params.temperature, 0.0, self.calib)
+
+    def draft_blocks(self, requests: Sequence[DraftRequest], live: list[int], last: list[int], starts: list[int],
+                     seqs: list[int], sizes: list[int], chains: list | None) -> list[Draft | None]:
+        """The backbone's block, then the walk: position i's Markov bias from the token drafted at i - 1,
+        its confidence from the head; the loop's stop rule ends a block where the host would trim it."""
+        rt = self.rt
+        logits, states = rt.draft_states(last, starts, seqs, sizes, chains)  # rows 1..size-1 of each block
+        normed = rt.normed(states)
+        first, at = [], 0
+        for size in sizes:
+            first.append(at)
+            at += size - 1
+        cur = list(first)
+        use_conf = rt.dcfg.confidence
+
+        def picks(rows: list[int], prev: list[int], depth: int) -> Picks:
+            out, conf = rt.step(logits[rows], normed[rows], prev, [depth] * len(rows))
+            toks, p_tok, q = self.loop.pick(out)
+            if use_conf:
+                p_tok = conf.tolist()
+            return toks, p_tok, q
+
+        def advance(depth: int, rows: list[int], tokens: list[int], reqs: list[int]) -> Picks:
+            nonlocal cur
+            cur = [cur[j] for j in rows]
+            return picks([c + depth for c in cur], tokens, depth)
+
+        return self.loop.run(requests, live, picks(first, last, 0), advance, [size - 1 for size in sizes])
+
+
+shipped_heads, find_head = DSpark.shipped_heads, DSpark.find_head

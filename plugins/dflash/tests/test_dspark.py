@@ -1,0 +1,164 @@
+"""DSpark (DFlash's block walked through a Markov head, with a confidence head) on a tiny random target."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from specplug_dflash.dspark import DSpark, DSparkRuntime
+from specplug_dflash.dspark_train import DSparkTrainer
+from specplug_dflash.speculator import DFlash
+from specplug_dflash.train import DFlashTrainer
+
+from specplug.engine import target_info
+from specplug.errors import ConfigError, SpecplugError
+from specplug.heads import HeadFile
+from specplug.testing import HeadKit, assert_greedy_equal, greedy_outputs, speculator
+from specplug.train.dataset import TrainData
+from specplug.train.eval import evaluate_head
+from specplug.train.finetune import BaseHead
+from specplug.train.loop import LoopOptions, train
+from specplug.types import DraftRequest
+
+TAPS = "1,2,final"
+OPTIONS = dict(taps=TAPS, draft_vocab=200, block=6, n_layers=1, init_layers="random")
+DFLASH = HeadKit(DFlashTrainer, DFlash, n_layer=3, taps="final,1,2", lr=1e-2, options=OPTIONS)
+work, tiny, data, trained = DFLASH.fixtures("dspark")  # the tiny target, its data set, a DFlash head (150 steps)
+_target, _ids = DFLASH.target, DFLASH.prompt_ids
+
+
+def _from_dflash(data, trained, out, steps: int, **options) -> dict:
+    """`specplug train dspark --init <the DFlash head>` for `steps` steps."""
+    base = BaseHead(HeadFile(trained), DSparkTrainer)
+    loop = LoopOptions(steps=steps, lr=3e-3, warmup=5, batch_tokens=2048, val_every=max(1, steps), save_every=10 ** 6,
+                       val_fraction=0.1)
+    return train(DSparkTrainer, base.options(options), loop, data, out, quiet=True, restart=True, init=base)
+
+
+@pytest.fixture(scope="module")
+def vanilla(data, trained, work):
+    _from_dflash(data, trained, work / "vanilla.gguf", 80)
+    return work / "vanilla.gguf"
+
+
+@pytest.fixture(scope="module")
+def gated(data, trained, work):
+    _from_dflash(data, trained, work / "gated.gguf", 40, markov="gated", markov_rank=8, markov_input="embed",
+                 weights="f32")
+    return work / "gated.gguf"
+
+
+def _build(target, head, **params):
+    return DSpark(DSpark.Params(head=str(head), **params), target_info(target, 4, 512))
+
+
+def test_a_head_made_from_a_trained_starts_as_it(data, trained):
+    """--init from a DFlash head: the backbone as it is, the Markov bias at zero: the same validation."""
+    d = TrainData(data, TAPS.split(","), 0.1)
+    head = HeadFile(trained)
+    fl = DFlashTrainer(BaseHead(head, DFlashTrainer).options(), d, torch.device("cpu"), init=head)
+    sp = DSparkTrainer(BaseHead(head, DSparkTrainer).options(), d, torch.device("cpu"), init=head)
+    b = d.collate(d.split["val"][:4])
+    hit_f, tot_f = fl.evaluate(b)
+    hit_s, tot_s = sp.evaluate(b)
+    assert torch.equal(hit_f, hit_s) and torch.equal(tot_f, tot_s) and tot_f[0] > 0
+    assert sp.module.heads.w2.abs().sum() == 0 and sp.lr_scale[sp.module.heads.w2] == sp.opts.heads_lr
+
+
+@pytest.mark.parametrize("which", ["vanilla", "gated"])
+def test_greedy_output_equals_plain_with_parallel_sequences(tiny, which, request):
+    head = request.getfixturevalue(which)
+    target = _target(tiny, "gguf")
+    spec = _build(target, head)
+    assert spec.rt.dcfg.markov == which and spec.rt.dcfg.confidence
+    eng = assert_greedy_equal(target, [speculator(spec, "dspark", cost_trim=False)], _ids(target), max_tokens=40,
+                              n_parallel=3)
+    st = eng.stats.speculators["dspark"]
+    assert st.drafted_tokens > 30 and 0 < st.accepted_tokens and not eng.stats.disabled
+
+
+def test_the_walk_equals_the_training_module_and_its_confidences_are_the_drafts(tiny, data, gated, work):
+    """The runtime's walk (torch path, f32 head) against the training form teacher-forced along the
+    drafted tokens: the same logits at every position; the Draft's confidences are the confidence
+    head's predictions; the Markov bias changes the logits."""
+    target = _target(tiny, "none")
+    head = HeadFile(gated)
+    d = TrainData(data, TAPS.split(","), 0.1)
+    tr = DSparkTrainer(BaseHead(head, DSparkTrainer).options(), d, torch.device("cpu"), init=head)
+    b = d.collate(d.split["val"][:1])
+    toks = b.tokens[0].tolist()
+    c = int(b.dist_start[0]) + 3
+    taps = [b.taps[t] for t in TAPS.split(",")]
+    spec = _build(target, gated, block_size=6)
+    rt = DSparkRuntime(spec.head, target_info(target, 1, 512), spec.rt.backend, 1, 512)
+    rt.add_context(rt.encode([t[0, :c] for t in taps]), range(c), [0] * c)
+    logits, states = rt.draft_states([toks[c]], [c], [0], [6])
+    normed = rt.normed(states)
+    prev, got, conf = toks[c], [], []
+    for i in range(5):
+        lg, cf = rt.step(logits[i:i + 1], normed[i:i + 1], [prev], [i])
+        got.append(lg[0])
+        conf.append(float(cf[0]))
+        prev = int(rt.d2t[lg[0].argmax()])
+    drafted = [toks[c]] + [int(rt.d2t[g.argmax()]) for g in got]
+    out = tr.module(b.tokens, taps, torch.tensor([[c]]))[0, 0, 1:]
+    want, want_conf = tr.module.logits(out, torch.tensor(drafted[:5]), torch.arange(5))
+    torch.testing.assert_close(torch.stack(got), want, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(torch.tensor(conf), torch.sigmoid(want_conf), rtol=1e-3, atol=1e-3)
+    assert not torch.allclose(logits[:5].float(), want, atol=1e-3)  # the bias moved them
+
+    # through the hook: the confidences of the Draft are the head's, for the tokens it drafted
+    spec = _build(target, gated, block_size=6, catch_up=None)
+    spec.rt = rt
+    rt.cache.seq_rm(0, 0)
+    rt.add_context(rt.encode([t[0, :c] for t in taps]), range(c), [0] * c)
+    dr = spec.draft_blocks([DraftRequest(0, toks[:c + 1], 5)], [0], [toks[c]], [c], [0], [6], None)[0]
+    assert dr is not None and list(dr.token_ids) == drafted[1:1 + len(dr)]
+    assert dr.confidence == pytest.approx(conf[:len(dr)], abs=1e-4)
+
+
+def test_the_markov_head_lifts_the_later_positions_and_the_confidence_is_calibrated(data, trained, vanilla):
+    """On the repetitive tiny corpus: the DSpark head made from the DFlash head accepts more per block
+    (teacher-forced), and `heads eval` reports its confidence head's calibration."""
+    before, after = evaluate_head(trained, data), evaluate_head(vanilla, data)
+    assert "calibration" not in before
+    assert after["overall"]["expected_accepted"] > before["overall"]["expected_accepted"], (before, after)
+    cal = after["calibration"]
+    assert cal["rows"] == sum(b["rows"] for b in cal["bins"]) == sum(c["rows"] for c in cal["by_depth"])
+    assert cal["rows"] == after["overall"]["counted"][0] + sum(after["overall"]["counted"][1:])
+    seen = [b for b in cal["bins"] if b["rows"]]
+    assert all(b["from"] <= b["predicted"] <= b["to"] for b in seen)
+    overall_p = sum(b["rows"] * b["predicted"] for b in seen) / cal["rows"]
+    overall_y = sum(b["rows"] * b["observed"] for b in seen) / cal["rows"]
+    assert abs(overall_p - overall_y) < 0.1, cal
+    assert cal["ece"] < 0.15, cal
+
+
+def test_the_confidence_head_trims_what_does_not_pay(tiny, vanilla):
+    """Priced, the host verifies only the prefix whose confidences pay: lossless, and the drafts'
+    confidences are the head's (the calibrator off by default)."""
+    target = _target(tiny, "gguf")
+    spec = _build(target, vanilla)
+    assert not spec.calib.enabled
+    _, eng = greedy_outputs(target, [speculator(spec, "dspark")], _ids(target, 3), max_tokens=30)
+    assert not eng.stats.disabled
+
+
+def test_bad_options_and_heads_are_clear_errors(tiny, data, trained, vanilla, work):
+    from specplug.heads import write_head
+
+    with pytest.raises(SpecplugError, match="markov"):
+        DSparkTrainer.Options(**OPTIONS, markov="lstm")
+    with pytest.raises(ConfigError, match="calibrate"):
+        DSpark.Params(calibrate="yes")
+    target = _target(tiny, "gguf")
+    with pytest.raises(ConfigError, match="dspark: head: .*dflash"):  # a DFlash head is not a DSpark head
+        _build(target, trained)
+    h = HeadFile(vanilla)
+    cfg = dict(h.meta.config, markov="lstm")
+    meta = dataclasses.replace(h.meta, config=cfg)
+    write_head(work / "bad.gguf", meta, {n: h.tensor(n) for n in h.gguf.tensors})
+    with pytest.raises(ConfigError, match="dspark: head: .*config is malformed.*markov"):
+        _build(target, work / "bad.gguf")
+    with pytest.raises(SpecplugError, match="--markov-rank"):  # a DSpark head fixes its heads' shape
+        BaseHead(h, DSparkTrainer).options({"markov_rank": 4})
