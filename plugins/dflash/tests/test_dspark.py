@@ -93,10 +93,12 @@ def test_the_walk_equals_the_training_module_and_its_confidences_are_the_drafts(
     rt = DSparkRuntime(spec.head, target_info(target, 1, 512), spec.rt.backend, 1, 512)
     rt.add_context(rt.encode([t[0, :c] for t in taps]), range(c), [0] * c)
     logits, states = rt.draft_states([toks[c]], [c], [0], [6])
-    normed = rt.normed(states)
+    walk = rt.walk(logits, states)
     prev, got, conf = toks[c], [], []
     for i in range(5):
-        lg, cf = rt.step(logits[i:i + 1], normed[i:i + 1], [prev], [i])
+        lg, best, top, cf = walk.step([i], [prev], i)
+        assert int(best[0]) == int(lg[0].argmax()) and float(top[0]) == pytest.approx(
+            float(torch.log_softmax(lg[0], -1).max()), abs=1e-5)
         got.append(lg[0])
         conf.append(float(cf[0]))
         prev = int(rt.d2t[lg[0].argmax()])

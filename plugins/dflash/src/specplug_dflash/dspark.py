@@ -182,14 +182,48 @@ class DSparkRuntime(DFlashRuntime):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.dcfg.eps) * self.norm_w
 
     @torch.inference_mode()
-    def step(self, logits: torch.Tensor, normed: torch.Tensor, prev: Sequence[int], pos: Sequence[int]
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One position of the walk for some rows: their backbone logits and normed states, the
-        tokens before them and their block positions - 1 -> (logits, confidences [n] or None)."""
-        dev = logits.device
-        out, conf = self.heads(logits.float(), normed, torch.as_tensor(list(prev), dtype=torch.long, device=dev),
-                               torch.as_tensor(list(pos), dtype=torch.long, device=dev))
-        return out, (torch.sigmoid(conf) if conf is not None else None)
+    def walk(self, logits: torch.Tensor, states: torch.Tensor) -> "Walk":
+        """The walk over one forward's block rows (`draft_states`' logits and states)."""
+        return Walk(self, logits.float(), self.normed(states))
+
+
+class Walk:
+    """`DSparkHeads.forward` for a block's rows one position at a time, with what depends only on a
+    row's state computed once for all rows (the gate, the state's part of the confidence): a
+    position then costs a gather, one rank-r product over the draft vocabulary, its max and logsumexp.
+
+    `step(rows, prev, depth)`: rows (indices into the forward's rows), the token before each and the
+    block position - 1 -> (logits [n, V] with the bias, the top draft row [n], its log-probability [n],
+    the confidences [n] or None)."""
+
+    def __init__(self, rt: DSparkRuntime, logits: torch.Tensor, normed: torch.Tensor):
+        h, cfg = rt.heads, rt.dcfg
+        self.heads, self.cfg, self.logits = h, cfg, logits
+        self.gate = torch.sigmoid(F.linear(normed, h.gate, h.gate_b)) if cfg.markov == "gated" else None
+        if cfg.confidence:
+            d, r = cfg.n_embd, cfg.markov_rank
+            w = h.conf_w[0]
+            self.conf_state = normed @ w[:d] + h.conf_b[0]
+            self.w_e, self.w_top, self.w_pos = w[d:d + r], w[d + r], w[d + r + 1:]
+
+    @torch.inference_mode()
+    def step(self, rows: list[int], prev: list[int], depth: int):
+        h, dev = self.heads, self.logits.device
+        at = torch.as_tensor(rows, dtype=torch.long, device=dev)
+        prev_t = torch.as_tensor(prev, dtype=torch.long, device=dev)
+        if self.cfg.markov_input == "embed":
+            e = F.linear(h.embed[prev_t.to(h.embed.device)].to(dev, torch.float32), h.w1)
+        else:
+            e = h.w1[prev_t]
+        m = e * self.gate[at] if self.gate is not None else e
+        logits = torch.addmm(self.logits[at], m, h.w2.t())
+        top, best = logits.max(-1)
+        top = top - torch.logsumexp(logits, -1)
+        conf = None
+        if self.cfg.confidence:
+            pos = min(depth, len(self.w_pos) - 1)
+            conf = torch.sigmoid(self.conf_state[at] + e @ self.w_e + top * self.w_top + self.w_pos[pos])
+        return logits, best, top, conf
 
 
 class DSpark(DFlash):
@@ -225,21 +259,21 @@ class DSpark(DFlash):
         """The backbone's block, then the walk: position i's Markov bias from the token drafted at i - 1,
         its confidence from the head; the loop's stop rule ends a block where the host would trim it."""
         rt = self.rt
-        logits, states = rt.draft_states(last, starts, seqs, sizes, chains)  # rows 1..size-1 of each block
-        normed = rt.normed(states)
+        walk = rt.walk(*rt.draft_states(last, starts, seqs, sizes, chains))  # rows 1..size-1 of each block
         first, at = [], 0
         for size in sizes:
             first.append(at)
             at += size - 1
         cur = list(first)
-        use_conf = rt.dcfg.confidence
+        greedy, d2t = self.params.temperature == 0, rt.d2t
 
         def picks(rows: list[int], prev: list[int], depth: int) -> Picks:
-            out, conf = rt.step(logits[rows], normed[rows], prev, [depth] * len(rows))
-            toks, p_tok, q = self.loop.pick(out)
-            if use_conf:
-                p_tok = conf.tolist()
-            return toks, p_tok, q
+            logits, best, top, conf = walk.step(rows, prev, depth)
+            if greedy:
+                toks, p_tok, q = d2t[best.cpu()].tolist(), top.exp().tolist(), None
+            else:
+                toks, p_tok, q = self.loop.pick(logits)
+            return toks, (conf.tolist() if conf is not None else p_tok), q
 
         def advance(depth: int, rows: list[int], tokens: list[int], reqs: list[int]) -> Picks:
             nonlocal cur
@@ -247,6 +281,5 @@ class DSpark(DFlash):
             return picks([c + depth for c in cur], tokens, depth)
 
         return self.loop.run(requests, live, picks(first, last, 0), advance, [size - 1 for size in sizes])
-
 
 shipped_heads, find_head = DSpark.shipped_heads, DSpark.find_head
