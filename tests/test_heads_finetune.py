@@ -117,7 +117,7 @@ def test_a_head_that_does_not_fit_the_data_set_is_one_error_naming_what_differs(
 
 def test_a_head_of_another_method_or_a_resume_without_its_init_is_refused(data, bases, work, capsys):
     assert _train("eagle3", data, work / "e-from-mtp.gguf", "--init", str(bases["mtp"])) == 2
-    assert "not a 'eagle3' head" in capsys.readouterr().err
+    assert "is a 'mtp' head; the eagle3 trainer cannot start from it" in capsys.readouterr().err
     out = work / "mtp-resume.gguf"
     assert _train("mtp", data, out, "--init", str(bases["mtp"])) == 0
     rc = main(["train", "mtp", "--data", str(data), "-o", str(out), *LOOP, "--steps", "4", "--resume",
