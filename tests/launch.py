@@ -14,13 +14,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import uvicorn
+
+from specplug.testing import running  # noqa: F401  (the tests import it from here too)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"  # the model name apps serve in tests (`create_app(engine, MODEL)`)
@@ -65,26 +64,7 @@ def prompts_file(folder: Path, n: int = 4) -> Path:
     return p
 
 
-# --- an app in a thread of this process -----------------------------------------------------------
-@contextmanager
-def running(app):
-    """Serve `app` on a free 127.0.0.1 port in a thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline and t.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        t.join(10)
-
-
+# --- an app in a thread of this process (`running`: specplug.testing's) -------------------------
 def stream_until_first_token(url: str, body: dict, model: str = MODEL):
     """Open a streaming completion and read until its first text arrives; returns the context manager
     and the line iterator, which must stay referenced (closing it closes the connection)."""

@@ -43,6 +43,9 @@ kernels: kernel checks
                                            Python form, picks its own argmax, and is batch-invariant
   check_lookup_step(rt), drafted_lookups(target, spec, prompts)   the same for a head reading the lookup,
                                            and the lookups a drafter hands its head
+server: an app served in a thread
+  running(app)                             with running(create_app(engine, "tiny")) as url: HTTP tests of a
+                                           speculator under `specplug serve` (yields the base URL)
 fakes: test speculators used by the core's own tests: RandomDrafts, Oracle, Scripted, Faulty.
 """
 from specplug.testing.contract import (
@@ -71,6 +74,7 @@ from specplug.testing.fixtures import (  # pytest finds the fixtures here, where
 )
 from specplug.testing.heads import HeadKit, fine_tune_with_lookup, make_train_data, repetitive_prompts
 from specplug.testing.kernels import check_lookup_step, check_native_step, drafted_lookups, isa_env
+from specplug.testing.server import running
 from specplug.testing.stats import chi2_sf, chi_square, sampled_like_target, target_pit
 from specplug.testing.tiny_model import CHATML, K_QUANT_BYTES, random_k_quant, write_tiny_gguf
 
@@ -79,6 +83,6 @@ __all__ = [
     "HeadKit", "K_QUANT_BYTES", "Oracle", "RandomDrafts", "Scripted", "assert_greedy_equal", "check_lookup_step",
     "check_native_step", "check_speculator", "chi2_sf", "chi_square", "drafted_lookups", "fine_tune_with_lookup",
     "greedy_outputs", "isa_env", "make_engine", "make_train_data", "random_k_quant", "record_drafts",
-    "repetitive_prompts", "sampled_like_target", "speculator", "speculator_contract", "target_pit", "tiny_gguf",
-    "tiny_q8_gguf", "tiny_q8_target", "tiny_target", "tiny_target_info", "write_tiny_gguf",
+    "repetitive_prompts", "running", "sampled_like_target", "speculator", "speculator_contract", "target_pit",
+    "tiny_gguf", "tiny_q8_gguf", "tiny_q8_target", "tiny_target", "tiny_target_info", "write_tiny_gguf",
 ]

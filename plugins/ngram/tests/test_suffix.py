@@ -541,35 +541,21 @@ def test_greedy_output_unchanged_and_outputs_learnt_across_requests(tiny_target,
 def test_serve_keeps_the_global_tree_across_requests(tiny_target):
     """`specplug serve` holds one engine, so one suffix instance, for all requests: a second request
     with the first one's prompt is drafted from the first one's answer (the request tree off)."""
-    import threading
-    import time
-
     import httpx
-    import uvicorn
 
     from specplug.engine import target_info
     from specplug.server import create_app
-    from specplug.testing import make_engine, speculator
+    from specplug.testing import make_engine, running, speculator
 
     info = target_info(tiny_target, 1, 512)
     spec = Suffix(Suffix.Params(use_request=False), info)
     eng = make_engine(tiny_target, [speculator(spec, "suffix", target=info, cost_trim=False)], n_parallel=1)
-    server = uvicorn.Server(uvicorn.Config(create_app(eng, "tiny"), host="127.0.0.1", port=0, log_level="warning"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline and t.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/completions"
     body = {"model": "tiny", "prompt": "in the end, in the end, in the", "max_tokens": 24, "temperature": 0}
-    try:
+    with running(create_app(eng, "tiny")) as base:
+        url = base + "/v1/completions"
         first = httpx.post(url, json=body, timeout=30).json()
         assert len(spec.glob.outputs) == 1  # its answer is in the global tree
         second = httpx.post(url, json=body, timeout=30).json()
-    finally:
-        server.should_exit = True
-        t.join(10)
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
     assert first["speculative_stats"]["accepted_tokens"] == 0  # nothing to draft from yet
     assert second["speculative_stats"]["accepted_tokens"] >= 12  # drafted from the first answer
