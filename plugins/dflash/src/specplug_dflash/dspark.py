@@ -38,10 +38,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specplug.errors import ConfigError
-from specplug.heads import Calibrator, DraftLoop, HeadFile
+from specplug.heads import HeadFile
 from specplug.heads.loop import Picks
 from specplug.runtime.layers import Backend
-from specplug.types import Draft, DraftRequest, TargetInfo
+from specplug.runtime.linear import rms_norm
+from specplug.train.modules import load_head_params
+from specplug.types import Draft, DraftRequest
 from specplug_dflash.head import DFlashConfig, DFlashRuntime, DFlashTrain, write_dflash
 from specplug_dflash.speculator import DFlash
 
@@ -97,12 +99,15 @@ class DSparkHeads(nn.Module):
             self.conf_w = nn.Parameter(torch.zeros(1, d + r + 1 + self.positions))
             self.conf_b = nn.Parameter(torch.zeros(1))
 
+    def previous(self, prev: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """W1[x] [n, r] of the tokens before the rows, prev [n] (on W1's device)."""
+        if self.cfg.markov_input == "embed":
+            return F.linear(self.embed[prev.to(self.embed.device)].to(self.w1.device, dtype), self.w1)
+        return self.w1[prev]
+
     def forward(self, logits: torch.Tensor, normed: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.cfg.markov_input == "embed":
-            e = F.linear(self.embed[prev.to(self.embed.device)].to(normed.device, normed.dtype), self.w1)
-        else:
-            e = self.w1[prev]
+        e = self.previous(prev, normed.dtype)
         m = e * torch.sigmoid(F.linear(normed, self.gate, self.gate_b)) if self.cfg.markov == "gated" else e
         logits = logits + F.linear(m, self.w2)
         if not self.cfg.confidence:
@@ -120,12 +125,6 @@ class DSparkHeads(nn.Module):
         if self.cfg.confidence:
             t.update({"conf.w": self.conf_w, "conf.b": self.conf_b})
         return t
-
-    def load(self, head: HeadFile) -> None:
-        """The heads' tensors from a head file (shapes checked: a HeadError names the one that differs)."""
-        with torch.no_grad():
-            for name, p in self.head_params().items():
-                p.copy_(head.tensor(name, tuple(p.shape)).float())
 
 
 class DSparkTrain(nn.Module):
@@ -172,14 +171,13 @@ class DSparkRuntime(DFlashRuntime):
         super().__init__(head, target, backend, n_seq, max_ctx)
         self.dcfg = DSparkConfig.from_dict(head.meta.config)
         self.heads = DSparkHeads(self.dcfg, target.token_embeddings, len(self.d2t)).to(backend.device)
-        self.heads.load(head)
+        load_head_params(self.heads.head_params(), head)
         self.heads.eval()
         self.norm_w = head.tensor("norm", (self.dcfg.n_embd,)).float().to(backend.device)
 
     @torch.inference_mode()
     def normed(self, states: torch.Tensor) -> torch.Tensor:
-        x = states.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.dcfg.eps) * self.norm_w
+        return rms_norm(states.float(), self.norm_w, self.dcfg.eps)
 
     @torch.inference_mode()
     def walk(self, logits: torch.Tensor, states: torch.Tensor) -> "Walk":
@@ -210,11 +208,7 @@ class Walk:
     def step(self, rows: list[int], prev: list[int], depth: int):
         h, dev = self.heads, self.logits.device
         at = torch.as_tensor(rows, dtype=torch.long, device=dev)
-        prev_t = torch.as_tensor(prev, dtype=torch.long, device=dev)
-        if self.cfg.markov_input == "embed":
-            e = F.linear(h.embed[prev_t.to(h.embed.device)].to(dev, torch.float32), h.w1)
-        else:
-            e = h.w1[prev_t]
+        e = h.previous(torch.as_tensor(prev, dtype=torch.long, device=dev), torch.float32)
         m = e * self.gate[at] if self.gate is not None else e
         logits = torch.addmm(self.logits[at], m, h.w2.t())
         top, best = logits.max(-1)
@@ -246,13 +240,9 @@ class DSpark(DFlash):
             if not isinstance(self.calibrate, bool):
                 raise ConfigError(f"dspark: calibrate must be true or false, got {self.calibrate!r}")
 
-    def __init__(self, params: "DSpark.Params", target: TargetInfo):
-        super().__init__(params, target)
-        if self.problem:
-            return
-        if not self.rt.dcfg.confidence:  # the draft's own probabilities, calibrated by outcomes
-            self.calib = Calibrator(True, depths=8)
-            self.loop = DraftLoop(target, self.rt.d2t, params.temperature, 0.0, self.calib)
+    def calibrates(self) -> bool:
+        """`calibrate`, and always for a head without a confidence head (the draft's own probabilities)."""
+        return self.params.calibrate or not self.rt.dcfg.confidence
 
     def draft_blocks(self, requests: Sequence[DraftRequest], live: list[int], last: list[int], starts: list[int],
                      seqs: list[int], sizes: list[int], chains: list | None) -> list[Draft | None]:

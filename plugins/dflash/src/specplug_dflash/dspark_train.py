@@ -76,9 +76,8 @@ class DSparkTrainer(DFlashTrainer):
         self.lr_scale = {**getattr(self, "lr_scale", {}), **{p: self.opts.heads_lr for p in heads.values()}}
         return loaded
 
-    def _walk(self, batch: SeqBatch, random: bool, only_valid: bool):
-        """`_run` and the heads over its rows: (logits, confidence logits or None, rows, valid), the
-        logits [N, V] of the counted rows (only_valid) or [B, K, P, V] of all."""
+    def block_logits(self, batch: SeqBatch, random: bool, only_valid: bool):
+        """DFlash's, with the heads over the rows (teacher-forced: the token before each row is the target's)."""
         out, rows, valid, look_rows = self._run(batch, random)
         prev = batch.tokens.gather(1, rows.flatten(1)).view_as(rows)  # the token before each row
         pos = torch.arange(rows.shape[-1], device=rows.device).expand_as(rows)
@@ -89,7 +88,7 @@ class DSparkTrainer(DFlashTrainer):
         return logits, conf, rows, valid
 
     def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        logits, conf, rows, valid = self._walk(batch, random=True, only_valid=True)
+        logits, conf, rows, valid = self.block_logits(batch, random=True, only_valid=True)
         loss, hit = self.distill(batch, rows, valid, logits)
         figs = {"top1": round(float(hit.float().mean()), 4)}
         if conf is not None and self.opts.confidence_weight > 0:
@@ -103,17 +102,10 @@ class DSparkTrainer(DFlashTrainer):
         return loss, figs
 
     @torch.no_grad()
-    def evaluate(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, _, rows, valid = self._walk(batch, random=False, only_valid=False)
-        pred = self.d2t.to(logits.device)[logits.argmax(-1)]
-        prefix, before = accepted_prefixes((pred == self.greedy(batch, rows)) & valid, valid)
-        return prefix.sum((0, 1)).float(), before.sum((0, 1)).float()
-
-    @torch.no_grad()
     def confidences(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The confidence head on the rows verification reaches (validation anchors): (predicted
         P(accepted) [n], accepted [n] bool, block position - 1 [n]); None without a confidence head."""
-        logits, conf, rows, valid = self._walk(batch, random=False, only_valid=False)
+        logits, conf, rows, valid = self.block_logits(batch, random=False, only_valid=False)
         if conf is None:
             return None
         right = (self.d2t.to(logits.device)[logits.argmax(-1)] == self.greedy(batch, rows)) & valid

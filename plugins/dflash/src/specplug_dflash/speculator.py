@@ -68,8 +68,12 @@ class DFlash(HeadSpeculator):
         # per sequence: committed rows not read yet, as (positions, taps side by side [n, k d]) chunks in order
         self.pending: list[list[tuple[list[int], torch.Tensor]]] = [[] for _ in range(target.n_seq)]
         self.keeper = StateKeeper(target.n_seq, on_reset=self._reset)
-        self.calib = Calibrator(params.calibrate, depths=8)
+        self.calib = Calibrator(self.calibrates(), depths=8)
         self.loop = DraftLoop(target, self.rt.d2t, params.temperature, 0.0, self.calib)
+
+    def calibrates(self) -> bool:
+        """Whether the drafts' confidences are calibrated online by outcomes (`calibrate`)."""
+        return self.params.calibrate
 
     @property
     def received(self) -> list[int]:

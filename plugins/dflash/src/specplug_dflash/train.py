@@ -133,9 +133,17 @@ class DFlashTrainer(HeadTrainer):
         valid = ok.unsqueeze(-1) & batch.has_dist.gather(1, rows.clamp(max=T - 1).flatten(1)).view_as(rows) & (rows < T)
         return out[:, :, 1:], rows.clamp(max=T - 1), valid, look_rows
 
+    def block_logits(self, batch: SeqBatch, random: bool, only_valid: bool):
+        """`_run`'s rows through the head's output: (draft-vocabulary logits, the confidence logits of a
+        head with a confidence head or None, the distribution rows, which count); the logits [N, V] of the
+        counted rows (only_valid, in order) or [B, K, S-1, V] of all. A head on the backbone overrides it."""
+        out, rows, valid, look_rows = self._run(batch, random)
+        if only_valid:
+            out, look_rows = out[valid], None if look_rows is None else look_rows[valid]
+        return self.module.logits(out, look_rows), None, rows, valid
+
     def loss(self, batch: SeqBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        out, rows, valid, look_rows = self._run(batch, random=True)
-        logits = self.module.logits(out[valid], None if look_rows is None else look_rows[valid])
+        logits, _, rows, valid = self.block_logits(batch, random=True, only_valid=True)
         loss, hit = self.distill(batch, rows, valid, logits)
         return loss, {"top1": round(float(hit.float().mean()), 4)}
 
@@ -163,9 +171,8 @@ class DFlashTrainer(HeadTrainer):
 
     @torch.no_grad()
     def evaluate(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        out, rows, valid, look_rows = self._run(batch, random=False)
-        B, K, P = rows.shape
-        pred = self.d2t.to(out.device)[self.module.logits(out, look_rows).argmax(-1)]  # [B, K, P]
+        logits, _, rows, valid = self.block_logits(batch, random=False, only_valid=False)
+        pred = self.d2t.to(logits.device)[logits.argmax(-1)]  # [B, K, P]
         prefix, before = accepted_prefixes((pred == self.greedy(batch, rows)) & valid, valid)
         return prefix.sum((0, 1)).float(), before.sum((0, 1)).float()
 
