@@ -27,7 +27,7 @@ from specplug.heads import HeadFile
 from specplug.machine import describe
 from specplug.outputs import write_atomic
 from specplug.train.finetune import BaseHead
-from specplug.train.loop import build, load_trainer, score
+from specplug.train.loop import build, load_trainer, score, scoring
 
 BY = ("source", "category")
 
@@ -90,18 +90,14 @@ def _calibration(trainer, data, batch_tokens: int, device) -> dict | None:
     the observed rate; `max_gap` over the bins with at least CALIBRATION_MIN rows, `ece` (the rows'
     mean |predicted - observed| over bins)."""
     preds, hits, depth = [], [], []
-    trainer.module.eval()
-    with torch.no_grad(), torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        torch.manual_seed(0)
+    with scoring(trainer, device):
         for g in data.batches("val", batch_tokens, shuffle=False):
             got = trainer.confidences(data.collate(g, device))
             if got is None:
-                trainer.module.train()
                 return None
             preds.append(got[0].float().cpu())
             hits.append(got[1].float().cpu())
             depth.append(got[2].cpu())
-    trainer.module.train()
     p, y, d = torch.cat(preds), torch.cat(hits), torch.cat(depth)
 
     def cell(m: torch.Tensor) -> dict:

@@ -18,10 +18,11 @@ import random
 import sys
 import time
 import typing
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Protocol, Sequence
+from typing import Any, ClassVar, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -286,12 +287,9 @@ def score(trainer: Any, data: TrainData, groups: Iterable[Sequence], device: tor
     method's loss averaged over the batches (weighted by their tokens). Seeded, and the random state
     restored after: a loss that samples (DFlash's
     anchors) gives the same figure every time and leaves the training's draws alone."""
-    trainer.module.eval()
     hit, tot = torch.zeros(trainer.depths), torch.zeros(trainer.depths)
     loss_sum, loss_n = 0.0, 0
-    forked = [device.index or 0] if device.type == "cuda" else []
-    with torch.no_grad(), torch.random.fork_rng(devices=forked):
-        torch.manual_seed(0)
+    with scoring(trainer, device):
         for g in groups:
             batch = data.collate(g, device)
             h, t = trainer.evaluate(batch)
@@ -299,8 +297,21 @@ def score(trainer: Any, data: TrainData, groups: Iterable[Sequence], device: tor
             if with_loss:
                 loss, _ = trainer.loss(batch)
                 loss_sum, loss_n = loss_sum + float(loss) * batch.n_tokens, loss_n + batch.n_tokens
-    trainer.module.train()
     return hit, tot, (loss_sum / loss_n if loss_n else None)
+
+
+@contextmanager
+def scoring(trainer: Any, device: torch.device) -> Iterator[None]:
+    """Inside: the trainer's module in eval mode, no gradients, and the random state seeded (0) and
+    restored after, so that a validation that samples gives the same figure every time and leaves the
+    training's draws alone."""
+    trainer.module.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            torch.manual_seed(0)
+            yield
+    finally:
+        trainer.module.train()
 
 
 def _param_groups(params: list, lr_scale: dict | None) -> list[dict]:
