@@ -78,9 +78,9 @@ def test_greedy_output_equals_plain_with_parallel_sequences(tiny, which, request
 
 
 def test_the_walk_equals_the_training_module_and_its_confidences_are_the_drafts(tiny, data, gated, work):
-    """The runtime's walk (torch path, f32 head) against the training form teacher-forced along the
-    drafted tokens: the same logits at every position; the Draft's confidences are the confidence
-    head's predictions; the Markov bias changes the logits."""
+    """The runtime's walk (f32 head; in torch, and in numpy as on a CPU) against the training form
+    teacher-forced along the drafted tokens: the same logits at every position; the Draft's
+    confidences are the confidence head's predictions; the Markov bias changes the logits."""
     target = _target(tiny, "none")
     head = HeadFile(gated)
     d = TrainData(data, TAPS.split(","), 0.1)
@@ -93,21 +93,23 @@ def test_the_walk_equals_the_training_module_and_its_confidences_are_the_drafts(
     rt = DSparkRuntime(spec.head, target_info(target, 1, 512), spec.rt.backend, 1, 512)
     rt.add_context(rt.encode([t[0, :c] for t in taps]), range(c), [0] * c)
     logits, states = rt.draft_states([toks[c]], [c], [0], [6])
-    walk = rt.walk(logits, states)
-    prev, got, conf = toks[c], [], []
-    for i in range(5):
-        lg, best, top, cf = walk.step([i], [prev], i)
-        assert int(best[0]) == int(lg[0].argmax()) and float(top[0]) == pytest.approx(
-            float(torch.log_softmax(lg[0], -1).max()), abs=1e-5)
-        got.append(lg[0])
-        conf.append(float(cf[0]))
-        prev = int(rt.d2t[lg[0].argmax()])
-    drafted = [toks[c]] + [int(rt.d2t[g.argmax()]) for g in got]
-    out = tr.module(b.tokens, taps, torch.tensor([[c]]))[0, 0, 1:]
-    want, want_conf = tr.module.logits(out, torch.tensor(drafted[:5]), torch.arange(5))
-    torch.testing.assert_close(torch.stack(got), want, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(torch.tensor(conf), torch.sigmoid(want_conf), rtol=1e-3, atol=1e-3)
-    assert not torch.allclose(logits[:5].float(), want, atol=1e-3)  # the bias moved them
+    assert rt.host is not None  # a CPU runtime walks in numpy by default
+    for host in (False, True):
+        walk = rt.walk(logits, states, host=host)
+        prev, got, conf = toks[c], [], []
+        for i in range(5):
+            lg, best, top, cf = walk.step([i], [prev], i)
+            assert best[0] == int(lg[0].argmax()) and top[0] == pytest.approx(
+                float(torch.log_softmax(lg[0], -1).max()), abs=1e-5)
+            got.append(lg[0])
+            conf.append(cf[0])
+            prev = int(rt.d2t[lg[0].argmax()])
+        drafted = [toks[c]] + [int(rt.d2t[g.argmax()]) for g in got]
+        out = tr.module(b.tokens, taps, torch.tensor([[c]]))[0, 0, 1:]
+        want, want_conf = tr.module.logits(out, torch.tensor(drafted[:5]), torch.arange(5))
+        torch.testing.assert_close(torch.stack(got), want, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(torch.tensor(conf), torch.sigmoid(want_conf), rtol=1e-3, atol=1e-3)
+        assert not torch.allclose(logits[:5].float(), want, atol=1e-3)  # the bias moved them
 
     # through the hook: the confidences of the Draft are the head's, for the tokens it drafted
     spec = _build(target, gated, block_size=6, catch_up=None)

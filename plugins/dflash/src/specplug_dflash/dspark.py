@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -174,15 +175,41 @@ class DSparkRuntime(DFlashRuntime):
         load_head_params(self.heads.head_params(), head)
         self.heads.eval()
         self.norm_w = head.tensor("norm", (self.dcfg.n_embd,)).float().to(backend.device)
+        self.d2t_ids = self.d2t.tolist()
+        self.host = _HostHeads(self) if torch.device(backend.device).type == "cpu" else None
 
     @torch.inference_mode()
     def normed(self, states: torch.Tensor) -> torch.Tensor:
         return rms_norm(states.float(), self.norm_w, self.dcfg.eps)
 
     @torch.inference_mode()
-    def walk(self, logits: torch.Tensor, states: torch.Tensor) -> "Walk":
-        """The walk over one forward's block rows (`draft_states`' logits and states)."""
+    def walk(self, logits: torch.Tensor, states: torch.Tensor, host: bool | None = None) -> "Walk":
+        """The walk over one forward's block rows (`draft_states`' logits and states); `host`: in
+        numpy (the default on a CPU) rather than torch."""
+        if self.host is not None if host is None else host:
+            return HostWalk(self, logits.float(), states.float())
         return Walk(self, logits.float(), self.normed(states))
+
+
+class _HostHeads:
+    """The heads' weights as f32 numpy arrays, for `HostWalk`; W1 as a table over the vocabulary also
+    for `markov_input: embed` (P embed(x) for every x, computed once)."""
+
+    def __init__(self, rt: DSparkRuntime):
+        h, cfg = rt.heads, rt.dcfg
+
+        def host(t: torch.Tensor) -> np.ndarray:
+            return t.detach().float().cpu().numpy()
+
+        with torch.inference_mode():
+            self.table = host(h.previous(torch.arange(h.embed.shape[0], device=h.w1.device), torch.float32))
+        self.w2t = host(h.w2).T  # [r, V]
+        self.norm_w, self.eps = host(rt.norm_w), cfg.eps
+        self.gate = (host(h.gate).T, host(h.gate_b)) if cfg.markov == "gated" else None
+        if cfg.confidence:
+            d, r = cfg.n_embd, cfg.markov_rank
+            w = host(h.conf_w[0])
+            self.conf = (w[:d], float(host(h.conf_b)[0]), w[d:d + r], float(w[d + r]), w[d + r + 1:])
 
 
 class Walk:
@@ -191,8 +218,8 @@ class Walk:
     position then costs a gather, one rank-r product over the draft vocabulary, its max and logsumexp.
 
     `step(rows, prev, depth)`: rows (indices into the forward's rows), the token before each and the
-    block position - 1 -> (logits [n, V] with the bias, the top draft row [n], its log-probability [n],
-    the confidences [n] or None)."""
+    block position - 1 -> (logits [n, V] with the bias, the top draft row of each, its
+    log-probability, the confidences or None; the last three as lists)."""
 
     def __init__(self, rt: DSparkRuntime, logits: torch.Tensor, normed: torch.Tensor):
         h, cfg = rt.heads, rt.dcfg
@@ -216,8 +243,39 @@ class Walk:
         conf = None
         if self.cfg.confidence:
             pos = min(depth, len(self.w_pos) - 1)
-            conf = torch.sigmoid(self.conf_state[at] + e @ self.w_e + top * self.w_top + self.w_pos[pos])
-        return logits, best, top, conf
+            conf = torch.sigmoid(self.conf_state[at] + e @ self.w_e + top * self.w_top + self.w_pos[pos]).tolist()
+        return logits, best.tolist(), top.tolist(), conf
+
+
+class HostWalk:
+    """`Walk` in numpy, on a CPU. Right after the block's forward the caches are cold, and each of a
+    position's ~10 small torch operations then costs 15-100 us (0.4 ms a position, 2 threads, the
+    Xeon); numpy's cost about half. The same f32 arithmetic, so it drafts as `Walk` does (a test
+    holds both equal to the training module). `states`: the rows' states before the output norm."""
+
+    def __init__(self, rt: DSparkRuntime, logits: torch.Tensor, states: torch.Tensor):
+        w, self.cfg = rt.host, rt.dcfg
+        self.w, self.rows = w, logits.numpy()
+        x = states.numpy()
+        normed = x / np.sqrt(np.square(x).mean(-1, keepdims=True) + w.eps) * w.norm_w
+        self.gate = 1.0 / (1.0 + np.exp(-(normed @ w.gate[0] + w.gate[1]))) if w.gate is not None else None
+        if self.cfg.confidence:
+            self.conf_state = normed @ w.conf[0] + w.conf[1]
+
+    def step(self, rows: list[int], prev: list[int], depth: int):
+        w = self.w
+        e = w.table[prev]
+        m = e * self.gate[rows] if self.gate is not None else e
+        logits = self.rows[rows] + m @ w.w2t
+        best = logits.argmax(-1)
+        top = logits[np.arange(len(rows)), best]
+        top = -np.log(np.exp(logits - top[:, None]).sum(-1))  # the top's log-softmax
+        conf = None
+        if self.cfg.confidence:
+            _, _, w_e, w_top, w_pos = w.conf
+            z = self.conf_state[rows] + e @ w_e + top * w_top + w_pos[min(depth, len(w_pos) - 1)]
+            conf = (1.0 / (1.0 + np.exp(-z))).tolist()
+        return torch.from_numpy(logits), best.tolist(), top.tolist(), conf
 
 
 class DSpark(DFlash):
@@ -255,15 +313,15 @@ class DSpark(DFlash):
             first.append(at)
             at += size - 1
         cur = list(first)
-        greedy, d2t = self.params.temperature == 0, rt.d2t
+        greedy, d2t = self.params.temperature == 0, rt.d2t_ids
 
         def picks(rows: list[int], prev: list[int], depth: int) -> Picks:
             logits, best, top, conf = walk.step(rows, prev, depth)
             if greedy:
-                toks, p_tok, q = d2t[best.cpu()].tolist(), top.exp().tolist(), None
+                toks, p_tok, q = [d2t[b] for b in best], [math.exp(t) for t in top], None
             else:
                 toks, p_tok, q = self.loop.pick(logits)
-            return toks, (conf.tolist() if conf is not None else p_tok), q
+            return toks, (conf if conf is not None else p_tok), q
 
         def advance(depth: int, rows: list[int], tokens: list[int], reqs: list[int]) -> Picks:
             nonlocal cur
