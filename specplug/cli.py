@@ -305,9 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     register_adapt(sub)
     _register_convert(sub)
     from specplug.heads.show import register as register_heads
+    from specplug.train.calibrate import add_parser as register_heads_calibrate
     from specplug.train.eval import add_parser as register_heads_eval
 
-    register_heads_eval(register_heads(sub))
+    heads = register_heads(sub)
+    register_heads_eval(heads)
+    register_heads_calibrate(heads)
     register_plugin(sub)
     for ep in entry_points(group=COMMANDS_GROUP):
         try:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -85,21 +86,36 @@ CALIBRATION_MIN = 50  # rows a bin needs to count in `max_gap`
 
 def _calibration(trainer, data, batch_tokens: int, device) -> dict | None:
     """A head's predicted acceptance against what happened, on every row of the data set that greedy
-    verification reaches (`trainer.confidences(batch)` -> (predicted [n], accepted [n], position - 1
-    [n]) or None): per bin of the prediction and per draft depth, the rows, the mean prediction and
-    the observed rate; `max_gap` over the bins with at least CALIBRATION_MIN rows, `ece` (the rows'
-    mean |predicted - observed| over bins)."""
-    preds, hits, depth = [], [], []
-    with scoring(trainer, device):
-        for g in data.batches("val", batch_tokens, shuffle=False):
-            got = trainer.confidences(data.collate(g, device))
-            if got is None:
-                return None
-            preds.append(got[0].float().cpu())
-            hits.append(got[1].float().cpu())
-            depth.append(got[2].cpu())
-    p, y, d = torch.cat(preds), torch.cat(hits), torch.cat(depth)
+    verification reaches (`collect_confidences`); see `calibration_table`."""
+    got = collect_confidences(trainer, data, data.split["val"], batch_tokens, device)
+    return calibration_table(*got) if got is not None else None
 
+
+def collect_confidences(trainer, data, seqs: Sequence, batch_tokens: int, device
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(predicted [n], accepted [n] float, block position - 1 [n]) over the rows of sequences `seqs`
+    that greedy verification reaches, from the trainer's `confidences(batch)`; None when its head
+    has no confidence head."""
+    preds, hits, depth = [], [], []
+    data.split["eval"] = list(seqs)
+    try:
+        with scoring(trainer, device):
+            for g in data.batches("eval", batch_tokens, shuffle=False):
+                got = trainer.confidences(data.collate(g, device))
+                if got is None:
+                    return None
+                preds.append(got[0].float().cpu())
+                hits.append(got[1].float().cpu())
+                depth.append(got[2].cpu())
+    finally:
+        data.split.pop("eval", None)
+    return torch.cat(preds), torch.cat(hits), torch.cat(depth)
+
+
+def calibration_table(p: torch.Tensor, y: torch.Tensor, d: torch.Tensor) -> dict:
+    """Predictions `p` against outcomes `y` (block positions - 1 `d`): per bin of the prediction and
+    per draft depth, the rows, the mean prediction and the observed rate; `max_gap` over the bins with
+    at least CALIBRATION_MIN rows, `ece` (the rows' mean |predicted - observed| over bins)."""
     def cell(m: torch.Tensor) -> dict:
         n = int(m.sum())
         return {"rows": n, "predicted": round(float(p[m].mean()), 4) if n else None,
@@ -180,14 +196,20 @@ def text_report(r: dict) -> str:
     out.append(line("overall", r["overall"]))
     cal = r.get("calibration")
     if cal:
-        out.append(f"confidence head on {cal['rows']} reached rows: max gap {cal['max_gap']} (bins of >= "
-                   f"{CALIBRATION_MIN} rows), ECE {cal['ece']}")
-        out.append(f"{'bin':>9}  {'rows':>7}  {'predicted':>9}  {'observed':>8}")
-        out += [f"{b['from']:.1f}-{b['to']:.1f}  {b['rows']:>7}  {b['predicted']:9.3f}  {b['observed']:8.3f}"
-                for b in cal["bins"] if b["rows"]]
-        out.append("by depth: " + "  ".join(f"d{c['depth']} {c['predicted']:.3f}/{c['observed']:.3f}"
-                                            for c in cal["by_depth"] if c["rows"]) + "  (predicted/observed)")
+        out += calibration_lines(cal, "confidence head")
     return "\n".join(out)
+
+
+def calibration_lines(cal: dict, what: str) -> list[str]:
+    """A `calibration_table` as text lines."""
+    out = [f"{what} on {cal['rows']} reached rows: max gap {cal['max_gap']} (bins of >= "
+           f"{CALIBRATION_MIN} rows), ECE {cal['ece']}",
+           f"{'bin':>9}  {'rows':>7}  {'predicted':>9}  {'observed':>8}"]
+    out += [f"{b['from']:.1f}-{b['to']:.1f}  {b['rows']:>7}  {b['predicted']:9.3f}  {b['observed']:8.3f}"
+            for b in cal["bins"] if b["rows"]]
+    out.append("by depth: " + "  ".join(f"d{c['depth']} {c['predicted']:.3f}/{c['observed']:.3f}"
+                                        for c in cal["by_depth"] if c["rows"]) + "  (predicted/observed)")
+    return out
 
 
 def cmd_eval(args) -> int:

@@ -166,3 +166,53 @@ def test_bad_options_and_heads_are_clear_errors(tiny, data, trained, vanilla, wo
         _build(target, work / "bad.gguf")
     with pytest.raises(SpecplugError, match="--markov-rank"):  # a DSpark head fixes its heads' shape
         BaseHead(h, DSparkTrainer).options({"markov_rank": 4})
+
+
+def test_platt_fit_recovers_a_known_miscalibration():
+    """`fit_platt` on predictions over-confident by a known scale and per-position shift finds them."""
+    from specplug.train.calibrate import apply_platt, fit_platt
+
+    g = torch.Generator().manual_seed(0)
+    n, positions = 40000, 3
+    z = torch.randn(n, generator=g) * 2.5
+    d = torch.randint(0, positions, (n,), generator=g)
+    true_b = torch.tensor([-0.8, 0.0, 0.5])
+    y = (torch.rand(n, generator=g) < torch.sigmoid(0.5 * z + true_b[d])).float()
+    scale, shifts = fit_platt(torch.sigmoid(z), y, d, positions, per_position=True)
+    assert scale == pytest.approx(0.5, abs=0.05) and shifts == pytest.approx(true_b.tolist(), abs=0.08)
+    fixed = apply_platt(torch.sigmoid(z), d, scale, shifts)
+    for k in range(positions):  # per position the fitted predictions average what happened
+        assert float(fixed[d == k].mean()) == pytest.approx(float(y[d == k].mean()), abs=0.01)
+    shared, one = fit_platt(torch.sigmoid(z), y, d, positions)  # one shift for all positions
+    assert len(set(one)) == 1 and len(one) == positions
+    fixed = apply_platt(torch.sigmoid(z), d, shared, one)
+    assert float(fixed.mean()) == pytest.approx(float(y.mean()), abs=0.01)
+
+
+def test_heads_calibrate_folds_the_fit_into_the_head(tiny, data, trained, vanilla, work):
+    """`specplug heads calibrate`: the written head drafts the same tokens, with the confidence
+    head's predictions moved exactly as the fit says; a head without a confidence head is refused."""
+    from specplug.train.calibrate import apply_platt, calibrate_head
+
+    out = work / "calibrated.gguf"
+    r = calibrate_head(vanilla, data, out)
+    assert r["data"]["fit_prompts"] > 0 and r["data"]["check_prompts"] > 0
+    assert r["before"]["rows"] == r["after"]["rows"] > 0
+    assert HeadFile(out).meta.recipe["calibration"]["scale"] == pytest.approx(r["fit"]["scale"], abs=1e-6)
+    target = _target(tiny, "none")
+    toks = _ids(target, 1)[0]
+    drafts = []
+    for head in (vanilla, out):  # one block each, walked greedily
+        rt = _build(target, head, block_size=6).rt
+        walk = rt.walk(*rt.draft_states([toks[-1]], [len(toks) - 1], [0], [6]))
+        prev, got = toks[-1], []
+        for i in range(5):
+            _, best, _, conf = walk.step([i], [prev], i)
+            prev = rt.d2t_ids[best[0]]
+            got.append((prev, conf[0]))
+        drafts.append(got)
+    assert [t for t, _ in drafts[0]] == [t for t, _ in drafts[1]]
+    want = apply_platt(torch.tensor([c for _, c in drafts[0]]), torch.arange(5), r["fit"]["scale"], r["fit"]["shifts"])
+    assert [c for _, c in drafts[1]] == pytest.approx(want.tolist(), abs=2e-3)
+    with pytest.raises(SpecplugError, match="no confidence head"):
+        calibrate_head(trained, data, work / "no.gguf")

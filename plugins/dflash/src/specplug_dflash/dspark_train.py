@@ -8,7 +8,8 @@ verification would reach (rows 1..i-1 right), whether row i's top-1 is the targe
 heads start fresh (the Markov bias at zero: the head drafts as the DFlash head until it learns),
 at `heads_lr` times the schedule's rate. Validation is DFlash's (acceptance per block position, given
 the earlier ones were accepted); `confidences` gives `specplug heads eval` the confidence head's
-predictions against what happened, for its calibration table.
+predictions against what happened, for its calibration table, and `specplug heads calibrate` the
+rows it refits the confidence head on (`fold_confidence`).
 """
 from __future__ import annotations
 
@@ -112,6 +113,24 @@ class DSparkTrainer(DFlashTrainer):
         _, reached = accepted_prefixes(right, valid)
         pos = torch.arange(rows.shape[-1], device=rows.device).expand_as(rows)
         return torch.sigmoid(conf[reached]), right[reached], pos[reached]
+
+    @property
+    def confidence_positions(self) -> int:
+        """The block positions the confidence head tells apart (its position one-hot)."""
+        return self.module.heads.positions
+
+    @torch.no_grad()
+    def fold_confidence(self, scale: float, shifts) -> None:
+        """`specplug heads calibrate`'s fit into the confidence head: its logit z at block position k
+        becomes scale * z + shifts[k] (the weights and bias times scale, shifts[k] added to position
+        k's one-hot weight)."""
+        h = self.module.heads
+        if not self.dcfg.confidence or len(shifts) != h.positions:
+            raise SpecplugError(f"fold_confidence: need a confidence head and {h.positions} shifts, got "
+                                f"{len(shifts)} (confidence {self.dcfg.confidence})")
+        h.conf_w.mul_(scale)
+        h.conf_b.mul_(scale)
+        h.conf_w[0, -h.positions:] += torch.as_tensor(shifts, dtype=h.conf_w.dtype, device=h.conf_w.device)
 
     def write_head_file(self, path: Path, recipe: dict) -> None:
         write_dspark(path, self.target.info(), self.dcfg, self.module.head_tensors(self.d2t), recipe, self.opts.weights)
