@@ -1,11 +1,12 @@
 """Committed rows to the speculators: `encode` + `process_batch` with each step's committed entries
 (token, position, sequence) and the hidden states each speculator asked for.
 
-A speculator paused for every running sequence (it will not be asked to draft next step) gets its
-decoding rows later, in one batch before its next `draft` (or once it holds BACKLOG_ROWS): the
-contract only needs each sequence's rows in position order, and one batched encode/process_batch
-costs a fraction of one per step. A speculator put in place while sequences run
-(Engine.replace_speculator) gets no rows of those sequences.
+A speculator paused for every running sequence (it will not be asked to draft next step), or a
+cascade's member that was not asked this step (Engine._dormant), gets its decoding rows later, in
+one batch before its next `draft` (or once it holds BACKLOG_ROWS): the contract only needs each
+sequence's rows in position order, and one batched encode/process_batch costs a fraction of one per
+step. A speculator put in place while sequences run (Engine.replace_speculator) gets no rows of
+those sequences.
 """
 from __future__ import annotations
 

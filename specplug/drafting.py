@@ -346,6 +346,10 @@ class Drafting:
         _trim(chosen, len(seqs), self.cost)
         return chosen
 
+    def asked_this_step(self, spec: Speculator) -> bool:
+        """Whether the last `propose` called `spec`'s `draft`."""
+        return any(a.spec is spec for a in self._asked)
+
     def _requests(self, spec: Speculator, seqs: Sequence[Any], n_batch: int) -> tuple[list[DraftRequest], int]:
         """The requests to `spec` this step for `seqs` (of the `n_batch` sequences in the step), and how
         many of them resume their sequence (not asked the step before)."""

@@ -435,11 +435,28 @@ class Sometimes(Oracle):
 
 
 class Where(Slow):
-    """Random drafts, keeping where each request was (`where`) at the time of the call."""
+    """Random drafts, keeping where each request was (`where`) at the time of the call; checks that
+    each request's sequence has had all its committed rows but the last, in order (`rows`, per slot)."""
+
+    def __init__(self, vocab, delay: float):
+        super().__init__(vocab, delay)
+        self.rows: dict[int, list[int]] = {}  # slot -> positions received (stale ones dropped)
+        self.batches = 0
+
+    @hookimpl
+    def process_batch(self, batch, encoded):
+        self.batches += 1
+        for seq, pos in zip(batch.seq_ids.tolist(), batch.positions.tolist()):
+            got = self.rows.setdefault(seq, [])
+            del got[pos:]  # the rows start where the committed context ended: later ones are stale
+            assert len(got) == pos, (seq, pos, got[-3:])
+            got.append(pos)
 
     @hookimpl
     def draft(self, requests):
         self.asked = getattr(self, "asked", set()) | {where(r) for r in requests}
+        for r in requests:
+            assert self.rows.get(r.seq_id) == list(range(len(r.tokens) - 1)), r.seq_id
         return super().draft(requests)
 
 
@@ -456,6 +473,8 @@ def test_a_cascade_asks_the_next_speculator_only_where_the_ones_before_have_noth
     if chain == "cascade":
         assert asked and not asked & first.drafted_at  # asked, and only where the oracle had nothing
         assert st["random"].asked == len(second.requests) < st["oracle"].asked
+        # its rows held back on the steps it was not asked, delivered in one batch before its next draft
+        assert second.batches < eng.stats.target_forwards
     else:
         assert asked & first.drafted_at  # beside the oracle's drafts too
 
