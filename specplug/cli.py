@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     add_step_args(p, defaults=False)
     p.add_argument("--prompt", help="one prompt (streams its text)")
-    p.add_argument("--prompts", help="JSONL file of prompts ({'prompt': ...} or {'turns': [...]})")
+    p.add_argument("--prompts", help="JSONL file of prompts ({'prompt': ...} or {'turns': [...]}; a record's "
+                   "'system' replaces the config's system prompt for it)")
     p.add_argument("--output", help="append each finished answer to this JSONL file as it completes")
     p.add_argument("--stats", help="write run statistics as JSON (also when interrupted)")
     p.add_argument("--resume", action="store_true", help="continue --output: skip the answers already in it")

@@ -154,7 +154,8 @@ def _run_records(engine, cfg, records, output, stats_path, resume, resume_comman
                 if prev is not None:
                     history[i] = msgs + [{"role": "assistant", "content": prev["text"]}]
                     continue
-                ids = prompt_ids(tok, msgs, True, cfg.system) if cfg.chat else tok.encode(r["turns"][turn])
+                system = r.get("system") or cfg.system  # a record's own system prompt wins over the run's
+                ids = prompt_ids(tok, msgs, True, system) if cfg.chat else tok.encode(r["turns"][turn])
                 reqs.append(Request(ids, cfg.max_tokens, len(owners)))  # id: index into owners
                 owners.append((i, msgs))
             if not reqs:

@@ -98,6 +98,27 @@ def test_the_bench_uses_a_record_system_prompt_over_the_runs(tiny_target, tiny_g
     assert seen == ["per-record", "per-record", "run-wide"]
 
 
+def test_specplug_run_uses_a_record_system_prompt_over_the_runs(tiny_target, tiny_gguf, monkeypatch, tmp_path):
+    """`specplug run --prompts` reads a record's `system` as the bench does (not the run's alone)."""
+    from specplug import generate
+    from specplug.api import build_engine
+    from specplug.config import parse_config
+
+    cfg = parse_config({"model": str(tiny_gguf), "device": "cpu", "quant": "none", "max_tokens": 3,
+                        "system": "run-wide"})
+    seen = []
+    real = generate.prompt_ids
+
+    def spy(tok, messages, chat, system=None):
+        seen.append(system)
+        return real(tok, messages, chat, system)
+
+    monkeypatch.setattr(generate, "prompt_ids", spy)
+    records = [{"id": 1, "system": "per-record", "turns": ["hello", "again"]}, {"id": 2, "turns": ["hello"]}]
+    generate.run_records(build_engine(cfg, tiny_target), cfg, records, str(tmp_path / "out.jsonl"), None)
+    assert sorted(seen) == ["per-record", "per-record", "run-wide"]
+
+
 def test_the_maker_script_writes_bfcl_schemas_as_json_schema():
     make = load_script("make_agent_traffic")
     fn = {"name": "mean", "description": "This tool belongs to the Math API, which provides various mathematical "
