@@ -34,7 +34,10 @@ declare); e.g. from a separate venv that has it installed:
     PYTHONPATH=/tmp/arcticvenv/lib/python3.11/site-packages nice -n 10 \\
         .venv/bin/python scripts/suffix_replay.py --answers /tmp/agent_answers.json --out /tmp/suffix_replay.json
 
-`--no-arctic` replays ours alone.
+`--no-arctic` replays ours alone; `--ngram-simple` replays ngram-simple beside it; `--curve BENCH.json`
+(a `specplug bench` results.json on the same data and machine) adds the most each replay could speed
+decoding up by on that run's verification cost curve (`ceilings`: drafting free, and only the
+accepted tokens verified), beside what the bench measured.
 """
 from __future__ import annotations
 
@@ -111,22 +114,21 @@ def _accepted(draft, answer: list[int], i: int) -> int:
     return a
 
 
-def replay_ours(reqs: list[dict], p: argparse.Namespace, vocab: int) -> dict:
-    from specplug_ngram.suffix import Suffix
-
+def _replay_hooks(spec, reqs: list[dict], n_max: int) -> list[tuple]:
+    """(category, drafted, accepted, ns) per step, `spec` driven through its hooks as the engine calls
+    them (module docstring); a hook it does not have is skipped."""
     from specplug.types import DraftRequest
 
-    spec = Suffix(Suffix.Params(max_tree_depth=p.depth, max_cached_requests=p.max_cached_requests,
-                                max_spec_factor=p.factor, min_token_prob=p.min_token_prob),
-                  SimpleNamespace(vocab_size=vocab, token_texts=()))
+    feeds, removes = hasattr(spec, "process_batch"), hasattr(spec, "remove")
     steps, seq = [], 0
     for r in reqs:
         prompt, ans = r["prompt"], r["answer"]
         hist = prompt + ans
-        _committed(spec, seq, 0, prompt, True)
+        if feeds:
+            _committed(spec, seq, 0, prompt, True)
         held, i = len(prompt), 1  # committed rows; the first answer token came from the prefill
         while i < len(ans):
-            req = DraftRequest(seq, hist[:len(prompt) + i], p.n_max)
+            req = DraftRequest(seq, hist[:len(prompt) + i], n_max)
             t0 = time.perf_counter_ns()
             (d,) = spec.draft([req])
             dt = time.perf_counter_ns() - t0
@@ -134,12 +136,24 @@ def replay_ours(reqs: list[dict], p: argparse.Namespace, vocab: int) -> dict:
             a = _accepted(ids, ans, i)
             steps.append((r["category"], len(ids), a, dt))
             n = len(prompt) + i  # the history's length
-            if a < len(ids) or not ids:
+            if removes and (a < len(ids) or not ids):
                 spec.remove(seq, n - 1)
-            _committed(spec, seq, held, hist[held:n + a], False)
+            if feeds:
+                _committed(spec, seq, held, hist[held:n + a], False)
             held = n + a
             i += a + 1
-        spec.remove(seq, 0)
+        if removes:
+            spec.remove(seq, 0)
+    return steps
+
+
+def replay_ours(reqs: list[dict], p: argparse.Namespace, vocab: int) -> tuple[dict, list[tuple]]:
+    from specplug_ngram.suffix import Suffix
+
+    spec = Suffix(Suffix.Params(max_tree_depth=p.depth, max_cached_requests=p.max_cached_requests,
+                                max_spec_factor=p.factor, min_token_prob=p.min_token_prob),
+                  SimpleNamespace(vocab_size=vocab, token_texts=()))
+    steps = _replay_hooks(spec, reqs, p.n_max)
     g = spec.glob
     tracemalloc.start()
     from specplug_ngram._suffix_tree import GlobalTree
@@ -151,7 +165,33 @@ def replay_ours(reqs: list[dict], p: argparse.Namespace, vocab: int) -> dict:
     tracemalloc.stop()
     assert copy.tree.n_nodes == g.tree.n_nodes
     return _summary(steps) | {"global_nodes": g.tree.n_nodes, "global_tokens": g.n_tokens,
-                              "global_bytes": mem}
+                              "global_bytes": mem}, steps
+
+
+def replay_ngram_simple(reqs: list[dict], p: argparse.Namespace, vocab: int) -> tuple[dict, list[tuple]]:
+    """ngram-simple (its defaults, the bench's config) on the same streams, every draft verified."""
+    from specplug_ngram.simple import NgramSimple
+
+    spec = NgramSimple(NgramSimple.Params(), SimpleNamespace(vocab_size=vocab, max_ctx=p.context))
+    steps = _replay_hooks(spec, reqs, p.n_max)
+    return _summary(steps), steps
+
+
+def ceilings(steps: list[tuple], curve: list[list[float]]) -> dict:
+    """What the replayed drafts could give at most on the machine whose verification cost curve is
+    `curve` ([[rows, T(rows)/T(1)], ...], a bench JSON's settings.verify_curve.points): tokens a step
+    over the step's cost in one-row forwards, drafting free, summed over the steps. `oracle`: only
+    the accepted tokens verified (no trimming rule can verify fewer rows and keep them); `whole`:
+    every draft verified whole."""
+    xs, ys = [c[0] for c in curve], [c[1] for c in curve]
+
+    def cost(k: float) -> float:  # linear between the curve's points, and past its last along the last piece
+        j = next((i for i in range(1, len(xs)) if k <= xs[i]), len(xs) - 1)
+        return ys[j - 1] + (ys[j] - ys[j - 1]) * (k - xs[j - 1]) / (xs[j] - xs[j - 1])
+
+    tokens = sum(s[2] + 1 for s in steps)
+    return {"oracle": round(tokens / sum(cost(1 + s[2]) for s in steps), 3),
+            "whole": round(tokens / sum(cost(1 + s[1]) for s in steps), 3)}
 
 
 def replay_arctic(reqs: list[dict], p: argparse.Namespace) -> dict:
@@ -252,6 +292,11 @@ def main() -> int:
     ap.add_argument("--min-token-prob", type=float, default=0.1)
     ap.add_argument("--factor", type=float, default=1.0, help="max_spec_factor")
     ap.add_argument("--no-arctic", action="store_true", help="replay ours only")
+    ap.add_argument("--per-category", type=int, default=None, metavar="N", help="replay only the first N records "
+                    "of each category, in order (as `specplug bench --limit N` serves them)")
+    ap.add_argument("--ngram-simple", action="store_true", help="also replay ngram-simple")
+    ap.add_argument("--curve", metavar="BENCH.json", help="a `specplug bench` results.json on this data: its "
+                    "verification cost curve gives each replay's most possible speedup (`ceilings`)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -266,10 +311,29 @@ def main() -> int:
         cached = generate(args)
         Path(args.answers).write_text(json.dumps(cached))
     reqs = cached["requests"]
+    if args.per_category:
+        first: dict[str, list] = defaultdict(list)  # category -> its first records' ids, in order
+        for r in reqs:
+            ids = first[r["category"]]
+            if r["id"] not in ids and len(ids) < args.per_category:
+                ids.append(r["id"])
+        reqs = [r for r in reqs if r["id"] in first[r["category"]]]
 
     params = {k: getattr(args, k) for k in ("n_max", "depth", "max_cached_requests", "min_token_prob", "factor")}
-    result = {"answers": key | {"requests": len(reqs), "answer_tokens": sum(len(r["answer"]) for r in reqs)},
-              "params": params, "ours": replay_ours(reqs, args, cached["vocab_size"])}
+    ours, steps = replay_ours(reqs, args, cached["vocab_size"])
+    result = {"answers": key | {"per_category": args.per_category, "requests": len(reqs),
+                                "answer_tokens": sum(len(r["answer"]) for r in reqs)},
+              "params": params, "ours": ours}
+    replays = {"ours": steps}
+    if args.ngram_simple:
+        result["ngram_simple"], replays["ngram_simple"] = replay_ngram_simple(reqs, args, cached["vocab_size"])
+    if args.curve:
+        bench = json.loads(Path(args.curve).read_text())
+        curve = bench["settings"]["verify_curve"]["points"]
+        result["ceilings"] = {"curve": curve, "from": args.curve,
+                              "measured_decode_speedup": {k: v.get("decode_speedup")
+                                                          for k, v in bench["overall"].items()},
+                              **{name: ceilings(st, curve) for name, st in replays.items()}}
     if not args.no_arctic:
         result["arctic"] = replay_arctic(reqs, args)
         result["arctic_at_end"] = replay_arctic_at_end(reqs, args)
@@ -280,10 +344,16 @@ def main() -> int:
     print(f"{len(reqs)} requests, {result['answers']['answer_tokens']} answer tokens, {params}")
     print("| implementation | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
-    for name in ("ours", "arctic", "arctic_at_end"):
+    names = ("ours", "ngram_simple", "arctic", "arctic_at_end")
+    for name in names:
         if name in result:
             print(f"| {name} | " + " | ".join(str(result[name].get(c)) for c in cols) + " |")
-    for name in ("ours", "arctic", "arctic_at_end"):
+    if "ceilings" in result:
+        c = result["ceilings"]
+        print(f"most possible speedups on {c['from']}'s cost curve (drafting free): "
+              + ", ".join(f"{n}: {c[n]['oracle']}x verifying only what is accepted, {c[n]['whole']}x every draft whole"
+                          for n in replays))
+    for name in names:
         for cat, f in result.get(name, {}).get("by_category", {}).items():
             print(f"  {name} {cat}: accepted/step {f['accepted_per_step']}, drafted {f['drafted_share']}, "
                   f"steps {f['steps']}")
