@@ -196,7 +196,7 @@ class Engine:
         """Whether `spec` is paused for every running sequence it may draft for, or in a cascade was
         asked for none of them this step (a later member is asked only where those before it have
         no draft, so on most steps not at all): its rows then wait for its next `draft`."""
-        if self.drafting.cascade and not self.drafting.asked_this_step(spec):
+        if self.drafting.cascade and spec.caller.implements("draft") and not self.drafting.asked_this_step(spec):
             return True
         return all(spec.state(q.slot).skip > 0 for q in self._active.values()
                    if q.req.speculators is None or spec.name in q.req.speculators)
