@@ -338,7 +338,9 @@ def main() -> int:
         result["arctic"] = replay_arctic(reqs, args)
         result["arctic_at_end"] = replay_arctic_at_end(reqs, args)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        from specplug.machine import describe
+
+        Path(args.out).write_text(json.dumps(result | {"machine": describe("cpu")}, indent=1))
 
     cols = ("accepted_per_step", "tokens_per_step", "drafted_share", "us_median", "us_p90", "global_bytes")
     print(f"{len(reqs)} requests, {result['answers']['answer_tokens']} answer tokens, {params}")
