@@ -103,6 +103,10 @@ def calibrate_head(head_path: str | Path, data_dir: str | Path, out: str | Path,
     check = collect_confidences(trainer, data, check_seqs, batch_tokens, dev)
     if fit is None or check is None:
         raise SpecplugError(f"{head_path}: this {head.meta.method} head was trained without a confidence head")
+    if not len(fit[0]) or not len(check[0]):
+        half = "fit" if not len(fit[0]) else "check"
+        raise SpecplugError(f"{data_dir}: no rows greedy verification reaches in the {half} half; a larger data set "
+                            "or --held-out")
     positions = int(trainer.confidence_positions)
     scale, shifts = fit_platt(*fit, positions, per_position)
     before, after = calibration_table(*check), calibration_table(apply_platt(check[0], check[2], scale, shifts),

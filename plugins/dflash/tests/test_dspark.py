@@ -192,11 +192,16 @@ def test_platt_fit_recovers_a_known_miscalibration():
 def test_heads_calibrate_folds_the_fit_into_the_head(tiny, data, trained, vanilla, work):
     """`specplug heads calibrate`: the written head drafts the same tokens, with the confidence
     head's predictions moved exactly as the fit says; a head without a confidence head is refused."""
+    import json
+
+    from specplug.cli import main
     from specplug.train.calibrate import apply_platt, calibrate_head
 
     out = work / "calibrated.gguf"
-    r = calibrate_head(vanilla, data, out)
-    assert r["data"]["fit_prompts"] > 0 and r["data"]["check_prompts"] > 0
+    assert main(["heads", "calibrate", str(vanilla), "--data", str(data), "-o", str(out), "--json",
+                 str(work / "cal.json")]) == 0
+    r = json.loads((work / "cal.json").read_text())
+    assert r["data"]["fit_prompts"] > 0 and r["data"]["check_prompts"] > 0 and r["machine"]["cpu"]
     assert r["before"]["rows"] == r["after"]["rows"] > 0
     assert HeadFile(out).meta.recipe["calibration"]["scale"] == pytest.approx(r["fit"]["scale"], abs=1e-6)
     target = _target(tiny, "none")
