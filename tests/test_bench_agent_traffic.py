@@ -77,6 +77,18 @@ def test_a_record_system_prompt_is_read_and_checked(tmp_path):
             read_jsonl_prompts(bad)
 
 
+def _spy_on_system_prompts(monkeypatch, module) -> list:
+    """The system prompt of every `module.prompt_ids` call, in order (the calls still go through)."""
+    seen, real = [], module.prompt_ids
+
+    def spy(tok, messages, chat, system=None):
+        seen.append(system)
+        return real(tok, messages, chat, system)
+
+    monkeypatch.setattr(module, "prompt_ids", spy)
+    return seen
+
+
 def test_the_bench_uses_a_record_system_prompt_over_the_runs(tiny_target, tiny_gguf, monkeypatch):
     from specplug.bench import runner
     from specplug.bench.runner import Bench
@@ -85,14 +97,7 @@ def test_the_bench_uses_a_record_system_prompt_over_the_runs(tiny_target, tiny_g
     cfg = parse_config({"model": str(tiny_gguf), "device": "cpu", "quant": "none", "max_tokens": 4,
                         "system": "run-wide", "speculators": [{"type": "noop"}]})
     bench = Bench(cfg, tiny_target)
-    seen = []
-    real = runner.prompt_ids
-
-    def spy(tok, messages, chat, system=None):
-        seen.append(system)
-        return real(tok, messages, chat, system)
-
-    monkeypatch.setattr(runner, "prompt_ids", spy)
+    seen = _spy_on_system_prompts(monkeypatch, runner)
     bench.run_prompt({"id": 1, "category": "c", "system": "per-record", "turns": ["hello", "again"]}, 4, 0)
     bench.run_prompt({"id": 2, "category": "c", "turns": ["hello"]}, 4, 0)
     assert seen == ["per-record", "per-record", "run-wide"]
@@ -106,14 +111,7 @@ def test_specplug_run_uses_a_record_system_prompt_over_the_runs(tiny_target, tin
 
     cfg = parse_config({"model": str(tiny_gguf), "device": "cpu", "quant": "none", "max_tokens": 3,
                         "system": "run-wide"})
-    seen = []
-    real = generate.prompt_ids
-
-    def spy(tok, messages, chat, system=None):
-        seen.append(system)
-        return real(tok, messages, chat, system)
-
-    monkeypatch.setattr(generate, "prompt_ids", spy)
+    seen = _spy_on_system_prompts(monkeypatch, generate)
     records = [{"id": 1, "system": "per-record", "turns": ["hello", "again"]}, {"id": 2, "turns": ["hello"]}]
     generate.run_records(build_engine(cfg, tiny_target), cfg, records, str(tmp_path / "out.jsonl"), None)
     assert sorted(seen) == ["per-record", "per-record", "run-wide"]

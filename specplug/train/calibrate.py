@@ -21,7 +21,6 @@ positions b has) and `fold_confidence(scale, shifts)`.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -30,9 +29,7 @@ import torch.nn.functional as F
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.machine import describe
-from specplug.outputs import write_atomic
-from specplug.train.eval import calibration_lines, calibration_table, collect_confidences
+from specplug.train.eval import add_run_args, calibration_lines, calibration_table, collect_confidences, emit
 from specplug.train.finetune import BaseHead
 from specplug.train.loop import build, load_trainer
 
@@ -144,11 +141,7 @@ def cmd_calibrate(args) -> int:
     r = calibrate_head(args.head, args.data, args.out, held_out=args.held_out, per_position=args.per_position,
                        batch_tokens=args.batch_tokens,
                        device=args.device, model=args.model, command=" ".join(["specplug", *sys.argv[1:]]))
-    print(text_report(r))
-    if args.json:
-        write_atomic(Path(args.json), json.dumps({**r, "machine": describe(args.device)}, indent=1))
-        print(f"specplug: wrote {args.json}", file=sys.stderr)
-    return 0
+    return emit(r, text_report(r), args)
 
 
 def add_parser(hsub) -> None:
@@ -163,10 +156,6 @@ def add_parser(hsub) -> None:
                    "with --val-fraction F held out (default: every sequence)")
     c.add_argument("--per-position", action="store_true", help="fit a shift per block position (default: one "
                    "shift for all; per position needs many rows)")
-    c.add_argument("--json", metavar="OUT.json", default=None, help="also write the report as JSON")
-    c.add_argument("--batch-tokens", type=int, default=8192, help="tokens per batch (sequences x padded length)")
-    c.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ...")
-    c.add_argument("--model", default=None, help="the target .gguf if it moved since the data was made")
-    c.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's choice)")
+    add_run_args(c)
     c.set_defaults(func=cmd_calibrate)
 

@@ -217,11 +217,25 @@ def cmd_eval(args) -> int:
         torch.set_num_threads(args.threads)
     r = evaluate_head(args.head, args.data, by=args.by, depth=args.depth, batch_tokens=args.batch_tokens,
                       device=args.device, model=args.model, held_out=args.held_out)
-    print(text_report(r))
+    return emit(r, text_report(r), args)
+
+
+def emit(report: dict, text: str, args) -> int:
+    """Print a `heads` command's report, and with `--json` write it with the machine it ran on."""
+    print(text)
     if args.json:
-        write_atomic(Path(args.json), json.dumps({**r, "machine": describe(args.device)}, indent=1))
+        write_atomic(Path(args.json), json.dumps({**report, "machine": describe(args.device)}, indent=1))
         print(f"specplug: wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def add_run_args(p) -> None:
+    """The options `heads eval` and `heads calibrate` share: the JSON report and how the head runs."""
+    p.add_argument("--json", metavar="OUT.json", default=None, help="also write the report as JSON")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per batch (sequences x padded length)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ...")
+    p.add_argument("--model", default=None, help="the target .gguf if it moved since the data was made")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's choice)")
 
 
 def add_parser(hsub) -> None:
@@ -237,9 +251,5 @@ def add_parser(hsub) -> None:
                    "trained with)")
     e.add_argument("--held-out", type=float, default=None, metavar="F", help="score only the prompts a training "
                    "with --val-fraction F held out (its validation split; default: every sequence)")
-    e.add_argument("--json", metavar="OUT.json", default=None, help="also write the report as JSON")
-    e.add_argument("--batch-tokens", type=int, default=8192, help="tokens per batch (sequences x padded length)")
-    e.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ...")
-    e.add_argument("--model", default=None, help="the target .gguf if it moved since the data was made")
-    e.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's choice)")
+    add_run_args(e)
     e.set_defaults(func=cmd_eval)
