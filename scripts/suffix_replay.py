@@ -183,15 +183,11 @@ def ceilings(steps: list[tuple], curve: list[list[float]]) -> dict:
     over the step's cost in one-row forwards, drafting free, summed over the steps. `oracle`: only
     the accepted tokens verified (no trimming rule can verify fewer rows and keep them); `whole`:
     every draft verified whole."""
-    xs, ys = [c[0] for c in curve], [c[1] for c in curve]
-
-    def cost(k: float) -> float:  # linear between the curve's points, and past its last along the last piece
-        j = next((i for i in range(1, len(xs)) if k <= xs[i]), len(xs) - 1)
-        return ys[j - 1] + (ys[j] - ys[j - 1]) * (k - xs[j - 1]) / (xs[j] - xs[j - 1])
+    from specplug.pricing import interpolate_cost as cost
 
     tokens = sum(s[2] + 1 for s in steps)
-    return {"oracle": round(tokens / sum(cost(1 + s[2]) for s in steps), 3),
-            "whole": round(tokens / sum(cost(1 + s[1]) for s in steps), 3)}
+    return {"oracle": round(tokens / sum(cost(curve, 1 + s[2]) for s in steps), 3),
+            "whole": round(tokens / sum(cost(curve, 1 + s[1]) for s in steps), 3)}
 
 
 def replay_arctic(reqs: list[dict], p: argparse.Namespace) -> dict:
