@@ -106,6 +106,13 @@ class DSparkHeads(nn.Module):
             return F.linear(self.embed[prev.to(self.embed.device)].to(self.w1.device, dtype), self.w1)
         return self.w1[prev]
 
+    @torch.no_grad()
+    def table(self) -> torch.Tensor:
+        """W1[x] for every token x of the vocabulary [vocab, r] (W1 itself for `markov_input: table`)."""
+        if self.cfg.markov_input == "embed":
+            return self.previous(torch.arange(self.embed.shape[0], device=self.w1.device), self.w1.dtype)
+        return self.w1
+
     def forward(self, logits: torch.Tensor, normed: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         e = self.previous(prev, normed.dtype)
@@ -201,8 +208,7 @@ class _HostHeads:
         def host(t: torch.Tensor) -> np.ndarray:
             return t.detach().float().cpu().numpy()
 
-        with torch.inference_mode():
-            self.table = host(h.previous(torch.arange(h.embed.shape[0], device=h.w1.device), torch.float32))
+        self.table = host(h.table())
         self.w2t = host(h.w2).T  # [r, V]
         self.norm_w, self.eps = host(rt.norm_w), cfg.eps
         self.gate = (host(h.gate).T, host(h.gate_b)) if cfg.markov == "gated" else None
