@@ -29,11 +29,21 @@ import torch.nn.functional as F
 
 from specplug.errors import SpecplugError
 from specplug.heads import HeadFile
-from specplug.train.eval import add_run_args, calibration_lines, calibration_table, collect_confidences, emit
-from specplug.train.finetune import BaseHead
-from specplug.train.loop import build, load_trainer
+from specplug.train.eval import (
+    add_run_args,
+    calibration_lines,
+    calibration_table,
+    collect_confidences,
+    emit,
+    head_on_data,
+)
+from specplug.train.loop import load_trainer
 
 MAX_SCALE = 4.0  # the fitted scale is kept within [1 / MAX_SCALE, MAX_SCALE]
+
+
+def _logit(p: torch.Tensor) -> torch.Tensor:
+    return torch.logit(p.double().clamp(1e-6, 1 - 1e-6))
 
 
 def fit_platt(p: torch.Tensor, y: torch.Tensor, d: torch.Tensor, positions: int, per_position: bool = False,
@@ -41,8 +51,7 @@ def fit_platt(p: torch.Tensor, y: torch.Tensor, d: torch.Tensor, positions: int,
     """(scale a, shifts b [positions]) minimizing the cross-entropy of sigmoid(a logit(p) + b[d])
     against `y`, with a small L2 pull of log a and b towards 0; one shift for every position
     unless `per_position`."""
-    z = torch.logit(p.double().clamp(1e-6, 1 - 1e-6))
-    yy = y.double()
+    z, yy = _logit(p), y.double()
     dd = d.long().clamp(0, positions - 1) if per_position else torch.zeros_like(d, dtype=torch.long)
     log_a = torch.zeros((), dtype=torch.float64, requires_grad=True)
     b = torch.zeros(positions, dtype=torch.float64, requires_grad=True)
@@ -63,7 +72,7 @@ def fit_platt(p: torch.Tensor, y: torch.Tensor, d: torch.Tensor, positions: int,
 
 def apply_platt(p: torch.Tensor, d: torch.Tensor, scale: float, shifts: list[float]) -> torch.Tensor:
     """The predictions `p` at block positions - 1 `d` after the fit."""
-    z = torch.logit(p.double().clamp(1e-6, 1 - 1e-6))
+    z = _logit(p)
     b = torch.tensor(shifts, dtype=torch.float64)[d.long().clamp(0, len(shifts) - 1)]
     return torch.sigmoid(scale * z + b).to(p.dtype)
 
@@ -81,17 +90,13 @@ def calibrate_head(head_path: str | Path, data_dir: str | Path, out: str | Path,
                    model: str | None = None, command: str = "") -> dict:
     """Fit (module docstring), write the calibrated head to `out`; the report {"head", "data", "fit",
     "before", "after"} (the check half's calibration tables)."""
-    if held_out is not None and not 0 < held_out < 1:
-        raise SpecplugError(f"--held-out must be a fraction in (0, 1), got {held_out}")
     head = HeadFile(head_path)
     cls = load_trainer(head.meta.method)
     if not all(hasattr(cls, a) for a in ("confidences", "fold_confidence", "confidence_positions")):
         raise SpecplugError(f"{head_path}: a {head.meta.method!r} head has no confidence head to calibrate "
                             "(its trainer has no `confidences`, `fold_confidence` and `confidence_positions`)")
-    base = BaseHead(head, cls)
+    base, _, data, trainer = head_on_data(head, cls, data_dir, device, held_out, model)
     dev = torch.device(device)
-    data, trainer = build(cls, base.options(), Path(data_dir), dev, val_fraction=held_out or 1.0, model=model,
-                          init=base)
     fit_seqs, check_seqs = split_by_prompt(list(data.split["val"]))
     if not fit_seqs or not check_seqs:
         raise SpecplugError(f"{data_dir}: {len({s[3] for s in data.split['val']})} prompt(s) to calibrate on; "

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -51,15 +51,10 @@ def evaluate_head(head_path: str | Path, data_dir: str | Path, by: str = "source
         raise SpecplugError(f"--by must be one of {', '.join(BY)}, got {by!r}")
     if depth is not None and depth < 1:
         raise SpecplugError(f"--depth must be >= 1, got {depth}")
-    if held_out is not None and not 0 < held_out < 1:
-        raise SpecplugError(f"--held-out must be a fraction in (0, 1), got {held_out}")
     head = HeadFile(head_path)
     cls = load_trainer(head.meta.method)
-    base = BaseHead(head, cls)
-    opts = base.options(_depth_option(cls, depth))
+    base, opts, data, trainer = head_on_data(head, cls, data_dir, device, held_out, model, _depth_option(cls, depth))
     dev = torch.device(device)
-    # held_out: only the prompts a training with --val-fraction held_out kept out (the split is stable by prompt)
-    data, trainer = build(cls, opts, Path(data_dir), dev, val_fraction=held_out or 1.0, model=model, init=base)
     if depth is not None and depth > trainer.depths:
         raise SpecplugError(f"--depth {depth}: this {head.meta.method} head drafts at most {trainer.depths} tokens "
                             f"(its shape fixes it)")
@@ -78,6 +73,21 @@ def evaluate_head(head_path: str | Path, data_dir: str | Path, by: str = "source
     if hasattr(trainer, "confidences"):
         report["calibration"] = _calibration(trainer, data, batch_tokens, dev)
     return report
+
+
+def head_on_data(head: HeadFile, cls: type, data_dir: str | Path, device: str, held_out: float | None = None,
+                 model: str | None = None, overrides: dict | None = None) -> tuple[BaseHead, Any, Any, Any]:
+    """(the head as a `BaseHead`, its trainer's options, the data set, the trainer built from the file and
+    never trained) for scoring `head` (its trainer class `cls`) on a data set of `specplug train data`;
+    `held_out`: only the prompts a training with --val-fraction held_out kept out (the split is stable
+    by prompt), else every sequence is in `data.split["val"]`."""
+    if held_out is not None and not 0 < held_out < 1:
+        raise SpecplugError(f"--held-out must be a fraction in (0, 1), got {held_out}")
+    base = BaseHead(head, cls)
+    opts = base.options(overrides or {})
+    data, trainer = build(cls, opts, Path(data_dir), torch.device(device), val_fraction=held_out or 1.0, model=model,
+                          init=base)
+    return base, opts, data, trainer
 
 
 CALIBRATION_BINS = 10
